@@ -1,0 +1,126 @@
+"""CPU speed: SmolLM2-135M-Instruct, greedy, 128 new tokens; fitserve against HF transformers.
+
+Measures in one run on the same machine:
+  - HF transformers `generate`, single stream (batch 1);
+  - fitserve, single stream;
+  - fitserve, 16 prompts at once.
+Goal (issue 2): fitserve single stream >= 3x HF's; 16 prompts >= 10x HF's single-stream tokens/s.
+
+Usage: python benchmarks/cpu_smollm2.py [--out benchmarks/results/cpu_smollm2.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import transformers
+
+NEW_TOKENS = 128
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle stays upright while moving.",
+    "List some good habits for writing clean Python code.",
+    "What are the main differences between a comet and an asteroid?",
+    "Describe the water cycle to a ten year old.",
+    "Give me a recipe for a simple tomato soup.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Summarize the plot of a detective novel you would like to read.",
+    "How do vaccines train the immune system?",
+    "What should I pack for a three day hiking trip?",
+    "Explain what a hash table is and when to use one.",
+    "Write a polite email asking a colleague for feedback.",
+    "What are the benefits of learning a second language?",
+    "Describe how a refrigerator keeps food cold.",
+    "Give tips for a first job interview.",
+    "What is the difference between weather and climate?",
+]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def bench_hf(model_path: str, prompt_ids: list[int]) -> dict:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.eval()
+    inputs = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        model.generate(inputs, max_new_tokens=4, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(
+            inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+        elapsed = time.perf_counter() - start
+    generated = out.shape[1] - len(prompt_ids)
+    return {"tokens": generated, "seconds": elapsed, "tok_per_s": generated / elapsed}
+
+
+def bench_fitserve(llm, prompts_ids: list[list[int]]) -> dict:
+    from fitserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts_ids[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.engine.kv_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "prompts": len(prompts_ids),
+        "tokens": generated,
+        "seconds": elapsed,
+        "tok_per_s": generated / elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/cpu_smollm2.json")
+    args = parser.parse_args()
+
+    from fitserve import LLM
+
+    llm = LLM(enable_prefix_caching=False)
+    tokenizer = llm.get_tokenizer()
+    prompts_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
+
+    hf = bench_hf(llm.engine.config.model.model_path, prompts_ids[0])
+    single = bench_fitserve(llm, prompts_ids[:1])
+    batch16 = bench_fitserve(llm, prompts_ids)
+    result = {
+        "benchmark": "cpu_smollm2",
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1]] + sys.argv),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "model": llm.engine.config.model.model_source,
+        "dtype": str(llm.engine.config.model.dtype),
+        "new_tokens": NEW_TOKENS,
+        "hf_single_stream": hf,
+        "fitserve_single_stream": single,
+        "fitserve_16_prompts": batch16,
+        "single_stream_speedup_vs_hf": single["tok_per_s"] / hf["tok_per_s"],
+        "batch16_speedup_vs_hf_single": batch16["tok_per_s"] / hf["tok_per_s"],
+    }
+    print(json.dumps(result, indent=2))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""fitserve: an LLM inference and serving engine that fits the model to the machine by itself."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fitserve.args import EngineArgs
+    from fitserve.engine.llm import LLM
+    from fitserve.engine.outputs import CompletionOutput, RequestOutput
+    from fitserve.engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "fitserve.engine.llm",
+    "SamplingParams": "fitserve.engine.sampling_params",
+    "RequestOutput": "fitserve.engine.outputs",
+    "CompletionOutput": "fitserve.engine.outputs",
+    "EngineArgs": "fitserve.args",
+}
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use so `fitserve --help` does not pay for torch and transformers.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fitserve' has no attribute {name!r}")

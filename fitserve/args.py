@@ -1,0 +1,426 @@
+"""Engine arguments with vLLM's flag names, and their command-line flags.
+
+`EngineArgs` holds what the user asked for, unresolved; `create_engine_config()` resolves it once into
+the frozen `EngineConfig`. Each field's flag (name, type, choices, help) is declared next to the field,
+so the dataclass, the flags and the YAML keys (fitserve/arg_parser.py) cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from fitserve.arg_parser import json_object, nullable_str
+from fitserve.config import (
+    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+# Token budget per step when --max-num-batched-tokens is not given. Chunked prefill is always on,
+# so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
+# prompt length. CPUs get a smaller step so that decodes of a running batch are not held up for long.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes",)
+
+
+def _flag(default: Any, help_text: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help_text, "argparse": argparse_kwargs})
+
+
+_BOOL = {"action": argparse.BooleanOptionalAction}
+_NO_EFFECT = "Accepted for vLLM compatibility; has no effect in fitserve"
+
+
+@dataclass
+class EngineArgs:
+    """What the user asked for, field for field named as vLLM's engine arguments."""
+
+    model: str | None = _flag(
+        None,
+        "Model: a local folder, a hub id or a .gguf file. Default: SmolLM2-135M-Instruct.",
+        type=nullable_str,
+    )
+    tokenizer: str | None = _flag(
+        None, "Tokenizer folder or hub id. Default: the model's own.", type=nullable_str
+    )
+    revision: str | None = _flag(
+        None, "Model revision (branch, tag or commit) on the hub.", type=nullable_str
+    )
+    dtype: str = _flag(
+        "auto",
+        "Weight and activation dtype. auto: float32 on CPU (bf16 matmuls are slow on most CPUs); on CUDA the "
+        "model's torch_dtype, bfloat16 for float32 models, float16 below compute capability 8.0.",
+        choices=["auto", *DTYPES],
+    )
+    max_model_len: int | None = _flag(
+        None, "Context length (prompt + output). Default: the model's own.", type=int
+    )
+    block_size: int = _flag(16, "Tokens per KV cache block.", type=int, choices=[1, 8, 16, 32, 64, 128])
+    enable_prefix_caching: bool = _flag(True, "Reuse KV blocks of shared prompt prefixes.", **_BOOL)
+    max_num_seqs: int = _flag(256, "Most requests running in one step.", type=int)
+    max_num_batched_tokens: int | None = _flag(
+        None,
+        "Most tokens (prompt chunks + decodes) in one step. Chunked prefill is always on, so this may be "
+        "below --max-model-len. Default: 8192 on CUDA, 2048 on CPU (at least --max-num-seqs).",
+        type=int,
+    )
+    num_gpu_blocks_override: int | None = _flag(
+        None, "Use exactly this many KV cache blocks instead of sizing the cache from free memory.", type=int
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9, "Fraction of GPU memory this engine may use (weights, activations, KV cache).", type=float
+    )
+    swap_space: float = _flag(4, f"GiB of CPU swap per GPU. {_NO_EFFECT}: preemption recomputes.", type=float)
+    cpu_offload_gb: float = _flag(0, "GiB of weights to keep in CPU memory (not supported yet).", type=float)
+    quantization: str | None = _flag(
+        None, "Weight quantization method (not supported yet).", type=nullable_str
+    )
+    kv_cache_dtype: str = _flag(
+        "auto",
+        "KV cache dtype; auto = the model dtype (fp8 not supported yet).",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    )
+    tensor_parallel_size: int = _flag(
+        1, "Tensor parallel GPUs (only 1 supported yet).", type=int, aliases=["-tp"]
+    )
+    pipeline_parallel_size: int = _flag(
+        1, "Pipeline stages (only 1 supported yet).", type=int, aliases=["-pp"]
+    )
+    enforce_eager: bool = _flag(False, "Never capture CUDA graphs; run every step eagerly.", **_BOOL)
+    trust_remote_code: bool = _flag(False, "Allow the model's own Python code from the hub.", **_BOOL)
+    seed: int = _flag(0, "Random seed of the engine.", type=int)
+    load_format: str = _flag(
+        "auto",
+        "Weight format: auto (safetensors or gguf by what the model has), safetensors, gguf, or dummy "
+        "(random weights, for benchmarks).",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+    )
+    served_model_name: str | list[str] | None = _flag(
+        None, "Name(s) the API answers to; the first is reported. Default: --model.", nargs="+"
+    )
+    generation_config: str = _flag(
+        "auto",
+        "Default sampling: auto (the model's generation_config.json), vllm (vLLM's defaults) or a folder "
+        "holding a generation_config.json.",
+    )
+    max_seq_len_to_capture: int = _flag(8192, f"{_NO_EFFECT}: use --compilation-config.", type=int)
+    disable_custom_all_reduce: bool = _flag(False, f"{_NO_EFFECT} (single device).", **_BOOL)
+    compilation_config: str | dict | None = _flag(
+        None,
+        'JSON object; fitserve reads "cudagraph_capture_sizes": [1, 2, 4, ...] (batch sizes captured as '
+        "CUDA graphs).",
+        type=json_object,
+    )
+    cpu_kv_cache_space: float = _flag(
+        DEFAULT_CPU_KV_CACHE_SPACE_GIB, "GiB of KV cache when running on the CPU.", type=float
+    )
+    disable_log_stats: bool = _flag(False, "Do not log throughput and cache statistics.", **_BOOL)
+    device: str = _flag(
+        "auto", "auto: cuda when torch sees a GPU, else cpu.", choices=["auto", "cuda", "cpu"]
+    )
+    enable_chunked_prefill: bool | None = _flag(
+        None, "Chunked prefill is always on in fitserve; --no-enable-chunked-prefill is refused.", **_BOOL
+    )
+    enable_lora: bool = _flag(False, "Serve LoRA adapters (not supported yet).", **_BOOL)
+    speculative_config: str | dict | None = _flag(
+        None, "Speculative decoding, JSON object (not supported yet).", type=json_object
+    )
+    download_dir: str | None = _flag(None, "Hub download folder (not supported yet).", type=nullable_str)
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The engine fields of a parsed namespace; other attributes (server, sampling) are left out."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Check every value, resolve the model, device and defaults; the one place that does so."""
+        self._check_ranges()
+        self._refuse_unsupported()
+        device = _resolve_device(self.device)
+        compilation = CompilationConfig(
+            enforce_eager=self.enforce_eager, cudagraph_capture_sizes=_capture_sizes(self.compilation_config)
+        )
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"generation_config={self.generation_config!r} is neither 'auto', 'vllm' nor a folder: "
+                "give a folder holding generation_config.json, or auto / vllm"
+            )
+        # Imported here: parsing flags needs no model code.
+        from fitserve.models.default_model import DEFAULT_MODEL_ID
+        from fitserve.models.loader import load_hf_config, model_max_length, resolve_model
+
+        # The requested dtype only matters for a .gguf model: what its weights are dequantized to.
+        resolved = resolve_model(self.model, self.revision)
+        hf_config = load_hf_config(resolved.model_path, trust_remote_code=self.trust_remote_code)
+        _refuse_quantized_checkpoint(hf_config, resolved.model_path)
+        max_model_len = self._resolve_max_model_len(model_max_length(hf_config), resolved.model_path)
+        model = ModelConfig(
+            model=DEFAULT_MODEL_ID if self.model is None else self.model,
+            model_path=resolved.model_path,
+            model_source=resolved.source,
+            tokenizer=self.tokenizer or resolved.tokenizer_path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            load_format=self.load_format,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            generation_config=self.generation_config,
+            served_model_name=_served_names(self.served_model_name),
+            revision=self.revision,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space=float(self.swap_space),
+            kv_cache_dtype=self.kv_cache_dtype,
+            cpu_kv_cache_space_gib=float(self.cpu_kv_cache_space),
+            cpu_offload_gb=float(self.cpu_offload_gb),
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self._resolve_max_num_batched_tokens(device),
+            max_model_len=max_model_len,
+        )
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            device=DeviceConfig(device),
+            compilation=compilation,
+            quantization=self.quantization,
+            disable_log_stats=self.disable_log_stats,
+        )
+
+    def _check_ranges(self) -> None:
+        for engine_field in fields(self):  # argparse checks choices for flags; this covers Python callers
+            choices = engine_field.metadata["argparse"].get("choices")
+            value = getattr(self, engine_field.name)
+            if choices is not None and value not in choices:
+                raise ValueError(
+                    f"{engine_field.name}={value!r} is not one of {', '.join(map(str, choices))}: "
+                    f"set --{_dashed(engine_field.name)} to one of them"
+                )
+        minimums: dict[str, tuple[float | None, float]] = {
+            "max_model_len": (self.max_model_len, 1),
+            "block_size": (self.block_size, 1),
+            "max_num_seqs": (self.max_num_seqs, 1),
+            "max_num_batched_tokens": (self.max_num_batched_tokens, 1),
+            "num_gpu_blocks_override": (self.num_gpu_blocks_override, 1),
+            "swap_space": (self.swap_space, 0),
+            "cpu_offload_gb": (self.cpu_offload_gb, 0),
+            "tensor_parallel_size": (self.tensor_parallel_size, 1),
+            "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
+            "max_seq_len_to_capture": (self.max_seq_len_to_capture, 1),
+        }
+        for name, (value, minimum) in minimums.items():
+            if value is not None and value < minimum:
+                flag = f"--{_dashed(name)}"
+                raise ValueError(
+                    f"{name}={value} is below the minimum {minimum}: set {flag} to {minimum} or more"
+                )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: set "
+                "--gpu-memory-utilization to a fraction such as 0.9"
+            )
+        if self.cpu_kv_cache_space <= 0:
+            raise ValueError(
+                f"cpu_kv_cache_space={self.cpu_kv_cache_space} GiB is not above 0: set --cpu-kv-cache-space "
+                f"to a size in GiB such as {DEFAULT_CPU_KV_CACHE_SPACE_GIB}"
+            )
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is below max_num_seqs={self.max_num_seqs} (every running "
+                f"request needs a token per step): raise --max-num-batched-tokens to {self.max_num_seqs} "
+                "or lower --max-num-seqs"
+            )
+
+    def _refuse_unsupported(self) -> None:
+        """Features asked for that fitserve cannot do yet stop here; none is silently ignored."""
+        refusals = [
+            (self.quantization is not None, f"--quantization {self.quantization}", "drop --quantization"),
+            (self.cpu_offload_gb > 0, f"--cpu-offload-gb {self.cpu_offload_gb:g}", "drop --cpu-offload-gb"),
+            (
+                self.tensor_parallel_size > 1,
+                f"--tensor-parallel-size {self.tensor_parallel_size}",
+                "set --tensor-parallel-size 1",
+            ),
+            (
+                self.pipeline_parallel_size > 1,
+                f"--pipeline-parallel-size {self.pipeline_parallel_size}",
+                "set --pipeline-parallel-size 1",
+            ),
+            (
+                self.kv_cache_dtype != "auto",
+                f"--kv-cache-dtype {self.kv_cache_dtype}",
+                "set --kv-cache-dtype auto",
+            ),
+            (
+                self.enable_chunked_prefill is False,
+                "--no-enable-chunked-prefill",
+                "drop it: chunked prefill is always on",
+            ),
+            (self.enable_lora, "--enable-lora", "merge the adapter into the weights, or drop --enable-lora"),
+            (self.speculative_config is not None, "--speculative-config", "drop --speculative-config"),
+            (
+                self.download_dir is not None,
+                f"--download-dir {self.download_dir}",
+                "give --model a local folder",
+            ),
+        ]
+        for asked, flag, fix in refusals:
+            if asked:
+                raise ValueError(f"not supported yet: {flag} ({fix})")
+
+    def _resolve_max_model_len(self, model_limit: int, model_path: str) -> int:
+        if self.max_model_len is None:
+            return model_limit
+        if self.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is above the model's own limit {model_limit} "
+                f"({model_path}): set --max-model-len {model_limit} or less"
+            )
+        return self.max_model_len
+
+    def _resolve_max_num_batched_tokens(self, device: str) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[device], self.max_num_seqs)
+
+
+def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
+    """The dtype to run in; `requested` is "auto" or a key of DTYPES (see the --dtype help for "auto")."""
+    if requested != "auto":
+        dtype = DTYPES[requested]
+        if device == "cuda" and dtype == torch.bfloat16 and not _cuda_has_bf16():
+            raise ValueError(
+                f"dtype=bfloat16 needs compute capability 8.0, this GPU has "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: set --dtype half"
+            )
+        return dtype
+    if device == "cpu":
+        return torch.float32
+    model_dtype = _model_dtype(hf_config)
+    if model_dtype not in (torch.float16, torch.bfloat16):
+        model_dtype = torch.bfloat16
+    if model_dtype == torch.bfloat16 and not _cuda_has_bf16():
+        return torch.float16
+    return model_dtype
+
+
+def _model_dtype(hf_config: Any) -> torch.dtype | None:
+    # transformers >= 4.56 names it `dtype`; older configs only have `torch_dtype`.
+    value = hf_config.dtype if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _refuse_quantized_checkpoint(hf_config: Any, model_path: str) -> None:
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if quantization_config is None:
+        return
+    method = (
+        quantization_config.get("quant_method")
+        if isinstance(quantization_config, dict)
+        else getattr(quantization_config, "quant_method", None)
+    )
+    raise ValueError(
+        f"not supported yet: a quantized checkpoint (quant_method {method} in {model_path}) "
+        "(pick the model's unquantized release)"
+    )
+
+
+def _cuda_has_bf16() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _resolve_device(requested: str) -> str:
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if requested == "cuda" and not has_cuda:
+        raise ValueError("device=cuda but torch sees no CUDA GPU: set --device cpu or --device auto")
+    return requested
+
+
+def _capture_sizes(compilation_config: str | dict | None) -> tuple[int, ...]:
+    """Batch sizes to capture as CUDA graphs, ascending and unique; () = the runner's default."""
+    if compilation_config is None:
+        return ()
+    options = json_object(compilation_config)
+    unknown = sorted(set(options) - set(COMPILATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"not supported yet: --compilation-config key(s) {', '.join(unknown)} (fitserve reads only "
+            f"{', '.join(COMPILATION_CONFIG_KEYS)}: drop the others)"
+        )
+    sizes = options.get("cudagraph_capture_sizes", [])
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        raise ValueError(
+            f"cudagraph_capture_sizes={sizes!r} is not a list of integers: write e.g. [1, 2, 4, 8]"
+        )
+    if min(sizes, default=1) < 1:
+        raise ValueError(
+            f"cudagraph_capture_sizes={sizes} holds {min(sizes)}, below the minimum 1: use sizes of 1 or more"
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _served_names(names: str | Sequence[str] | None) -> tuple[str, ...]:
+    if names is None:
+        return ()
+    result = (names,) if isinstance(names, str) else tuple(names)
+    if not result or any(not name for name in result):
+        raise ValueError(f"served_model_name={names!r} holds an empty name: give one or more non-empty names")
+    return result
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every EngineArgs field as a vLLM-named flag, plus --config FILE.yaml."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--config",
+        type=str,
+        default=None,
+        help="YAML file of flags (keys with dashes or underscores); flags on the command line win over it.",
+    )
+    for engine_field in fields(EngineArgs):
+        kwargs = dict(engine_field.metadata["argparse"])
+        names = [f"--{_dashed(engine_field.name)}", *kwargs.pop("aliases", [])]
+        group.add_argument(
+            *names,
+            dest=engine_field.name,
+            default=engine_field.default,
+            help=engine_field.metadata["help"],
+            **kwargs,
+        )
+    return parser

@@ -1,0 +1,244 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk on the client's clock.
+
+A request succeeds only when the server answered 200, at least one chunk carried generated text, and the
+stream ended with `data: [DONE]`. Anything else is a failure with a kind (FAILURE_KINDS) and a one-line
+reason; a failed request's partial timings are never used as latencies.
+
+A token chunk is a chunk whose first choice carries generated text (completions `text`, chat
+`delta.content` or `delta.reasoning_content`): role-only and finish-only chunks carry no token, so a
+server that sends its role chunk before the first token does not shorten TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+FAILURE_KINDS = ("http_error", "timeout", "truncated", "connection", "stream_error", "no_token")
+# Characters of an error body kept in a failure's reason.
+ERROR_BODY_CHARS = 300
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    backend: str
+    api_url: str
+    model: str
+    prompt: str
+    prompt_len: int
+    output_len: int
+    sampling: dict[str, Any]  # extra body fields: temperature, top_p, top_k, ignore_eos
+    headers: dict[str, str]
+    timeout_s: float
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int  # the server's usage.prompt_tokens when it sent one, else the dataset's count
+    start_time: float = 0.0
+    success: bool = False
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    generated_text: str = ""
+    usage_completion_tokens: int | None = None
+    failure_kind: str = ""
+    error: str = ""
+
+    def fail(self, kind: str, reason: str) -> None:
+        self.success = False
+        self.failure_kind = kind
+        self.error = reason
+
+
+def build_payload(request: RequestInput) -> dict[str, Any]:
+    if request.backend == "openai":
+        body: dict[str, Any] = {
+            "model": request.model,
+            "prompt": request.prompt,
+            "max_tokens": request.output_len,
+        }
+    elif request.backend == "openai-chat":
+        body = {
+            "model": request.model,
+            "messages": [{"role": "user", "content": request.prompt}],
+            "max_completion_tokens": request.output_len,
+        }
+    else:
+        raise ValueError(f"backend={request.backend!r} is not one of {', '.join(BACKEND_ENDPOINTS)}")
+    body.update(request.sampling)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def chunk_text(data: dict[str, Any]) -> str:
+    """Generated text of a chunk's first choice; "" when it carries none."""
+    choices = data.get("choices")
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    if isinstance(choice.get("text"), str):
+        return choice["text"]
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return ""
+    parts = (delta.get("reasoning_content"), delta.get("reasoning"), delta.get("content"))
+    return "".join(part for part in parts if isinstance(part, str))
+
+
+class StreamTimer:
+    """Turns server-sent `data:` payloads, each with the clock reading at its arrival, into timings."""
+
+    def __init__(self, result: RequestResult, start_time: float) -> None:
+        self.result = result
+        self.start_time = start_time
+        self.last_token_time: float | None = None
+        self.done = False
+        self.num_token_chunks = 0
+
+    def add(self, payload: str, now: float) -> None:
+        if payload == "[DONE]":
+            self.done = True
+            return
+        data = json.loads(payload)
+        if not isinstance(data, dict):
+            raise ValueError(f"a stream chunk is not a JSON object: {payload[:80]}")
+        if data.get("error") is not None:
+            raise StreamError(_error_message(data))
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.result.usage_completion_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.result.prompt_len = usage["prompt_tokens"]
+        text = chunk_text(data)
+        if not text:
+            return
+        if self.last_token_time is None:
+            self.result.ttft = now - self.start_time
+        else:
+            self.result.itl.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.num_token_chunks += 1
+        self.result.generated_text += text
+
+    def finish(self) -> None:
+        """Decide success once the stream has closed."""
+        if not self.done:
+            self.result.fail(
+                "truncated",
+                f"the stream ended without data: [DONE] after {self.num_token_chunks} token chunks",
+            )
+        elif self.last_token_time is None:
+            self.result.fail("no_token", "the stream ended without any generated text")
+        else:
+            self.result.latency = self.last_token_time - self.start_time
+            self.result.success = True
+
+
+class StreamError(Exception):
+    """The server reported an error inside the stream."""
+
+
+class SSELines:
+    """Assembles `data:` payloads from server-sent-event lines; comments and other fields are skipped.
+
+    A payload is handed out as soon as its data line parses as JSON (or is [DONE]), so its timestamp is
+    taken when it arrives; data split over several lines is joined and handed out at the blank line.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        if not line:
+            return self._flush()
+        if line.startswith(":") or not line.startswith("data:"):
+            return None
+        value = line[5:].removeprefix(" ")
+        self.pending.append(value)
+        joined = "\n".join(self.pending)
+        if joined == "[DONE]" or _is_json(joined):
+            self.pending.clear()
+            return joined
+        return None
+
+    def _flush(self) -> str | None:
+        joined = "\n".join(self.pending) if self.pending else None
+        self.pending.clear()
+        return joined
+
+
+async def send_request(client: httpx.AsyncClient, request: RequestInput) -> RequestResult:
+    """Send one request and time its stream; never raises for a failed request."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    try:
+        await asyncio.wait_for(_stream(client, request, result), timeout=request.timeout_s)
+    except asyncio.TimeoutError:
+        result.fail("timeout", f"no complete answer within {request.timeout_s:g} s (--request-timeout)")
+    except httpx.TimeoutException as error:
+        result.fail("timeout", f"{type(error).__name__}: {error}")
+    except httpx.ConnectError as error:
+        result.fail("connection", f"cannot connect to {request.api_url}: {error}")
+    except httpx.TransportError as error:
+        result.fail("truncated", f"the connection broke mid-answer ({type(error).__name__}: {error})")
+    except StreamError as error:
+        result.fail("stream_error", f"the server reported an error mid-stream: {error}")
+    except ValueError as error:  # json.JSONDecodeError included
+        result.fail("stream_error", f"unreadable stream chunk: {error}")
+    return result
+
+
+async def _stream(client: httpx.AsyncClient, request: RequestInput, result: RequestResult) -> None:
+    payload = build_payload(request)
+    result.start_time = time.perf_counter()
+    timer = StreamTimer(result, result.start_time)
+    async with client.stream("POST", request.api_url, json=payload, headers=request.headers) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode("utf-8", errors="replace")
+            result.fail("http_error", f"HTTP {response.status_code}: {_body_message(body)}")
+            return
+        lines = SSELines()
+        async for line in response.aiter_lines():
+            payload_text = lines.feed(line)
+            if payload_text is not None:
+                timer.add(payload_text, time.perf_counter())
+        trailing = lines.feed("")
+        if trailing is not None:
+            timer.add(trailing, time.perf_counter())
+    timer.finish()
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _error_message(data: dict[str, Any]) -> str:
+    error = data.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return str(error)[:ERROR_BODY_CHARS]
+
+
+def _body_message(body: str) -> str:
+    """An error body's message field, or its first characters on one line."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        for candidate in (data.get("error"), data):
+            if isinstance(candidate, dict) and candidate.get("message"):
+                return str(candidate["message"])[:ERROR_BODY_CHARS]
+    return " ".join(body.split())[:ERROR_BODY_CHARS] or "(empty body)"

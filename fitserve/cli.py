@@ -1,0 +1,196 @@
+"""The `fitserve` command: `fitserve serve [MODEL] [flags]`, `fitserve generate [MODEL] --prompt ...`
+and `fitserve bench ...` (fitserve/bench/cli_bench.py).
+
+Flags and YAML keys are vLLM's (see fitserve/args.py). Each subcommand parses its own argv with its
+own parser, so --config files and typo hints see exactly that subcommand's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
+from fitserve.args import EngineArgs, add_engine_args
+from fitserve.engine.reasoning_split import prompt_ends_in_think, split_reasoning
+
+logger = logging.getLogger("fitserve")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%H:%M:%S"
+DEFAULT_CLI_MAX_TOKENS = 256
+# Decoded prompt tail long enough to hold a chat template's trailing "<think>\n".
+PROMPT_TAIL_TOKENS = 8
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """One stderr handler on the "fitserve" logger; calling it again changes nothing."""
+    if any(getattr(h, "fitserve_cli", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    handler.fitserve_cli = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="The model, as `vllm serve MODEL`; wins over --model.",
+    )
+
+
+def add_server_args_if_built(parser: argparse.ArgumentParser) -> bool:
+    """The server's own flags (host, port, api-key, ...), from fitserve/server/args.py once it exists."""
+    try:
+        from fitserve.server.args import add_server_args
+    except ModuleNotFoundError as error:
+        if error.name != "fitserve.server.args":
+            raise
+        return False
+    add_server_args(parser)
+    return True
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("generate")
+    group.add_argument("--prompt", action="append", default=None, help="A prompt; repeat for several.")
+    group.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Send each prompt as a user chat message when the tokenizer has a chat template; "
+        "--no-chat sends the raw text as a completion.",
+    )
+    group.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_CLI_MAX_TOKENS, help="Most tokens to generate per prompt."
+    )
+    group.add_argument("--temperature", type=float, default=None, help="Default: generation_config.json's.")
+    group.add_argument("--top-p", type=float, default=None, help="Default: generation_config.json's.")
+    group.add_argument(
+        "--top-k", type=int, default=None, help="0 or -1 = off. Default: generation_config.json's."
+    )
+
+
+def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentParser]]:
+    """The top-level parser (for --help) and one parser per subcommand."""
+    top = FlexibleArgumentParser(prog="fitserve", description="Serve or run an LLM, fitted to this machine.")
+    subparsers = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = subparsers.add_parser(
+        "serve", help="Start the OpenAI-compatible server.", description="Start the OpenAI-compatible server."
+    )
+    add_model_positional(serve)
+    add_engine_args(serve)
+    add_server_args_if_built(serve)
+    generate = subparsers.add_parser(
+        "generate",
+        help="Answer prompts once and print the answers.",
+        description="Answer prompts and print them. --seed seeds the engine and each prompt's sampling.",
+    )
+    add_model_positional(generate)
+    add_engine_args(generate)
+    add_generate_args(generate)
+    from fitserve.bench.cli_bench import add_bench_parser
+
+    add_bench_parser(subparsers)  # listed in --help; `fitserve bench ...` runs through bench_main
+    return top, {"serve": serve, "generate": generate}
+
+
+def run_serve(namespace: argparse.Namespace) -> int:
+    try:
+        from fitserve.server.api_server import run_server
+    except ModuleNotFoundError as error:
+        if error.name != "fitserve.server.api_server":
+            raise
+        raise ValueError(
+            "the server is not part of this build (fitserve.server.api_server is missing)"
+        ) from None
+    run_server(namespace)
+    return 0
+
+
+def run_generate(namespace: argparse.Namespace) -> int:
+    if not namespace.prompt:
+        raise ValueError("no prompt given: add --prompt 'your question' (repeat it for several prompts)")
+    from fitserve.engine.llm import LLM
+    from fitserve.engine.sampling_params import SamplingParams
+
+    requested = {
+        "max_tokens": namespace.max_tokens,
+        "temperature": namespace.temperature,
+        "top_p": namespace.top_p,
+        "top_k": namespace.top_k,
+        "seed": namespace.seed,
+    }
+    overrides = {name: value for name, value in requested.items() if value is not None}
+    SamplingParams(**overrides)  # refuses a bad sampling flag before the model loads
+    llm = LLM.from_engine_args(EngineArgs.from_cli(namespace))
+    params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
+    tokenizer = llm.get_tokenizer()
+    use_chat = namespace.chat and bool(getattr(tokenizer, "chat_template", None))
+    if namespace.chat and not use_chat:
+        logger.info("The tokenizer has no chat template: sending the prompts as raw text")
+    if use_chat:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in namespace.prompt]
+        outputs = llm.chat(conversations, sampling_params=params, use_tqdm=False)
+    else:
+        outputs = llm.generate(namespace.prompt, params, use_tqdm=False)
+    for prompt, output in zip(namespace.prompt, outputs, strict=True):
+        prompt_tail = tokenizer.decode(output.prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        opened_think = prompt_ends_in_think(prompt_tail)
+        if len(namespace.prompt) > 1:
+            print(f"Prompt: {prompt}")
+        for completion in output.outputs:
+            print(format_answer(completion.text, opened_think))
+    return 0
+
+
+def format_answer(text: str, prompt_opened_think: bool) -> str:
+    """The text as printed: "Think: ..." and "Answer: ..." apart when the model reasoned."""
+    split = split_reasoning(text, prompt_opened_think)
+    if split.reasoning is None:
+        return text.strip()
+    return f"Think: {split.reasoning.strip()}\nAnswer: {split.answer.strip()}"
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"serve": run_serve, "generate": run_generate}
+
+
+def parse_command(argv: Sequence[str]) -> tuple[str, FlexibleArgumentParser, argparse.Namespace]:
+    """(command, its parser, its flags): --config applied, the MODEL positional folded into --model."""
+    top, subcommands = build_parser()
+    if not argv:
+        top.print_help(sys.stderr)
+        top.exit(2)
+    if argv[0] not in subcommands:
+        top.parse_args(argv)  # prints help, or the error naming the valid commands, and exits
+        top.exit(2)
+    command, parser = argv[0], subcommands[argv[0]]
+    namespace = parse_args_with_config(parser, argv[1:])
+    if namespace.model_tag is not None:
+        namespace.model = namespace.model_tag
+    return command, parser, namespace
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `fitserve` console entry point; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["bench"]:
+        from fitserve.bench.cli_bench import bench_main
+
+        return bench_main(args[1:])
+    setup_logging()
+    command, parser, namespace = parse_command(args)
+    try:
+        return COMMANDS[command](namespace)
+    except ValueError as error:  # bad input, refused with a message that says what to change
+        logger.debug("refused", exc_info=True)
+        parser.error(str(error))

@@ -1,0 +1,113 @@
+"""Frozen, resolved engine configuration.
+
+`EngineArgs` (fitserve/args.py) holds what the user asked for, with vLLM's names; its
+`create_engine_config()` resolves it once into an `EngineConfig`. Nothing writes to a config after
+that: a component that needs a different value builds a new one with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Default size of the KV cache pool on the CPU when neither num_gpu_blocks_override nor
+# --cpu-kv-cache-space is given (GiB). Documented in docs/engine.md.
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user named: a folder, a hub id, a .gguf file, or the default model
+    model_path: str  # a local folder with config.json (+ weights unless load_format == "dummy")
+    model_source: str  # one line for the log: where the weights came from
+    tokenizer: str  # a local folder or hub id the tokenizer loads from
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    seed: int = 0
+    trust_remote_code: bool = False
+    generation_config: str = "auto"  # auto | vllm | a folder holding generation_config.json
+    served_model_name: tuple[str, ...] = ()
+    revision: str | None = None
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def name_for_api(self) -> str:
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB, accepted for vLLM compatibility (preemption is by recompute)
+    kv_cache_dtype: str = "auto"
+    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_SPACE_GIB
+    cpu_offload_gb: float = 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" or "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    quantization: str | None = None
+    disable_log_stats: bool = False

@@ -1,0 +1,186 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, with vLLM's names."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from fitserve.args import EngineArgs
+from fitserve.engine.engine import Engine
+from fitserve.engine.outputs import RequestOutput
+from fitserve.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine in this process. `model=None` serves the default SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        swap_space: float = 4,
+        load_format: str = "auto",
+        seed: int = 0,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        generation_config: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            gpu_memory_utilization=gpu_memory_utilization,
+            swap_space=swap_space,
+            load_format=load_format,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code,
+            generation_config=generation_config,
+            **kwargs,
+        )
+        self.engine = Engine.from_engine_args(args)
+        self._next_request_id = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = Engine.from_engine_args(args)
+        llm._next_request_id = 0
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        # Validate everything before anything is queued: a bad prompt leaves the engine untouched.
+        requests = [self._split_prompt(p) for p in prompts]
+        for _text, token_ids in requests:
+            if token_ids is not None:
+                self.engine.validate_prompt(token_ids)
+        request_ids = []
+        for (text, token_ids), params in zip(requests, params_list):
+            request_id = str(self._next_request_id)
+            self._next_request_id += 1
+            self.engine.add_request(request_id, text, token_ids, params)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template: pass chat_template=... "
+                "or use generate() with a plain prompt"
+            )
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
+            if isinstance(token_ids, dict) or hasattr(token_ids, "keys"):
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(
+                f"got {len(params_list)} SamplingParams for {count} prompts: pass one, or one per prompt"
+            )
+        return params_list
+
+    @staticmethod
+    def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], None
+        raise ValueError(
+            "a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        started = time.perf_counter()
+        input_tokens = output_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    input_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = max(time.perf_counter() - started, 1e-9)
+                    bar.set_postfix_str(
+                        f"est. speed input: {input_tokens / elapsed:.2f} toks/s, "
+                        f"output: {output_tokens / elapsed:.2f} toks/s"
+                    )
+                    bar.update(1)
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,149 @@
+"""From sampled tokens to RequestOutputs: detokenize, find stop strings, gather a parent's n samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+from fitserve.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from fitserve.engine.request import Request
+from fitserve.engine.sampling_params import SamplingParams
+from fitserve.worker.sampler import TokenLogprobs
+
+
+@dataclass
+class ParentRequest:
+    """What the user submitted: one prompt with n samples (children)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
+    logprobs: list[list[PositionLogprobs]] = field(default_factory=list)
+    cumulative_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(child.is_finished for child in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.child_to_parent: dict[str, ParentRequest] = {}
+
+    def add(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        parent.logprobs = [[] for _ in parent.children]
+        parent.cumulative_logprobs = [0.0 for _ in parent.children]
+        if parent.params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        for child in parent.children:
+            self.child_to_parent[child.request_id] = parent
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        parent = self.parents.get(parent_id)
+        return [c.request_id for c in parent.children] if parent else []
+
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        for child_id in child_ids:
+            parent = self.child_to_parent.get(child_id)
+            if parent is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+
+    def add_prompt_logprobs(self, chunks: dict[str, list[TokenLogprobs]]) -> None:
+        for child_id, entries in chunks.items():
+            parent = self.child_to_parent.get(child_id)
+            if parent is None or parent.children[0].request_id != child_id or parent.prompt_logprobs is None:
+                continue
+            parent.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
+
+    def apply_tokens(
+        self, progressed: list[Request], token_logprobs: dict[str, TokenLogprobs]
+    ) -> list[tuple[Request, str]]:
+        """Feed each new token to its detokenizer; returns the children a stop string just ended."""
+        stopped: list[tuple[Request, str]] = []
+        now = time.time()
+        for child in progressed:
+            parent = self.child_to_parent[child.request_id]
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            token_id = child.output_token_ids[-1]
+            entry = token_logprobs.get(child.request_id)
+            if entry is not None:
+                parent.logprobs[child.index].append(self._position_logprobs(entry))
+                parent.cumulative_logprobs[child.index] += entry.logprobs[0]
+            detokenizer = parent.detokenizers[child.index]
+            if detokenizer is None:
+                continue
+            stop = detokenizer.add_tokens([token_id])
+            if stop is not None and not child.is_finished:
+                stopped.append((child, stop))
+        return stopped
+
+    def make_outputs(self, parent_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        now = time.time()
+        for parent_id in parent_ids:
+            parent = self.parents.get(parent_id)
+            if parent is None:
+                continue
+            finished = parent.finished
+            if finished:
+                parent.metrics.finished_time = now
+                self._forget(parent)
+            outputs.append(self._request_output(parent, finished))
+        return outputs
+
+    def abort(self, parent_id: str) -> None:
+        parent = self.parents.get(parent_id)
+        if parent is not None:
+            self._forget(parent)
+
+    def _forget(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_to_parent.pop(child.request_id, None)
+
+    def _request_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
+        completions = []
+        want_logprobs = parent.params.logprobs is not None
+        for child, detokenizer in zip(parent.children, parent.detokenizers):
+            text = ""
+            if detokenizer is not None:
+                text = detokenizer.output_text if child.is_finished else detokenizer.stream_text(False)
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=text,
+                    token_ids=list(child.output_token_ids),
+                    cumulative_logprob=parent.cumulative_logprobs[child.index] if want_logprobs else None,
+                    logprobs=list(parent.logprobs[child.index]) if want_logprobs else None,
+                    finish_reason=child.status.value if child.is_finished else None,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            metrics=parent.metrics,
+            num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
+        )
+
+    def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, decode_token(self.tokenizer, token_id))
+        return result

@@ -1,0 +1,93 @@
+"""One sequence the scheduler moves forward: its tokens, how many are computed, its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fitserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """A single sequence (one of a parent's n samples).
+
+    Invariants: 0 <= num_computed_tokens <= num_tokens; every token at an index below
+    num_computed_tokens has its keys/values in the blocks listed by the KV cache manager.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        parent_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id
+        self.index = index  # position among the parent's n outputs
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        # Sibling gate: a later sample of an n > 1 request waits until the first sample's prompt is
+        # computed, so its prompt blocks come from the prefix cache instead of being computed again.
+        self.waits_for: Request | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

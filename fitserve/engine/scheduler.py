@@ -1,0 +1,207 @@
+"""One token-budget loop: every step moves each request's num_computed_tokens toward num_tokens.
+
+There are no prefill and decode phases. A running request asks for its missing tokens (one for a
+decoding request, a chunk of its prompt otherwise); waiting requests are admitted in arrival order
+while the step's token budget, max_num_seqs and the block pool allow. When the pool runs dry, the
+most recently admitted running request is preempted: its blocks are freed and it is recomputed later
+(its computed blocks usually come back as prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fitserve.config import SchedulerConfig
+from fitserve.engine.kv_cache import KVCacheManager
+from fitserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step: position of the first new token
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so a new one is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """The one contract between the scheduler and the model runner."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)  # since the last step: drop their state
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions_total = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._record(request, num_new))
+                budget -= num_new
+                i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+
+        finished = self._finished_since_last_step
+        self._finished_since_last_step = set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            num_preempted=len(preempted),
+        )
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._gated_on_sibling(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            request.num_computed_tokens = num_hit_tokens
+            if not self.kv_manager.allocate_slots(request, num_new, computed_blocks):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._record(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _gated_on_sibling(self, request: Request) -> bool:
+        first = request.waits_for
+        if first is None:
+            return False
+        if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+            request.waits_for = None
+            return False
+        return True
+
+    def _record(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        return ScheduledRequest(request, start, num_new, self.kv_manager.block_ids(request.request_id))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens, finish requests that hit eos / a stop token / a length limit.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        progressed = []
+        for item in output.scheduled:
+            request = item.request
+            token_id = sampled.get(request.request_id)
+            if token_id is None or request.is_finished:
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            progressed.append(request)
+        return progressed
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        self.kv_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_since_last_step.add(request.request_id)

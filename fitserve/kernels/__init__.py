@@ -1,0 +1,16 @@
+"""GPU kernels (Triton) and the torch reference each one is tested against.
+
+`reference` and `attention_inputs` are plain torch and import on any machine. Every other module
+here imports triton at import time, so only CUDA code paths may import them (fitserve never imports
+this package's Triton modules on a CPU-only machine):
+
+| module | kernel | reference |
+| --- | --- | --- |
+| `cache_write` | `reshape_and_cache` | `reshape_and_cache_reference` |
+| `decode_attention` | `paged_decode_attention` (split-K, fused merge) | `paged_attention_reference` |
+| `prefill_attention` | `paged_prefill_attention` (varlen, causal) | `paged_attention_reference` |
+| `norm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_reference`, `fused_add_rms_norm_reference` |
+| `rotary` | `rotary_embedding` (neox, in place) | `rotary_embedding_reference` |
+| `activation` | `silu_and_mul` | `silu_and_mul_reference` |
+| `triton_attention` | `TritonAttentionBackend` | the attention backend protocol |
+"""

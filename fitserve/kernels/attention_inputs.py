@@ -1,0 +1,30 @@
+"""Shape, dtype and layout checks shared by the paged-attention launchers (plain torch)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"expected q [T, Hq, D] and kv_cache [2, num_blocks, block_size, Hkv, D], got "
+            f"{tuple(q.shape)} and {tuple(kv_cache.shape)}"
+        )
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads, cache_head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: head_dim must match and "
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if num_q_heads // num_kv_heads > 64:
+        raise ValueError(f"{num_q_heads // num_kv_heads} query heads per KV head is above the supported 64")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} is not supported: use a power of two >= 16")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16, fp16, fp32)"
+        )
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables need a contiguous last dimension")

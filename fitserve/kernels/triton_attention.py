@@ -1,0 +1,44 @@
+"""TritonAttentionBackend: the CUDA implementation of fitserve's AttentionBackend protocol."""
+
+from __future__ import annotations
+
+import torch
+
+from fitserve.kernels.cache_write import reshape_and_cache
+from fitserve.kernels.decode_attention import paged_decode_attention
+from fitserve.kernels.prefill_attention import paged_prefill_attention
+from fitserve.layers.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """Writes the step's k/v at slot_mapping, then attends over the paged cache.
+
+    Decode-only steps (max_query_len == 1) take the split-K decode kernel, whose launch reads no host
+    values (CUDA-graph safe: q.shape[0] is the batch; padded rows carry seq_len 0 and slot -1 and
+    get zeros). Every other step takes the varlen prefill kernel, which serves prefill, chunked
+    prefill, prefix-cache hits and mixed prefill/decode batches alike.
+    """
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reshape_and_cache(k, v, kv_cache, metadata.slot_mapping)
+        if metadata.max_query_len == 1:
+            return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+        return paged_prefill_attention(
+            q,
+            kv_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            scale,
+        )

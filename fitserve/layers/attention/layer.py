@@ -1,0 +1,79 @@
+"""The attention layer a model holds: shapes the step's q/k/v and hands them to the device's backend."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitserve.layers.attention import get_attention_backend
+from fitserve.layers.attention.metadata import get_forward_context
+
+
+class Attention(nn.Module):
+    """q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim].
+
+    Reads the step's metadata and this layer's cache (`kv_caches[layer_idx]`) from the forward context.
+    With no metadata (a profiling run before the KV cache exists) the T tokens attend causally as one
+    sequence and nothing is stored.
+
+    sliding_window: the model's window, if it has one. The backends attend over the full context, which
+    equals windowed attention while every context fits in the window; a longer one is refused here.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        layer_idx: int = 0,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}: "
+                "grouped-query attention needs whole groups"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        if metadata is None:
+            out = _causal_attention_no_cache(q, k, v, self.scale)
+        else:
+            if self.sliding_window is not None and metadata.max_seq_len > self.sliding_window:
+                raise ValueError(
+                    f"a context of {metadata.max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding "
+                    f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
+                )
+            backend = get_attention_backend(q.device)
+            out = backend.forward(q, k, v, context.kv_caches[self.layer_idx], metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"scale={self.scale:.4g}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}"
+        )
+
+
+def _causal_attention_no_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)

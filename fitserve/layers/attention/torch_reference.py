@@ -1,0 +1,245 @@
+"""Paged attention in plain PyTorch: the CPU backend, and the reference the CUDA kernels are tested against.
+
+Per layer and step: the new keys/values are written into the cache at `slot_mapping`, each sequence's
+context is gathered through its block table, and the queries attend with
+`torch.nn.functional.scaled_dot_product_attention` (its kernels accumulate bf16/fp16 in float32).
+
+Calls per step (the grouping is built once per step, `_StepPlan`, and reused by every layer):
+- all sequences with short queries (<= BATCHED_QUERY_LEN_LIMIT: decode steps, short chunks) in one padded
+  call. When they are all decodes, the query heads that share a key/value head become that head's query
+  rows ([batch, kv_heads, heads_per_kv, head_dim]), so one broadcast mask serves them and no key/value is
+  repeated;
+- each sequence with a long query (a prefill chunk) alone, never padding the short ones to its length:
+  causal SDPA without a mask when nothing is cached before it, otherwise query tiles with an offset mask,
+  each tile reading only the keys it can see.
+
+Invariant the caller keeps: the KV cache was allocated zeroed. Slots past a sequence's length (the rest
+of its last block, and the padded block-table entries) are masked out, but masked values still meet a
+zero probability in the matmul, so they must be finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from fitserve.layers.attention.metadata import AttentionMetadata
+
+# A sequence whose query is at most this many tokens joins the padded batch; a longer one runs alone.
+BATCHED_QUERY_LEN_LIMIT = 16
+# Query rows per SDPA call for a long query over a cached prefix (bounds the mask to tile x context).
+LONG_QUERY_TILE = 512
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores k, v [T, num_kv_heads, head_dim] at their flat slots of kv_cache [2, blocks, block, kv, dim]."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def group_sequences(query_lens: list[int]) -> list[list[int]]:
+    """Sequence indices per attention call: all short queries together, each long query alone."""
+    short = [i for i, n in enumerate(query_lens) if n <= BATCHED_QUERY_LEN_LIMIT]
+    groups = [short] if short else []
+    groups.extend([i] for i, n in enumerate(query_lens) if n > BATCHED_QUERY_LEN_LIMIT)
+    return groups
+
+
+@dataclass
+class _GroupPlan:
+    """One group's attention: `batch` sequences, queries padded to `query_len`, keys to `kv_len`."""
+
+    batch: int
+    query_len: int
+    kv_len: int
+    first_pos: torch.Tensor  # int64 [batch]: position of each sequence's first query token
+    first_pos_host: int  # first_pos[0] when batch == 1, else -1
+    block_ids: torch.Tensor  # int64 [batch * kv_len / block_size]: blocks to gather, sequence by sequence
+    # Padded query slot -> row of q (padding repeats a sequence's last row), and which slots are real.
+    # None when q already has this layout (the group is the whole batch, all queries the same length).
+    padded_rows: torch.Tensor | None
+    valid: torch.Tensor | None
+    # Additive (0 / -inf) mask [batch, 1, query_len, kv_len] per dtype, for short queries; built once.
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_prefill_from_start(self) -> bool:
+        return self.batch == 1 and self.query_len > BATCHED_QUERY_LEN_LIMIT and self.first_pos_host == 0
+
+    def offset_mask(self, rows: slice, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [batch, 1, len(rows), keys]: query row j sees keys at positions <= first_pos + j."""
+        device = self.first_pos.device
+        query_pos = self.first_pos[:, None] + torch.arange(rows.start, rows.stop, device=device)[None, :]
+        allowed = torch.arange(keys, device=device)[None, None, :] <= query_pos[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        return mask[:, None]
+
+    def short_query_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        mask = self.masks.get(dtype)
+        if mask is None:
+            mask = self.offset_mask(slice(0, self.query_len), self.kv_len, dtype)
+            self.masks[dtype] = mask
+        return mask
+
+
+@dataclass
+class _StepPlan:
+    block_size: int
+    groups: list[_GroupPlan]
+
+
+def _plan_step(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    query_lens, seq_lens = metadata.query_lens_cpu, metadata.seq_lens_cpu
+    query_starts = [0]
+    for n in query_lens[:-1]:
+        query_starts.append(query_starts[-1] + n)
+    plans = []
+    for group in group_sequences(query_lens):
+        group_query_lens = [query_lens[i] for i in group]
+        query_len = max(group_query_lens)
+        blocks_per_seq = -(-max(seq_lens[i] for i in group) // block_size)
+        whole_batch = len(group) == metadata.num_seqs
+        tables = (
+            metadata.block_tables
+            if whole_batch
+            else metadata.block_tables[torch.tensor(group, device=device)]
+        )
+        first_pos_host = [seq_lens[i] - query_lens[i] for i in group]
+        padded_rows = valid = None
+        if not (whole_batch and len(set(group_query_lens)) == 1):
+            offsets = torch.arange(query_len, device=device)
+            starts = torch.tensor([query_starts[i] for i in group], device=device)
+            lens = torch.tensor(group_query_lens, device=device)
+            padded_rows = (starts[:, None] + torch.minimum(offsets[None, :], lens[:, None] - 1)).flatten()
+            valid = (offsets[None, :] < lens[:, None]).flatten()
+        plans.append(
+            _GroupPlan(
+                batch=len(group),
+                query_len=query_len,
+                kv_len=blocks_per_seq * block_size,
+                first_pos=torch.tensor(first_pos_host, device=device),
+                first_pos_host=first_pos_host[0] if len(group) == 1 else -1,
+                block_ids=tables[:, :blocks_per_seq].reshape(-1).to(torch.int64),
+                padded_rows=padded_rows,
+                valid=valid,
+            )
+        )
+    return _StepPlan(block_size, plans)
+
+
+class TorchReferenceBackend:
+    name = "torch_reference"
+
+    def __init__(self) -> None:
+        # Reused destination of the block gather, per (device, dtype, inference mode): saves an allocation
+        # (and its page faults on the CPU) per layer. Only read inside one call, so layers can share it.
+        self._gather_buffers: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
+        # The plan of the step being run: the metadata object it was built from (held, so its identity
+        # cannot be reused by a later step's object) and the plan.
+        self._planned: tuple[AttentionMetadata, _StepPlan] | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(kv_cache, k, v, metadata.slot_mapping)
+        plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
+        if len(plan.groups) == 1 and plan.groups[0].padded_rows is None:
+            return self._attend(q, kv_cache, plan.groups[0], scale)
+        out = torch.empty_like(q)
+        for group in plan.groups:
+            assert group.padded_rows is not None and group.valid is not None
+            result = self._attend(q.index_select(0, group.padded_rows), kv_cache, group, scale)
+            out.index_copy_(0, group.padded_rows[group.valid], result[group.valid])
+        return out
+
+    def _step_plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+        if self._planned is not None:
+            planned_for, plan = self._planned
+            if planned_for is metadata and plan.block_size == block_size:
+                return plan
+        plan = _plan_step(metadata, block_size, device)
+        self._planned = (metadata, plan)
+        return plan
+
+    def _attend(
+        self, queries: torch.Tensor, kv_cache: torch.Tensor, group: _GroupPlan, scale: float
+    ) -> torch.Tensor:
+        """queries [batch * query_len, heads, head_dim] in padded layout -> the same shape, attended."""
+        keys, values = self._gather(kv_cache, group, queries.dtype)  # [batch, kv_heads, kv_len, head_dim]
+        batch, query_len, kv_len = group.batch, group.query_len, group.kv_len
+        num_heads, head_dim = queries.shape[1:]
+        num_kv_heads = keys.shape[1]
+        if query_len == 1:
+            # [batch, kv_heads, heads_per_kv, head_dim]: a key/value head's query heads are its rows.
+            rows = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            mask = group.short_query_mask(queries.dtype)  # [batch, 1, 1, kv_len] broadcasts over rows
+            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
+            return out.reshape(batch, num_heads, head_dim)
+        rows = queries.reshape(batch, query_len, num_heads, head_dim).transpose(1, 2)
+        if group.is_prefill_from_start:
+            out = F.scaled_dot_product_attention(
+                rows, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        elif query_len <= BATCHED_QUERY_LEN_LIMIT:
+            mask = group.short_query_mask(queries.dtype)
+            out = F.scaled_dot_product_attention(
+                rows, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        else:
+            tiles = []
+            for start in range(0, query_len, LONG_QUERY_TILE):
+                tile = slice(start, min(start + LONG_QUERY_TILE, query_len))
+                visible = min(kv_len, group.first_pos_host + tile.stop)  # keys up to the tile's last position
+                mask = group.offset_mask(tile, visible, queries.dtype)
+                tiles.append(
+                    F.scaled_dot_product_attention(
+                        rows[:, :, tile],
+                        keys[:, :, :visible],
+                        values[:, :, :visible],
+                        attn_mask=mask,
+                        scale=scale,
+                        enable_gqa=True,
+                    )
+                )
+            out = torch.cat(tiles, dim=2)
+        return out.transpose(1, 2).reshape(batch * query_len, num_heads, head_dim)
+
+    def _gather(
+        self, kv_cache: torch.Tensor, group: _GroupPlan, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each sequence through its blocks: [batch, kv_heads, kv_len, head_dim] views."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        per_block = block_size * num_kv_heads * head_dim
+        num_gathered = group.block_ids.numel()
+        buffer = self._gather_buffer(kv_cache.device, kv_cache.dtype, 2 * num_gathered * per_block)
+        buffer = buffer.view(2, num_gathered, per_block)
+        gathered = []
+        for kind in (0, 1):
+            # Per kind along dim 0: the contiguous case that index_select spreads across threads.
+            torch.index_select(
+                kv_cache[kind].view(num_blocks, per_block), 0, group.block_ids, out=buffer[kind]
+            )
+            per_token = buffer[kind].view(group.batch, group.kv_len, num_kv_heads, head_dim)
+            gathered.append(per_token.to(dtype).transpose(1, 2))
+        return gathered[0], gathered[1]
+
+    def _gather_buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        # Keyed by inference mode too: a buffer made under inference_mode() cannot be written outside it.
+        key = (device, dtype, torch.is_inference_mode_enabled())
+        buffer = self._gather_buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._gather_buffers[key] = buffer
+        return buffer[:numel]

@@ -1,0 +1,39 @@
+"""RMSNorm as HF Llama/Qwen compute it: normalise in float32, cast back, then scale by the weight."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fitserve.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """`norm(x)` -> normed; `norm(x, residual)` adds first and returns (normed, x + residual).
+
+    The fused form lets a decoder layer carry the residual stream without a separate add per block:
+    the sum is taken in the activations' dtype, exactly as HF's `residual + hidden_states`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(dim=-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

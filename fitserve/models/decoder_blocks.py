@@ -1,0 +1,239 @@
+"""The pre-norm decoder shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+
+embed -> N x [RMSNorm -> attention (packed qkv, optional per-head q/k RMSNorm, RoPE) -> residual add ->
+RMSNorm -> gated SiLU MLP -> residual add] -> RMSNorm -> LM head. A family differs only in its
+`DecoderSpec` (which projections carry a bias, whether q/k are normalised).
+
+Parameter names follow HF checkpoints, except that q/k/v live in one `qkv_proj` and gate/up in one
+`gate_up_proj`; `load_weights` maps the checkpoint's names onto them through `packed_modules_mapping`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitserve.layers.activation import SiluAndMul
+from fitserve.layers.attention.layer import Attention
+from fitserve.layers.layernorm import RMSNorm
+from fitserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardId,
+    default_weight_loader,
+)
+from fitserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, rope_settings_from_config
+from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims of q and k, before RoPE
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_windows_of(config: Any) -> list[int | None]:
+    """Each layer's attention window (None = full attention), as HF transformers decides it."""
+    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    first_sliding = getattr(config, "max_window_layers", 0) if hasattr(config, "use_sliding_window") else 0
+    return [window if i >= first_sliding else None for i in range(num_layers)]
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported: this decoder implements 'silu'")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx=layer_idx,
+            sliding_window=sliding_window,
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
+        )
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, spec, layer_idx, sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, config.hidden_act)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous layer's (mlp output, residual stream); returns this layer's."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_settings_from_config(config))
+        windows = sliding_windows_of(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i, windows[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the family classes: a family sets `decoder_spec(config)` and nothing else.
+
+    `model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
+    `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`;
+    `load_weights((hf_name, tensor), ...) -> names of the parameters now fully loaded`.
+    """
+
+    # checkpoint module name -> (packed module name, shard id)
+    packed_modules_mapping: dict[str, tuple[str, ShardId]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that are derived state, not parameters
+    skipped_weight_suffixes: tuple[str, ...] = (
+        "rotary_emb.inv_freq",
+        "rotary_emb.cos_cached",
+        "rotary_emb.sin_cached",
+    )
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_spec(config))
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
+        )
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        raise NotImplementedError(f"{cls.__name__} must define decoder_spec(config)")
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        expected_shards: dict[str, set[ShardId]] = {}
+        for packed, shard_id in self.packed_modules_mapping.values():
+            expected_shards.setdefault(packed, set()).add(shard_id)
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[ShardId]] = {}
+        for name, tensor in weights:
+            if name.endswith(self.skipped_weight_suffixes):
+                continue
+            if self.lm_head.tied and name.startswith("lm_head."):
+                continue  # tied: the head reads the embedding, loaded under its own name
+            target, packed, shard_id = self._map_checkpoint_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}: the "
+                    "checkpoint is not this architecture, or config.json does not describe it"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as error:
+                raise ValueError(f"loading checkpoint tensor {name!r} into {target!r}: {error}") from error
+            if shard_id is None:
+                loaded.add(target)
+                continue
+            seen = shards_seen.setdefault(target, set())
+            seen.add(shard_id)
+            if seen == expected_shards[packed]:
+                loaded.add(target)
+        return loaded
+
+    def _map_checkpoint_name(self, name: str) -> tuple[str, str, ShardId | None]:
+        """hf name -> (parameter name, packed module name or "", shard id or None)."""
+        for module, (packed, shard_id) in self.packed_modules_mapping.items():
+            marker = f".{module}."
+            if marker in name:
+                return name.replace(marker, f".{packed}."), packed, shard_id
+        return name, "", None

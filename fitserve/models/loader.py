@@ -1,0 +1,187 @@
+"""Loading a resolved model: its HF config, tokenizer, generation defaults, context limit, and weights.
+
+`resolve_model` (resolve.py) turns what the user named into a local folder first; everything here
+reads local folders only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitserve.config import ModelConfig
+from fitserve.models.resolve import ResolvedModel, require_config_json, resolve_model, resolve_tokenizer_path
+from fitserve.models.weights import (
+    check_safetensors_file,
+    initialize_dummy_weights,
+    iterate_safetensors,
+    list_safetensors_files,
+)
+
+__all__ = [
+    "LOAD_FORMATS",
+    "ResolvedModel",
+    "load_generation_defaults",
+    "load_hf_config",
+    "load_model",
+    "load_tokenizer",
+    "model_max_length",
+    "resolve_model",
+]
+
+logger = logging.getLogger("fitserve")
+
+# "gguf" is accepted for vLLM compatibility: resolve_model already turned the .gguf into safetensors.
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+# Config keys that state a context limit, as different model families name it; the smallest wins.
+_MAX_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_FALLBACK_MAX_LENGTH = 2048
+# RoPE types whose max_position_embeddings already is the extended length.
+_ROPE_TYPES_WITHOUT_EXTENSION = ("default", "su", "longrope", "llama3", "mrope")
+# generation_config.json key -> SamplingParams field.
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
+    """The folder's transformers.PretrainedConfig. ValueError for a missing folder or no config.json."""
+    from transformers import AutoConfig
+
+    require_config_json(model_path)
+    return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(tokenizer_path: str, trust_remote_code: bool = False) -> Any:
+    """A transformers tokenizer from a folder (or a .gguf file or hub id, fetched to a folder first)."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_tokenizer_path(tokenizer_path)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+def load_generation_defaults(model_path: str) -> dict[str, Any]:
+    """The sampling defaults the model's authors put in generation_config.json, in SamplingParams names.
+
+    Only keys present (and not null) in the file appear; {} when there is no file.
+    """
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path} is not valid JSON ({error}): fix or delete it, or pass --generation-config vllm"
+        ) from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object: fix or delete it")
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items() if raw.get(theirs) is not None}
+
+
+def model_max_length(hf_config: Any) -> int:
+    """The longest context the model itself supports, counting a RoPE extension (linear, dynamic, yarn)
+    that stretches its trained positions by `factor`."""
+    config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    lengths = [value for key in _MAX_LENGTH_KEYS if isinstance(value := getattr(config, key, None), int)]
+    if not lengths:
+        logger.warning(
+            "config.json states no context length (none of %s); assuming %d",
+            ", ".join(_MAX_LENGTH_KEYS),
+            _FALLBACK_MAX_LENGTH,
+        )
+        return _FALLBACK_MAX_LENGTH
+    length = min(lengths)
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return length
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type is None or rope_type in _ROPE_TYPES_WITHOUT_EXTENSION:
+        return length
+    factor = float(rope.get("factor") or 1.0)
+    if rope_type == "yarn" and rope.get("original_max_position_embeddings"):
+        length = int(rope["original_max_position_embeddings"])
+    return int(length * factor)
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """The registry's model class for the config, on `device` in `model_config.dtype`, with weights
+    from the folder's safetensors (or dummy weights seeded by `model_config.seed`), in eval mode."""
+    from fitserve.models.registry import get_model_class
+
+    load_format = model_config.load_format
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format={load_format!r} is not supported: use one of {', '.join(LOAD_FORMATS)}"
+        )
+    device = torch.device(device)
+    model_class = get_model_class(model_config.hf_config)
+    files: list[Path] = []
+    if load_format != "dummy":
+        files = list_safetensors_files(model_config.model_path)
+        for path in files:  # refuse a damaged checkpoint before spending time building the model
+            check_safetensors_file(path)
+
+    with default_dtype(model_config.dtype), device:
+        model = model_class(model_config.hf_config)
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        if load_format == "dummy":
+            initialize_dummy_weights(model, model_config.seed)
+        else:
+            loaded = model.load_weights(iterate_safetensors(files))
+            _require_all_loaded(model, loaded, model_config.model_path)
+    logger.info(
+        "Loading weights took %.2f s (%s, %s, %s)",
+        time.perf_counter() - started,
+        "dummy" if load_format == "dummy" else f"{len(files)} safetensors file(s)",
+        str(model_config.dtype).removeprefix("torch."),
+        device,
+    )
+    return model.eval()
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the block, the previous one restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _require_all_loaded(model: nn.Module, loaded: set[str], model_path: str) -> None:
+    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"the checkpoint in {model_path} has no weights for {len(missing)} parameter(s) of "
+            f"{type(model).__name__}: {shown}: the weights do not match config.json's architecture, or "
+            "the download is incomplete (download the model again)"
+        )

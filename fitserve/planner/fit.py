@@ -1,0 +1,353 @@
+"""Auto-fit: fill in what the user left unset, say why for each choice, and refuse before loading
+what cannot fit, naming the numbers and what would.
+
+Explicit settings always win: `explicit` names the EngineArgs fields the user set (flags or YAML
+keys); only the others are chosen here. The result's `engine_args` has every choice written in,
+ready for `EngineArgs.create_engine_config()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fitserve.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from fitserve.planner.fit_errors import (
+    PlanError,
+    check_devices,
+    check_host_memory,
+    check_quantization,
+    kv_cache_error,
+    utilization_error,
+    weights_error,
+)
+from fitserve.planner.fit_knobs import (
+    auto_settings,
+    capped,
+    display_setting,
+    initial_capture_sizes,
+    shrink_to_fit,
+)
+from fitserve.planner.fit_options import Headroom
+from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
+from fitserve.planner.hardware import DeviceSpec, GiB
+from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+from fitserve.planner.model_info import ModelInfo
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The model's own max_model_len is kept when the KV cache holds this many requests of that length
+# (one long request then never stalls all the others); else the largest length that many fit.
+FULL_LENGTH_REQUESTS = 2
+# An automatic max_model_len is never below min(the model's own, this).
+MIN_AUTO_MAX_MODEL_LEN = 1024
+# With max_model_len unset, the weights must leave KV room for one request of min(own, this) tokens.
+REFERENCE_CONTEXT = 4096
+
+__all__ = ["Choice", "FitResult", "PlanError", "auto_fit"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    setting: str  # the EngineArgs field
+    value: Any
+    reason: str
+    explicit: bool = False
+
+
+@dataclass(frozen=True)
+class FitResult:
+    plan: MemoryPlan
+    model: ModelInfo
+    devices: tuple[DeviceSpec, ...]  # the devices the plan uses
+    choices: tuple[Choice, ...]
+    notes: tuple[str, ...]
+    engine_args: EngineArgs  # the user's args with every choice written in
+
+
+def auto_fit(
+    model: ModelInfo,
+    args: EngineArgs,
+    devices: Sequence[DeviceSpec],
+    explicit: frozenset[str] = frozenset(),
+    host_ram_available: int | None = None,
+) -> FitResult:
+    """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix."""
+    used = check_devices(args, devices, model.shape)
+    device = min(used, key=lambda d: (d.total_bytes, d.free_bytes))
+    on_gpu = device.kind == "cuda"
+    choices: list[Choice] = []
+    dtype = _choose_dtype(args, model, used, choices)
+    check_quantization(args.quantization, model, used)
+    utilization = (
+        _choose_utilization(args, used, explicit, choices) if on_gpu else args.gpu_memory_utilization
+    )
+    if args.max_model_len is not None and args.max_model_len > model.max_model_len:
+        raise PlanError(
+            "max_model_len",
+            f"max_model_len={args.max_model_len} is above the model's own limit {model.max_model_len}: "
+            f"set --max-model-len {model.max_model_len} or less",
+        )
+    batched = args.max_num_batched_tokens or max(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS[device.kind], args.max_num_seqs
+    )
+    inputs = MemoryInputs(
+        shape=model.shape,
+        weights=model.weights,
+        device=device,
+        dtype=dtype,
+        max_model_len=args.max_model_len or model.max_model_len,
+        max_num_batched_tokens=batched,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        cpu_offload_gb=float(args.cpu_offload_gb) if on_gpu else 0.0,
+        gpu_memory_utilization=utilization,
+        cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu),
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        cpu_kv_cache_space_gib=float(args.cpu_kv_cache_space),
+    )
+    headroom = Headroom(
+        max_utilization=min(d.free_bytes / d.total_bytes for d in used) if on_gpu else 1.0,
+        num_gpus=len(devices) if on_gpu else 0,
+        host_ram_available=host_ram_available,
+    )
+    needed = args.max_model_len or min(model.max_model_len, REFERENCE_CONTEXT)
+    auto = auto_settings(args, explicit)
+    inputs, shrink_reasons = shrink_to_fit(inputs, needed, auto)
+    plan = plan_memory(inputs)
+    if plan.free_for_kv_bytes < 2 * plan.block_bytes and args.num_gpu_blocks_override is None:
+        raise weights_error(plan, needed, headroom)
+    adjusted = [f"{name} to {display_setting(getattr(inputs, name))}" for name in shrink_reasons]
+    max_model_len, length_reason = _choose_max_model_len(plan, model, args, headroom, adjusted)
+    inputs = with_settings(inputs, max_model_len=max_model_len)
+    num_seqs, seqs_reason = _choose_num_seqs(inputs, auto, shrink_reasons)
+    if num_seqs != inputs.max_num_seqs:
+        inputs = with_settings(
+            inputs, max_num_seqs=num_seqs, cudagraph_capture_sizes=capped(inputs, num_seqs)
+        )
+    plan = plan_memory(inputs)
+    check_host_memory(plan, host_ram_available)
+    choices += _late_choices(plan, args, explicit, shrink_reasons, length_reason, seqs_reason)
+    return FitResult(
+        plan=plan,
+        model=model,
+        devices=tuple(used),
+        choices=tuple(choices),
+        notes=tuple(_notes(plan, model, args, devices)),
+        engine_args=_filled_args(args, plan),
+    )
+
+
+def _choose_dtype(
+    args: EngineArgs, model: ModelInfo, used: Sequence[DeviceSpec], choices: list[Choice]
+) -> str:
+    device = used[0]
+    capabilities = [d.capability for d in used if d.capability is not None]
+    oldest = min(capabilities) if capabilities else None
+    if args.dtype != "auto":
+        dtype = canonical_dtype(args.dtype)
+        if dtype == "bfloat16" and oldest is not None and oldest < BF16_MIN_CAPABILITY:
+            raise PlanError(
+                "dtype",
+                f"dtype=bfloat16 needs compute capability 8.0, {device.label()} has "
+                f"{format_capability(oldest)}: set --dtype half",
+            )
+        choices.append(Choice("dtype", dtype, "set by you", explicit=True))
+        return dtype
+    if device.kind == "cpu":
+        choices.append(Choice("dtype", "float32", "auto on the CPU: bf16 matmuls are slow on most CPUs"))
+        return "float32"
+    model_dtype = model.shape.torch_dtype
+    dtype = "float16" if model_dtype in ("float16", "half") else "bfloat16"
+    if model_dtype in ("float16", "bfloat16"):
+        reason = f"the model's {model_dtype}"
+    else:
+        reason = f"bf16 for a {model_dtype} model" if model_dtype else "bf16 (config.json names no dtype)"
+    if dtype == "bfloat16" and oldest is not None and oldest < BF16_MIN_CAPABILITY:
+        dtype = "float16"
+        reason = f"fp16: the GPU's compute capability {format_capability(oldest)} is below 8.0 (no fast bf16)"
+    elif oldest is None:
+        reason += "; GPU capability unknown, taken as 8.0+ (add @SM to --assume-gpus for an older GPU)"
+    else:
+        reason += f"; SM {format_capability(oldest)} runs it natively"
+    choices.append(Choice("dtype", dtype, reason))
+    return dtype
+
+
+def _choose_utilization(
+    args: EngineArgs, used: Sequence[DeviceSpec], explicit: frozenset[str], choices: list[Choice]
+) -> float:
+    tightest = min(used, key=lambda d: d.free_bytes / d.total_bytes)
+    fits = math.floor(tightest.free_bytes / tightest.total_bytes * 100) / 100
+    if "gpu_memory_utilization" in explicit:
+        asked = args.gpu_memory_utilization
+        if asked * tightest.total_bytes > tightest.free_bytes:
+            raise utilization_error(asked, tightest, fits)
+        choices.append(Choice("gpu_memory_utilization", asked, "set by you", explicit=True))
+        return asked
+    default = DEFAULT_GPU_MEMORY_UTILIZATION
+    if default * tightest.total_bytes <= tightest.free_bytes:
+        reason = (
+            f"default: {default * tightest.total_gib:.2f} of {tightest.total_gib:.2f} GiB; "
+            f"{tightest.free_gib:.2f} GiB is free"
+        )
+        choices.append(Choice("gpu_memory_utilization", default, reason))
+        return default
+    if fits < 0.05:
+        raise utilization_error(default, tightest, fits)
+    held = (tightest.total_bytes - tightest.free_bytes) / GiB
+    reason = (
+        f"other processes hold {held:.2f} GiB of {tightest.label()}; {default} would need "
+        f"{default * tightest.total_gib:.2f} GiB but {tightest.free_gib:.2f} GiB is free"
+    )
+    choices.append(Choice("gpu_memory_utilization", fits, reason))
+    return fits
+
+
+def _choose_max_model_len(
+    plan: MemoryPlan, model: ModelInfo, args: EngineArgs, headroom: Headroom, adjusted: list[str]
+) -> tuple[int, str]:
+    block = plan.inputs.block_size
+    usable_blocks = max(0, plan.num_kv_blocks - 1)
+    usable_tokens = usable_blocks * block
+    if args.max_model_len is not None:
+        if math.ceil(args.max_model_len / block) > usable_blocks:
+            raise kv_cache_error(plan, args.max_model_len, headroom, adjusted)
+        return args.max_model_len, "set by you"
+    own = model.max_model_len
+    own_blocks = math.ceil(own / block)
+    if FULL_LENGTH_REQUESTS * own_blocks <= usable_blocks:
+        return (
+            own,
+            f"the model's own; the KV cache ({usable_tokens:,} tokens) holds "
+            f"{usable_blocks / own_blocks:.1f}x",
+        )
+    floor = min(own, MIN_AUTO_MAX_MODEL_LEN)
+    for requests in (FULL_LENGTH_REQUESTS, 1):
+        length = min(own, usable_blocks // requests * block)
+        if length >= floor:
+            fit = (
+                f"that {requests} requests fit"
+                if requests > 1
+                else "that fits (one request at a time at full length)"
+            )
+            return length, (
+                f"the model's own {own:,} fits {usable_blocks / own_blocks:.2f}x in the KV cache "
+                f"({usable_tokens:,} tokens): lowered to the largest length {fit}"
+            )
+    raise kv_cache_error(plan, floor, headroom, adjusted)
+
+
+def _choose_num_seqs(
+    inputs: MemoryInputs, auto: frozenset[str], shrink_reasons: dict[str, str]
+) -> tuple[int, str]:
+    """Unset: at most as many as there are KV blocks (every running request holds at least one); fewer
+    sequences free sampler and graph memory, so the largest count that its own plan can hold is taken."""
+    seqs = inputs.max_num_seqs
+    if "max_num_seqs" not in auto:
+        return seqs, "set by you"
+
+    def usable_blocks(count: int) -> int:
+        changed = with_settings(inputs, max_num_seqs=count, cudagraph_capture_sizes=capped(inputs, count))
+        return plan_memory(changed).num_kv_blocks - 1
+
+    if usable_blocks(seqs) >= seqs:
+        if "max_num_seqs" in shrink_reasons:
+            return seqs, shrink_reasons["max_num_seqs"]
+        concurrency = plan_memory(inputs).max_concurrency
+        return seqs, f"default; the KV cache holds {concurrency:.1f} requests of max_model_len at once"
+    low, high = 1, seqs
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if usable_blocks(middle) >= middle else (low, middle - 1)
+    return low, (
+        f"lowered from {seqs} to {low}: the KV cache has {usable_blocks(low)} blocks and every running "
+        "request holds at least one"
+    )
+
+
+def _late_choices(
+    plan: MemoryPlan,
+    args: EngineArgs,
+    explicit: frozenset[str],
+    shrink_reasons: dict[str, str],
+    length_reason: str,
+    seqs_reason: str,
+) -> list[Choice]:
+    inputs = plan.inputs
+    choices = [
+        Choice("max_model_len", inputs.max_model_len, length_reason, args.max_model_len is not None),
+        Choice("max_num_seqs", inputs.max_num_seqs, seqs_reason, "max_num_seqs" in explicit),
+    ]
+    if args.max_num_batched_tokens is not None:
+        choices.append(Choice("max_num_batched_tokens", inputs.max_num_batched_tokens, "set by you", True))
+    else:
+        default = shrink_reasons.get("max_num_batched_tokens", "default: the token budget of one step")
+        choices.append(Choice("max_num_batched_tokens", inputs.max_num_batched_tokens, default))
+    if inputs.on_gpu:
+        sizes = inputs.cudagraph_capture_sizes
+        if args.enforce_eager:
+            choices.append(Choice("cudagraph_capture_sizes", (), "--enforce-eager: no CUDA graphs", True))
+        elif args.compilation_config is not None:
+            choices.append(
+                Choice("cudagraph_capture_sizes", sizes, "set by you (--compilation-config)", True)
+            )
+        else:
+            reason = shrink_reasons.get(
+                "cudagraph_capture_sizes", f"vLLM's ladder up to max_num_seqs {inputs.max_num_seqs}"
+            )
+            choices.append(Choice("cudagraph_capture_sizes", sizes, reason))
+    kv_reason = "set by you" if args.kv_cache_dtype != "auto" else f"auto: the model dtype ({inputs.dtype})"
+    choices.append(Choice("kv_cache_dtype", inputs.kv_cache_dtype, kv_reason, args.kv_cache_dtype != "auto"))
+    return choices
+
+
+def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequence[DeviceSpec]) -> list[str]:
+    from fitserve.planner.fit_errors import planned_only_notes
+
+    inputs = plan.inputs
+    notes = list(plan.notes) + planned_only_notes(args)
+    weights = model.weights
+    if weights.source.startswith("GGUF") and weights.file_bytes is not None:
+        notes.append(
+            f"the GGUF file stores {', '.join(weights.file_tensor_types)} "
+            f"({weights.file_bytes / GiB:.2f} GiB); fitserve dequantizes it to {inputs.dtype}: "
+            f"{plan.weights_bytes_per_gpu_before_offload / GiB:.2f} GiB in memory"
+        )
+    if inputs.on_gpu and len(devices) > inputs.tensor_parallel_size:
+        heads = model.shape.num_attention_heads
+        size = len(devices)
+        if heads % size == 0:
+            wider = plan_memory(with_settings(inputs, tensor_parallel_size=size))
+            notes.append(
+                f"{len(devices)} GPUs present, tensor_parallel_size {inputs.tensor_parallel_size} uses "
+                f"{inputs.tensor_parallel_size}: --tensor-parallel-size {size} would give "
+                f"{wider.kv_cache_tokens:,} KV tokens"
+            )
+    if not inputs.on_gpu:
+        notes.append(
+            "on the CPU the KV cache is --cpu-kv-cache-space GiB; gpu_memory_utilization has no effect"
+        )
+    return notes
+
+
+def _filled_args(args: EngineArgs, plan: MemoryPlan) -> EngineArgs:
+    inputs = plan.inputs
+    changes: dict[str, Any] = {
+        "dtype": inputs.dtype,
+        "max_model_len": inputs.max_model_len,
+        "max_num_seqs": inputs.max_num_seqs,
+        "max_num_batched_tokens": inputs.max_num_batched_tokens,
+        "gpu_memory_utilization": inputs.gpu_memory_utilization,
+    }
+    if inputs.on_gpu and not args.enforce_eager:
+        if inputs.cudagraph_capture_sizes:
+            changes["compilation_config"] = {"cudagraph_capture_sizes": list(inputs.cudagraph_capture_sizes)}
+        else:
+            changes["enforce_eager"] = True
+    return dataclasses.replace(args, **changes)

@@ -1,0 +1,227 @@
+"""The refusals made before loading a byte, each naming the numbers and what would fit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from fitserve.args import EngineArgs
+from fitserve.planner.fit_options import Headroom, fitting_options
+from fitserve.planner.formats import format_capability, quant_method
+from fitserve.planner.hardware import DeviceSpec, GiB
+from fitserve.planner.memory import MemoryPlan
+from fitserve.planner.model_info import ModelInfo
+from fitserve.planner.model_shape import ModelShape
+
+
+class PlanError(ValueError):
+    """The model cannot run as asked. `kind` names the check: weights, kv_cache,
+    gpu_memory_utilization, devices, dtype, quantization, max_model_len, host_memory."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelShape) -> list[DeviceSpec]:
+    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU."""
+    tp = args.tensor_parallel_size
+    if args.pipeline_parallel_size > 1:
+        raise PlanError(
+            "devices",
+            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned: split the model with "
+            "--tensor-parallel-size instead",
+        )
+    if not devices:
+        raise PlanError("devices", "no device to plan for: give --assume-gpus COUNTxGiB, e.g. 1x24")
+    if devices[0].kind == "cpu":
+        if tp > 1:
+            raise PlanError(
+                "devices",
+                f"tensor_parallel_size={tp} needs {tp} GPUs but this plan is for the CPU: drop it, or "
+                "plan for "
+                f"GPUs with --assume-gpus {tp}x24",
+            )
+        return [devices[0]]
+    if tp > len(devices):
+        raise PlanError(
+            "devices",
+            f"tensor_parallel_size={tp} needs {tp} GPUs, the plan has {len(devices)}: set "
+            f"--tensor-parallel-size {len(devices)} or less, or plan for more with --assume-gpus "
+            f"{tp}x{devices[0].total_gib:g}",
+        )
+    if shape.num_attention_heads % tp:
+        sizes = [
+            str(n) for n in range(1, shape.num_attention_heads + 1) if shape.num_attention_heads % n == 0
+        ]
+        raise PlanError(
+            "devices",
+            f"tensor_parallel_size={tp} does not divide the model's {shape.num_attention_heads} "
+            "attention heads: "
+            f"use one of {', '.join(sizes[:8])}",
+        )
+    return list(devices[:tp])
+
+
+def check_quantization(quantization: str | None, model: ModelInfo, used: Sequence[DeviceSpec]) -> None:
+    checkpoint = model.weights.checkpoint_quantization
+    if quantization is None:
+        return
+    try:
+        method = quant_method(quantization)
+    except ValueError as error:
+        raise PlanError("quantization", str(error)) from None
+    if checkpoint is not None and quant_method_or_none(checkpoint) not in (None, method):
+        raise PlanError(
+            "quantization",
+            f"quantization={quantization!r} but the checkpoint is already quantized with {checkpoint}: "
+            f"drop --quantization or set it to {checkpoint}",
+        )
+    capabilities = [d.capability for d in used if d.capability is not None]
+    if capabilities and min(capabilities) < method.min_capability:
+        raise PlanError(
+            "quantization",
+            f"quantization={quantization!r} needs compute capability "
+            f"{format_capability(method.min_capability)}, "
+            f"the GPU has {format_capability(min(capabilities))}: use --quantization awq or gptq "
+            "(4-bit) instead",
+        )
+
+
+def quant_method_or_none(name: str) -> object | None:
+    try:
+        return quant_method(name)
+    except ValueError:
+        return None
+
+
+def utilization_error(asked: float, device: DeviceSpec, fits: float) -> PlanError:
+    held = device.total_gib - device.free_gib
+    fix = (
+        f"set --gpu-memory-utilization {fits:.2f} or lower, or stop the other processes"
+        if fits >= 0.05
+        else "stop the other processes on it, or use another GPU"
+    )
+    return PlanError(
+        "gpu_memory_utilization",
+        f"gpu_memory_utilization={asked:g} asks for {asked * device.total_gib:.2f} GiB of "
+        f"{device.label()} but only "
+        f"{device.free_gib:.2f} GiB is free (other processes hold {held:.2f} GiB): {fix}",
+    )
+
+
+def _budget_lines(plan: MemoryPlan, kv_line: str, adjusted: Sequence[str]) -> str:
+    inputs, terms = plan.inputs, plan.terms
+    if inputs.on_gpu:
+        budget = (
+            f"gpu_memory_utilization {inputs.gpu_memory_utilization:g} x {inputs.device.total_gib:.2f} GiB = "
+            f"{plan.budget_bytes / GiB:.2f} GiB"
+        )
+    else:
+        budget = f"{plan.budget_bytes / GiB:.2f} GiB of RAM available"
+    lines = [
+        f"  budget: {budget}",
+        f"  weights: {terms.weights / GiB:.2f} GiB",
+        f"  activation peak: {terms.activation / GiB:.2f} GiB (max_num_batched_tokens "
+        f"{inputs.max_num_batched_tokens}, max_num_seqs {inputs.max_num_seqs})",
+        f"  CUDA graphs: {terms.cuda_graphs / GiB:.2f} GiB ({len(inputs.cudagraph_capture_sizes)} sizes)",
+        f"  runtime overhead: {terms.runtime_overhead / GiB:.2f} GiB",
+        f"  {kv_line}",
+    ]
+    if adjusted:
+        lines.append(f"  (auto-fit already lowered the unset {', '.join(adjusted)})")
+    return "\n".join(lines)
+
+
+def _options_text(options: list[str], plan: MemoryPlan, needed: int) -> str:
+    if options:
+        return "What would fit (any one line):\n" + "\n".join(f"  {option}" for option in options)
+    inputs = plan.inputs
+    kv_needed = (math.ceil(needed / inputs.block_size) + 1) * plan.block_bytes
+    total_needed = (plan.terms.total + kv_needed) / GiB
+    gpu = inputs.gpu_memory_utilization if inputs.on_gpu else 1.0
+    return (
+        f"No single change planned here fits: it takes about {total_needed:.1f} GiB per device "
+        f"(a GPU of {total_needed / gpu:.0f} GiB at gpu_memory_utilization {gpu:g}), or a smaller model"
+    )
+
+
+def weights_error(plan: MemoryPlan, needed: int, headroom: Headroom) -> PlanError:
+    inputs = plan.inputs
+    kv_needed = (math.ceil(needed / inputs.block_size) + 1) * plan.block_bytes
+    short = (plan.terms.total + kv_needed - plan.budget_bytes) / GiB
+    quant = f", quantization {inputs.quantization}" if inputs.quantization else ""
+    offload = f", {inputs.cpu_offload_gb:g} GiB offloaded" if inputs.cpu_offload_gb else ""
+    head = (
+        f"the weights do not fit on {inputs.device.label()}: {plan.terms.weights / GiB:.2f} GiB per GPU "
+        f"({inputs.weights.total_params / 1e9:.2f} B parameters, {inputs.dtype}{quant}{offload}, "
+        f"tensor_parallel_size {inputs.tensor_parallel_size}) leave no room for a {needed:,}-token request: "
+        f"{short:.2f} GiB short"
+    )
+    kv_line = f"KV cache for one {needed:,}-token request: {kv_needed / GiB:.2f} GiB"
+    options = fitting_options(inputs, needed, headroom)
+    return PlanError(
+        "weights", f"{head}\n{_budget_lines(plan, kv_line, ())}\n{_options_text(options, plan, needed)}"
+    )
+
+
+def kv_cache_error(
+    plan: MemoryPlan, needed: int, headroom: Headroom, adjusted: Sequence[str] = ()
+) -> PlanError:
+    inputs = plan.inputs
+    usable = max(0, plan.num_kv_blocks - 1) * inputs.block_size
+    head = (
+        f"the KV cache cannot hold one max_model_len={needed:,} request: what is left after the "
+        "weights holds "
+        f"{usable:,} tokens"
+    )
+    kv_line = (
+        f"KV cache: {plan.kv_cache_bytes / GiB:.2f} GiB = {usable:,} tokens at "
+        f"{plan.kv_bytes_per_token / 1024:g} KiB per token"
+    )
+    options = []
+    if usable >= inputs.block_size:
+        options.append(f"--max-model-len {usable} (the largest that fits)")
+    options += fitting_options(inputs, needed, headroom, kv_options=True)
+    return PlanError(
+        "kv_cache",
+        f"{head}\n{_budget_lines(plan, kv_line, adjusted)}\n{_options_text(options, plan, needed)}",
+    )
+
+
+def check_host_memory(plan: MemoryPlan, host_ram_available: int | None) -> None:
+    inputs = plan.inputs
+    if inputs.on_gpu:
+        offloaded = plan.weights_offloaded_bytes * inputs.tensor_parallel_size
+        if host_ram_available is not None and offloaded > host_ram_available:
+            raise PlanError(
+                "host_memory",
+                f"cpu_offload_gb={inputs.cpu_offload_gb:g} per GPU keeps {offloaded / GiB:.2f} GiB of "
+                "weights in "
+                f"host RAM but {host_ram_available / GiB:.2f} GiB is available: lower "
+                "--cpu-offload-gb, or add "
+                "--quantization to shrink the weights",
+            )
+        return
+    needed = plan.terms.total + plan.kv_cache_bytes
+    if needed > plan.budget_bytes:
+        raise PlanError(
+            "host_memory",
+            f"the model needs {needed / GiB:.2f} GiB of RAM (weights {plan.terms.weights / GiB:.2f}, "
+            "KV cache "
+            f"{plan.kv_cache_bytes / GiB:.2f}, activations and runtime "
+            f"{(plan.terms.activation + plan.terms.runtime_overhead) / GiB:.2f}) but "
+            f"{plan.budget_bytes / GiB:.2f} GiB is available: lower --cpu-kv-cache-space or "
+            "--max-num-batched-tokens, use --dtype bfloat16, or a smaller model",
+        )
+
+
+def planned_only_notes(args: EngineArgs) -> list[str]:
+    """Settings the planner sizes but fitserve's engine does not run yet (EngineArgs refuses them)."""
+    asked = [
+        (args.quantization is not None, f"--quantization {args.quantization}"),
+        (args.cpu_offload_gb > 0, f"--cpu-offload-gb {args.cpu_offload_gb:g}"),
+        (args.tensor_parallel_size > 1, f"--tensor-parallel-size {args.tensor_parallel_size}"),
+        (args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
+    ]
+    return [f"planned only: fitserve's engine does not run {flag} yet" for wanted, flag in asked if wanted]

@@ -1,0 +1,161 @@
+"""What would make a plan fit: each change the user could make, tried on the plan, kept when it fits.
+
+"Fits" means the KV cache left over holds `needed_tokens` (one request of that length). Every option
+is a real plan run with the changed setting, so the numbers it quotes are the planner's own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fitserve.planner.formats import QUANTIZATION_METHODS
+from fitserve.planner.hardware import GiB
+from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+
+# Raising gpu_memory_utilization is suggested up to this (leaving the rest for the CUDA context and
+# fragmentation), and never above what is free.
+MAX_SUGGESTED_UTILIZATION = 0.95
+MAX_SUGGESTED_TENSOR_PARALLEL = 16
+OFFLOAD_STEP_GIB = 0.5  # --cpu-offload-gb suggestions are rounded up to this
+# Quantization choices offered, grouped when they store the same bits, with what each group needs.
+_QUANT_GROUPS: dict[tuple[str, ...], str] = {
+    ("fp8",): QUANTIZATION_METHODS["fp8"].how,
+    ("awq", "gptq"): "4-bit, needs an AWQ or GPTQ checkpoint of the model",
+    ("bitsandbytes",): QUANTIZATION_METHODS["bitsandbytes"].how,
+}
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What the machine allows beyond the current settings."""
+
+    max_utilization: float  # the highest gpu_memory_utilization the free memory allows
+    num_gpus: int  # GPUs in the plan
+    host_ram_available: int | None  # None when planning for assumed GPUs (the host is unknown)
+
+
+def holds(inputs: MemoryInputs, needed_tokens: int) -> MemoryPlan | None:
+    """The plan when its KV cache holds one request of `needed_tokens`, else None."""
+    plan = plan_memory(inputs)
+    needed_blocks = math.ceil(needed_tokens / inputs.block_size)
+    return plan if plan.num_kv_blocks - 1 >= needed_blocks else None
+
+
+def fitting_options(
+    inputs: MemoryInputs, needed_tokens: int, headroom: Headroom, kv_options: bool = False
+) -> list[str]:
+    """One line per change that fits, smallest sacrifice first within each kind."""
+    options: list[str] = []
+    if kv_options and inputs.kv_cache_dtype == "auto":
+        plan = holds(with_settings(inputs, kv_cache_dtype="fp8"), needed_tokens)
+        if plan is not None:
+            options.append(
+                f"--kv-cache-dtype fp8 (one byte per KV element): {plan.kv_cache_tokens:,} KV tokens"
+            )
+    options += _utilization_options(inputs, needed_tokens, headroom)
+    quantization = _quantization_options(inputs, needed_tokens)
+    options += quantization
+    if not quantization and _can_quantize(inputs):
+        for group in (("awq", "gptq"), ("bitsandbytes",)):
+            combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
+            if combined:
+                options.append(f"--quantization {' or '.join(group)} with {combined}")
+    offload = _offload_option(inputs, needed_tokens, headroom)
+    if offload:
+        options.append(offload)
+    tensor_parallel = _tensor_parallel_option(inputs, needed_tokens, headroom)
+    if tensor_parallel:
+        options.append(tensor_parallel)
+    return options
+
+
+def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> list[str]:
+    if not inputs.on_gpu:
+        return []
+    ceiling = min(MAX_SUGGESTED_UTILIZATION, headroom.max_utilization)
+    first = math.floor(round(inputs.gpu_memory_utilization * 100, 6)) + 1
+    for percent in range(first, math.floor(round(ceiling * 100, 6)) + 1):
+        plan = holds(with_settings(inputs, gpu_memory_utilization=percent / 100), needed_tokens)
+        if plan is not None:
+            return [
+                f"--gpu-memory-utilization {percent / 100:.2f} ({plan.budget_bytes / GiB:.2f} GiB of "
+                "the GPU): "
+                f"{plan.kv_cache_tokens:,} KV tokens"
+            ]
+    return []
+
+
+def _can_quantize(inputs: MemoryInputs) -> bool:
+    return inputs.quantization is None and inputs.weights.checkpoint_quantization is None
+
+
+def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[str]:
+    if not _can_quantize(inputs):
+        return []
+    options = []
+    capability = inputs.device.capability
+    for group, how in _QUANT_GROUPS.items():
+        method = QUANTIZATION_METHODS[group[0]]
+        if capability is not None and capability < method.min_capability:
+            continue
+        plan = holds(with_settings(inputs, quantization=group[0]), needed_tokens)
+        if plan is None:
+            continue
+        options.append(
+            f"--quantization {' or '.join(group)} ({how}): weights {plan.weights_gib_per_gpu:.2f} GiB "
+            "per GPU, "
+            f"{plan.kv_cache_tokens:,} KV tokens"
+        )
+    return options
+
+
+def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> str | None:
+    """The smallest --cpu-offload-gb (in OFFLOAD_STEP_GIB steps) that fits, if offloading can fit at all."""
+    if not inputs.on_gpu:
+        return None
+    plan = plan_memory(inputs)
+    kv_needed = math.ceil(needed_tokens / inputs.block_size + 1) * plan.block_bytes
+    short = plan.terms.total + kv_needed - plan.budget_bytes
+    if short <= 0:
+        return None
+    offload_gib = inputs.cpu_offload_gb + math.ceil(short / GiB / OFFLOAD_STEP_GIB) * OFFLOAD_STEP_GIB
+    if offload_gib * GiB > plan.weights_bytes_per_gpu_before_offload:
+        return None  # even with every weight in CPU memory the rest does not fit
+    fitted = holds(with_settings(inputs, cpu_offload_gb=offload_gib), needed_tokens)
+    if fitted is None:
+        return None
+    host_needed = offload_gib * GiB * inputs.tensor_parallel_size
+    ram = ""
+    if headroom.host_ram_available is not None and host_needed > headroom.host_ram_available:
+        ram = f"; this host has only {headroom.host_ram_available / GiB:.1f} GiB of RAM available"
+    return (
+        f"--cpu-offload-gb {offload_gib:g} ({offload_gib:g} GiB of each GPU's weights stay in CPU memory and "
+        f"cross PCIe every step, which is slow; {host_needed / GiB:g} GiB of host RAM{ram}): weights "
+        f"{fitted.weights_gib_per_gpu:.2f} GiB per GPU, {fitted.kv_cache_tokens:,} KV tokens"
+    )
+
+
+def _tensor_parallel_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> str | None:
+    """The smallest larger tensor-parallel size that fits; without CPU offload when it fits without."""
+    if not inputs.on_gpu:
+        return None
+    heads = inputs.shape.num_attention_heads
+    for size in range(inputs.tensor_parallel_size + 1, MAX_SUGGESTED_TENSOR_PARALLEL + 1):
+        if heads % size:
+            continue
+        for offload in sorted({0.0, inputs.cpu_offload_gb}):
+            plan = holds(
+                with_settings(inputs, tensor_parallel_size=size, cpu_offload_gb=offload), needed_tokens
+            )
+            if plan is None:
+                continue
+            have = "" if headroom.num_gpus >= size else f"; this plan has {headroom.num_gpus}"
+            drop = ""
+            if inputs.cpu_offload_gb:
+                drop = " and no --cpu-offload-gb" if not offload else f" keeping --cpu-offload-gb {offload:g}"
+            return (
+                f"--tensor-parallel-size {size}{drop} ({size} GPUs like this one{have}): weights "
+                f"{plan.weights_gib_per_gpu:.2f} GiB per GPU, {plan.kv_cache_tokens:,} KV tokens"
+            )
+    return None

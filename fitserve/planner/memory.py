@@ -1,0 +1,326 @@
+"""The memory plan: a pure function from (model shape, weights, dtypes, device, limits) to bytes per GPU.
+
+On a GPU, as in vLLM, `gpu_memory_utilization` is the fraction of the GPU's total memory this engine may
+use. Out of that budget come the weights, the activation peak of one step at max_num_batched_tokens,
+the CUDA graph pool and the runtime's own memory; what remains becomes KV cache blocks. On the CPU the
+KV cache is the fixed --cpu-kv-cache-space (the engine's rule) and the budget is the RAM available.
+
+Every term is an estimate from the shapes (docs/memory.md derives each one). The engine calls
+`plan_memory` again at startup with what it measured (`MemoryTerms`), which sizes the KV cache from
+the measured numbers, and logs `planned_vs_measured` of the two plans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
+from fitserve.planner.hardware import DeviceSpec, GiB
+from fitserve.planner.model_shape import ModelShape
+from fitserve.planner.weights import WeightInventory
+
+MiB = 1024**2
+# Memory of the serving process on a GPU outside torch's allocations: the CUDA context, cuBLAS/cuBLASLt
+# workspaces, kernel images. fitserve's CUDA platform measured 0.68 GiB on an H100 (torch 2.11, CUDA 13);
+# vLLM's profiling counts 0.5-1 GiB of it.
+GPU_RUNTIME_OVERHEAD_BYTES = 696 * MiB
+# Extra per GPU with tensor parallelism: NCCL's communicator buffers.
+TP_COMMUNICATION_BYTES = 512 * MiB
+# On the CPU the "overhead" is the Python process itself: interpreter, torch, tokenizer.
+CPU_RUNTIME_OVERHEAD_BYTES = 512 * MiB
+# One captured CUDA graph keeps its kernels' parameters and launch state: ~256 KiB per decoder layer.
+CUDA_GRAPH_BYTES_PER_LAYER = 256 * 1024
+# The sampler's float32 working copies of the [rows, vocab] logits: the logits, probabilities, and
+# the sorted values plus int64 indices of a top-k/top-p sort (counted as 2).
+SAMPLER_FP32_COPIES = 4
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the plan depends on; the settings are resolved (no "auto" except kv_cache_dtype)."""
+
+    shape: ModelShape
+    weights: WeightInventory
+    device: DeviceSpec  # the GPU each tensor-parallel rank plans for (the smallest), or the CPU
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    cpu_offload_gb: float = 0.0  # per GPU, as vLLM's --cpu-offload-gb
+    gpu_memory_utilization: float = 0.9
+    cudagraph_capture_sizes: tuple[int, ...] = ()  # () = eager
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_space_gib: float = 4.0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.kind == "cuda"
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """The non-KV memory of one GPU (bytes): what the planner estimates, or what the engine measured."""
+
+    weights: int
+    activation: int
+    cuda_graphs: int
+    runtime_overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activation + self.cuda_graphs + self.runtime_overhead
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    inputs: MemoryInputs
+    terms: MemoryTerms  # the terms the KV cache was sized from
+    estimated: MemoryTerms  # the planner's estimates (== terms unless measured ones were given)
+    weights_bytes_per_gpu_before_offload: int
+    weights_offloaded_bytes: int  # per GPU, kept in CPU memory
+    budget_bytes: int  # per GPU: total x gpu_memory_utilization (CPU: RAM available)
+    kv_bytes_per_token: int  # per GPU
+    num_kv_blocks: int  # allocated, the null block included
+    kv_cache_bytes: int  # per GPU
+    free_for_kv_bytes: int  # per GPU: budget minus the terms; negative when they do not fit
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.inputs.block_size
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens requests can use: every block but the reserved null block (the engine's count)."""
+        return max(0, self.num_kv_blocks - 1) * self.inputs.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_model_len requests the KV cache holds at once."""
+        blocks_per_request = math.ceil(self.inputs.max_model_len / self.inputs.block_size)
+        return max(0, self.num_kv_blocks - 1) / blocks_per_request
+
+    @property
+    def weights_gib_per_gpu(self) -> float:
+        return self.terms.weights / GiB
+
+    @property
+    def activation_gib(self) -> float:
+        return self.terms.activation / GiB
+
+    @property
+    def cuda_graph_gib(self) -> float:
+        return self.terms.cuda_graphs / GiB
+
+    @property
+    def runtime_overhead_gib(self) -> float:
+        return self.terms.runtime_overhead / GiB
+
+    @property
+    def kv_cache_gib_per_gpu(self) -> float:
+        return self.kv_cache_bytes / GiB
+
+    def tokens_for(self, max_model_len: int) -> int:
+        """KV tokens one request of `max_model_len` occupies (whole blocks)."""
+        return math.ceil(max_model_len / self.inputs.block_size) * self.inputs.block_size
+
+
+def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> MemoryPlan:
+    """The plan for `inputs`; with `measured`, the KV cache is sized from the measured terms instead."""
+    _check_inputs(inputs)
+    on_disk = weight_bytes_per_gpu(inputs)
+    offloaded = min(on_disk, int(inputs.cpu_offload_gb * GiB)) if inputs.on_gpu else 0
+    estimated = MemoryTerms(
+        weights=on_disk - offloaded,
+        activation=activation_peak_bytes(inputs),
+        cuda_graphs=cuda_graph_bytes(inputs),
+        runtime_overhead=runtime_overhead_bytes(inputs),
+    )
+    terms = measured or estimated
+    per_token = kv_bytes_per_token(inputs)
+    block_bytes = per_token * inputs.block_size
+    if inputs.on_gpu:
+        budget = int(inputs.device.total_bytes * inputs.gpu_memory_utilization)
+        free_for_kv = budget - terms.total
+    else:
+        budget = inputs.device.free_bytes
+        free_for_kv = int(inputs.cpu_kv_cache_space_gib * GiB)
+    if inputs.num_gpu_blocks_override is not None:
+        num_blocks = inputs.num_gpu_blocks_override
+    else:
+        num_blocks = max(0, free_for_kv // block_bytes)
+    notes = []
+    if inputs.on_gpu and inputs.cpu_offload_gb * GiB > on_disk:
+        notes.append(
+            f"cpu_offload_gb={inputs.cpu_offload_gb:g} is more than the {on_disk / GiB:.2f} GiB of weights "
+            f"per GPU: only {on_disk / GiB:.2f} GiB can be offloaded"
+        )
+    return MemoryPlan(
+        inputs=inputs,
+        terms=terms,
+        estimated=estimated,
+        weights_bytes_per_gpu_before_offload=on_disk,
+        weights_offloaded_bytes=offloaded,
+        budget_bytes=budget,
+        kv_bytes_per_token=per_token,
+        num_kv_blocks=num_blocks,
+        kv_cache_bytes=num_blocks * block_bytes,
+        free_for_kv_bytes=free_for_kv,
+        notes=tuple(notes),
+    )
+
+
+def weight_bytes_total(inputs: MemoryInputs) -> int:
+    """All weights in memory, over all ranks, before offloading."""
+    counts = inputs.weights.counts
+    linear = math.ceil(counts.linear * linear_bytes_per_param(inputs))
+    return inputs.weights.stored_bytes + linear + counts.other * DTYPE_BYTES[inputs.dtype]
+
+
+def linear_bytes_per_param(inputs: MemoryInputs) -> float:
+    """Bytes per projection-matrix parameter: the model dtype, or the --quantization method's bits.
+
+    A checkpoint that is already quantized keeps its own storage (`stored_bytes`); the flag adds nothing.
+    """
+    if inputs.quantization is None or inputs.weights.checkpoint_quantization is not None:
+        return DTYPE_BYTES[inputs.dtype]
+    return quant_method(inputs.quantization).bits_per_weight / 8
+
+
+def weight_bytes_per_gpu(inputs: MemoryInputs) -> int:
+    """One rank's share: everything but the norms and routers is split across the ranks; a rank holds
+    whole copies of K/V projection heads when ranks outnumber KV heads."""
+    tp = inputs.tensor_parallel_size
+    total = weight_bytes_total(inputs)
+    if tp == 1:
+        return total
+    replicated = inputs.weights.counts.replicated * DTYPE_BYTES[inputs.dtype]
+    per_rank = (total - replicated) // tp + replicated
+    shape = inputs.shape
+    extra_kv_heads = shape.kv_heads_per_rank(tp) - shape.num_kv_heads / tp
+    if extra_kv_heads > 0:
+        kv_proj_params_per_head = 2 * shape.num_layers * shape.hidden_size * shape.head_dim
+        per_rank += int(kv_proj_params_per_head * extra_kv_heads * linear_bytes_per_param(inputs))
+    return per_rank
+
+
+def kv_bytes_per_token(inputs: MemoryInputs) -> int:
+    """K and V of every layer for one token on one rank."""
+    shape = inputs.shape
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
+    return (
+        2 * shape.num_layers * shape.kv_heads_per_rank(inputs.tensor_parallel_size) * shape.head_dim * element
+    )
+
+
+def forward_activation_bytes(inputs: MemoryInputs, num_tokens: int) -> int:
+    """Peak of one eager forward over `num_tokens` tokens: the residual stream plus the larger of the
+    attention and MLP temporaries of one layer (layers run one after another)."""
+    shape, tp = inputs.shape, inputs.tensor_parallel_size
+    d = DTYPE_BYTES[inputs.dtype]
+    hidden = shape.hidden_size
+    q = shape.q_size // tp
+    kv = shape.kv_heads_per_rank(tp) * shape.head_dim
+    residual_stream = 2 * num_tokens * hidden * d  # the residual and the normed hidden states
+    # packed qkv, rotated q and k, the attention output; RoPE's cos and sin in float32
+    attention = num_tokens * ((q + 2 * kv) + (q + kv) + q) * d + 2 * num_tokens * shape.head_dim * 4
+    if shape.is_moe:
+        routed = shape.num_experts_per_tok * num_tokens
+        mlp = (
+            num_tokens * shape.num_experts * 4  # router logits
+            + routed * (3 * shape.moe_intermediate_size // tp + hidden) * d  # gate_up, act, gathered rows
+            + num_tokens * 3 * shape.shared_expert_intermediate_size // tp * d
+        )
+    else:
+        mlp = num_tokens * 3 * (shape.intermediate_size // tp) * d  # gate_up output and SiLU-and-mul
+    ids_and_positions = 2 * num_tokens * 8
+    return residual_stream + max(attention, mlp) + ids_and_positions
+
+
+def sampling_activation_bytes(inputs: MemoryInputs, num_tokens: int, num_rows: int) -> int:
+    """The final hidden states of the step, plus the LM head's logits for the sampled rows and the
+    sampler's float32 copies of them."""
+    d = DTYPE_BYTES[inputs.dtype]
+    vocab = inputs.shape.vocab_size
+    return num_tokens * inputs.shape.hidden_size * d + num_rows * vocab * (d + 4 * SAMPLER_FP32_COPIES)
+
+
+def activation_peak_bytes(inputs: MemoryInputs) -> int:
+    """The larger of the forward and the sampling peaks of a step of max_num_batched_tokens tokens."""
+    tokens = inputs.max_num_batched_tokens
+    rows = min(inputs.max_num_seqs, tokens)
+    return max(forward_activation_bytes(inputs, tokens), sampling_activation_bytes(inputs, tokens, rows))
+
+
+def cuda_graph_bytes(inputs: MemoryInputs) -> int:
+    """The graph pool: the activations of the largest captured decode batch (smaller captures reuse
+    that pool), plus each graph's own kernel state."""
+    sizes = inputs.cudagraph_capture_sizes
+    if not inputs.on_gpu or not sizes:
+        return 0
+    largest = max(sizes)
+    pool = (
+        forward_activation_bytes(inputs, largest)
+        + largest * inputs.shape.vocab_size * DTYPE_BYTES[inputs.dtype]
+    )
+    return pool + len(sizes) * inputs.shape.num_layers * CUDA_GRAPH_BYTES_PER_LAYER
+
+
+def runtime_overhead_bytes(inputs: MemoryInputs) -> int:
+    if not inputs.on_gpu:
+        return CPU_RUNTIME_OVERHEAD_BYTES
+    communication = TP_COMMUNICATION_BYTES if inputs.tensor_parallel_size > 1 else 0
+    return GPU_RUNTIME_OVERHEAD_BYTES + communication
+
+
+def with_settings(inputs: MemoryInputs, **changes: object) -> MemoryInputs:
+    """`inputs` with some settings changed (a new frozen object)."""
+    return replace(inputs, **changes)  # type: ignore[arg-type]
+
+
+def planned_vs_measured(planned: MemoryPlan, measured: MemoryPlan) -> list[str]:
+    """Log lines comparing the plan made before loading with the one sized from measurements."""
+    rows = [
+        ("weights", planned.terms.weights, measured.terms.weights),
+        ("activation peak", planned.terms.activation, measured.terms.activation),
+        ("CUDA graphs", planned.terms.cuda_graphs, measured.terms.cuda_graphs),
+        ("runtime overhead", planned.terms.runtime_overhead, measured.terms.runtime_overhead),
+        ("KV cache", planned.kv_cache_bytes, measured.kv_cache_bytes),
+    ]
+    lines = [
+        f"{name}: planned {p / GiB:.2f} GiB, measured {m / GiB:.2f} GiB ({_relative(p, m)})"
+        for name, p, m in rows
+    ]
+    lines.append(
+        f"KV cache tokens: planned {planned.kv_cache_tokens:,}, measured {measured.kv_cache_tokens:,} "
+        f"({_relative(planned.kv_cache_tokens, measured.kv_cache_tokens)})"
+    )
+    return lines
+
+
+def _relative(planned: float, measured: float) -> str:
+    if measured == 0:
+        return "exact" if planned == 0 else "n/a"
+    return f"{(planned - measured) / measured * 100:+.1f}%"
+
+
+def _check_inputs(inputs: MemoryInputs) -> None:
+    if inputs.dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={inputs.dtype!r} is not one of {', '.join(DTYPE_BYTES)}: resolve it first")
+    positive = {
+        "max_model_len": inputs.max_model_len,
+        "max_num_batched_tokens": inputs.max_num_batched_tokens,
+        "max_num_seqs": inputs.max_num_seqs,
+        "block_size": inputs.block_size,
+        "tensor_parallel_size": inputs.tensor_parallel_size,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(
+                f"{name}={value} is below the minimum 1: set --{name.replace('_', '-')} to 1 or more"
+            )

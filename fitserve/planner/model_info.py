@@ -1,0 +1,125 @@
+"""What the planner knows about a model before loading it: config.json and the weight files' headers.
+
+a folder            -> its config.json, and its safetensors headers (or index) when present
+a .gguf file        -> its GGUF header (config and tensors); nothing is converted
+a hub id (org/name) -> config.json and the safetensors headers from the hub, read by range requests
+None                -> the default model, resolved as the engine resolves it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitserve.planner.model_shape import ModelShape
+from fitserve.planner.weights import (
+    WeightInventory,
+    inventory_from_config,
+    inventory_from_folder,
+    inventory_from_gguf,
+    inventory_from_hub_metadata,
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # as the user named it
+    source: str  # one line: where config.json and the weight sizes came from
+    hf_config: Any
+    shape: ModelShape
+    weights: WeightInventory
+    max_model_len: int  # the model's own context limit
+
+    @classmethod
+    def from_hf_config(
+        cls, name: str, source: str, hf_config: Any, weights: WeightInventory | None = None
+    ) -> ModelInfo:
+        from fitserve.models.loader import model_max_length
+
+        shape = ModelShape.from_hf_config(hf_config)
+        inventory = weights or inventory_from_config(shape, checkpoint_quantization(hf_config))
+        return cls(name, source, hf_config, shape, inventory, model_max_length(hf_config))
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The quant_method of config.json's quantization_config (an already-quantized checkpoint)."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if isinstance(quant, dict):
+        return quant.get("quant_method")
+    return getattr(quant, "quant_method", None) if quant is not None else None
+
+
+def inspect_model(
+    model: str | None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    load_format: str = "auto",
+) -> ModelInfo:
+    """Reads config.json and the weights' headers; never loads or converts a weight.
+
+    `load_format == "dummy"` skips the weight files: dummy weights have the config's shapes.
+    """
+    from fitserve.models.loader import load_hf_config, resolve_model
+
+    path = Path(model).expanduser() if model is not None else None
+    if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+        return _inspect_gguf(path)
+    if path is not None and path.is_dir():
+        folder, name, source = path.resolve(), model or "", f"local folder {path.resolve()}"
+    elif model is None:
+        resolved = resolve_model(None, revision)
+        folder, name, source = Path(resolved.model_path), resolved.model_path, resolved.source
+    else:
+        return _inspect_hub(model, revision, trust_remote_code, load_format)
+    hf_config = load_hf_config(str(folder), trust_remote_code=trust_remote_code)
+    shape = ModelShape.from_hf_config(hf_config)
+    quant = checkpoint_quantization(hf_config)
+    if load_format == "dummy":
+        weights = inventory_from_config(shape, quant, source="config.json shapes (--load-format dummy)")
+    else:
+        weights = inventory_from_folder(folder, shape, quant)
+    return ModelInfo.from_hf_config(name, source, hf_config, weights)
+
+
+def _inspect_gguf(path: Path) -> ModelInfo:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"cannot read the GGUF header of {path}: {error}") from error
+    return ModelInfo.from_hf_config(
+        str(path), f"GGUF file {path.resolve()}", hf_config, inventory_from_gguf(path)
+    )
+
+
+def _inspect_hub(model: str, revision: str | None, trust_remote_code: bool, load_format: str) -> ModelInfo:
+    from fitserve.models.hub import HubUnavailableError, download_snapshot, hub_offline, looks_like_hub_id
+    from fitserve.models.loader import load_hf_config
+
+    if not looks_like_hub_id(model):
+        raise ValueError(
+            f"model path {model} does not exist: pass a local folder with config.json, a .gguf file or a "
+            "Hugging Face id"
+        )
+    try:
+        folder = download_snapshot(model, revision, ("config.json",))
+    except HubUnavailableError as error:
+        raise ValueError(
+            f"cannot read config.json of {model!r}: {error}: download the model folder and pass its path"
+        ) from error
+    hf_config = load_hf_config(folder, trust_remote_code=trust_remote_code)
+    shape = ModelShape.from_hf_config(hf_config)
+    quant = checkpoint_quantization(hf_config)
+    weights = None
+    if load_format != "dummy" and not hub_offline():
+        from huggingface_hub import get_safetensors_metadata
+
+        try:
+            metadata = get_safetensors_metadata(model, revision=revision)
+            weights = inventory_from_hub_metadata(metadata.files_metadata, quant)
+        except Exception:  # no safetensors on the hub, or the hub went away: the shapes still size it
+            weights = None
+    weights = weights or inventory_from_config(shape, quant)
+    return ModelInfo.from_hf_config(model, f"Hugging Face model {model} ({folder})", hf_config, weights)

@@ -1,0 +1,141 @@
+"""A model's shape as the planner needs it, read from its config.json, and its parameter count.
+
+Families: the pre-norm decoders (Llama, Mistral, Qwen2, Qwen3 and the like), with mixture-of-experts
+MLPs as Mixtral (`num_local_experts`, experts of `intermediate_size`) and Qwen-MoE (`num_experts`,
+experts of `moe_intermediate_size`, an optional shared expert) name them; every layer of a MoE model
+is taken as sparse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# model_type values whose q/k/v projections carry a bias without saying so in config.json.
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by how the planner treats them; `linear + other` is the model's total."""
+
+    linear: int  # decoder projection matrices: what a quantization method quantizes
+    other: int  # embeddings, LM head, norms, biases, MoE routers: kept in the model dtype
+    replicated: int  # the part of `other` every tensor-parallel rank holds whole (norms, routers)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.other
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int  # dense MLP width (per expert for Mixtral-style MoE)
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    torch_dtype: str | None = None  # config.json's dtype of the checkpoint, e.g. "bfloat16"
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ModelShape:
+        """Reads a transformers PretrainedConfig (the text part of a multimodal one)."""
+        config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        hidden = _first_int(config, "hidden_size", "n_embd", "d_model")
+        heads = _first_int(config, "num_attention_heads", "n_head")
+        model_type = str(getattr(config, "model_type", "") or "")
+        num_experts = _first_int(config, "num_local_experts", "num_experts", default=0)
+        moe_width = _first_int(config, "moe_intermediate_size", default=0)
+        dense_width = _first_int(config, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+        archs = getattr(hf_config, "architectures", None) or []
+        return cls(
+            architecture=archs[0] if archs else "",
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=dense_width,
+            num_layers=_first_int(config, "num_hidden_layers", "n_layer", "num_layers"),
+            num_attention_heads=heads,
+            num_kv_heads=_first_int(config, "num_key_value_heads", default=heads),
+            head_dim=_first_int(config, "head_dim", default=hidden // heads),
+            vocab_size=_first_int(config, "vocab_size"),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type in _QKV_BIAS_MODEL_TYPES or bool(getattr(config, "attention_bias", False)),
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type.startswith("qwen3"),
+            num_experts=num_experts,
+            num_experts_per_tok=_first_int(config, "num_experts_per_tok", default=0) if num_experts else 0,
+            moe_intermediate_size=(moe_width or dense_width) if num_experts else 0,
+            shared_expert_intermediate_size=_first_int(config, "shared_expert_intermediate_size", default=0),
+            torch_dtype=_dtype_name(config),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def mlp_linear_params_per_layer(self) -> int:
+        hidden = self.hidden_size
+        if not self.is_moe:
+            return 3 * hidden * self.intermediate_size
+        experts = self.num_experts * 3 * hidden * self.moe_intermediate_size
+        return experts + 3 * hidden * self.shared_expert_intermediate_size
+
+    def parameter_counts(self) -> ParamCounts:
+        """Counted from the shapes alone: what a checkpoint of this config holds."""
+        hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
+        attention = hidden * (q + 2 * kv) + q * hidden
+        linear_per_layer = attention + self.mlp_linear_params_per_layer()
+        biases = (q + 2 * kv if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+        norms = 2 * hidden + (2 * self.head_dim if self.qk_norm else 0)
+        router = hidden * self.num_experts + (hidden if self.shared_expert_intermediate_size else 0)
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        replicated = self.num_layers * (norms + router) + hidden
+        return ParamCounts(
+            linear=self.num_layers * linear_per_layer,
+            other=embeddings + self.num_layers * biases + replicated,
+            replicated=replicated,
+        )
+
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads each rank holds: split across ranks, replicated once ranks outnumber them."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
+
+def _first_int(config: Any, *names: str, default: int | None = None) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if default is None:
+        raise ValueError(
+            f"config.json has none of {', '.join(names)}: the planner cannot size this model "
+            "(pass a model folder whose config.json is a decoder-only language model)"
+        )
+    return default
+
+
+def _dtype_name(config: Any) -> str | None:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

@@ -1,0 +1,188 @@
+"""A fit result as people read it (a table with the reason for each setting) and as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fitserve.planner.fit import FitResult
+from fitserve.planner.formats import format_capability
+from fitserve.planner.hardware import GiB
+from fitserve.planner.memory import MemoryPlan
+
+_SETTING_WIDTH = 24
+_MEMORY_LABEL_WIDTH = 62
+
+
+def plan_json(result: FitResult) -> dict[str, Any]:
+    plan, model = result.plan, result.model
+    return {
+        "model": {
+            "name": model.name,
+            "source": model.source,
+            "architecture": model.shape.architecture,
+            "parameters": model.weights.total_params,
+            "weights_source": model.weights.source,
+            "weights_file_bytes": model.weights.file_bytes,
+            "max_model_len": model.max_model_len,
+        },
+        "devices": [
+            {
+                "kind": device.kind,
+                "name": device.name,
+                "total_gib": round(device.total_gib, 3),
+                "free_gib": round(device.free_gib, 3),
+                "capability": format_capability(device.capability) if device.capability else None,
+                "assumed": device.assumed,
+            }
+            for device in result.devices
+        ],
+        "budget_gib_per_gpu": round(plan.budget_bytes / GiB, 3),
+        "weights_gib_per_gpu": round(plan.weights_gib_per_gpu, 3),
+        "weights_offloaded_gib_per_gpu": round(plan.weights_offloaded_bytes / GiB, 3),
+        "activation_gib": round(plan.activation_gib, 3),
+        "cuda_graph_gib": round(plan.cuda_graph_gib, 3),
+        "runtime_overhead_gib": round(plan.runtime_overhead_gib, 3),
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "kv_cache_gib_per_gpu": round(plan.kv_cache_gib_per_gpu, 3),
+        "num_kv_blocks": plan.num_kv_blocks,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "max_concurrency": round(plan.max_concurrency, 2),
+        "settings": resolved_settings(plan),
+        "choices": [
+            {"setting": c.setting, "value": _jsonable(c.value), "reason": c.reason, "explicit": c.explicit}
+            for c in result.choices
+        ],
+        "notes": list(result.notes),
+    }
+
+
+def resolved_settings(plan: MemoryPlan) -> dict[str, Any]:
+    inputs = plan.inputs
+    return {
+        "device": inputs.device.kind,
+        "dtype": inputs.dtype,
+        "kv_cache_dtype": inputs.kv_cache_dtype,
+        "quantization": inputs.quantization,
+        "tensor_parallel_size": inputs.tensor_parallel_size,
+        "cpu_offload_gb": inputs.cpu_offload_gb,
+        "gpu_memory_utilization": inputs.gpu_memory_utilization,
+        "max_model_len": inputs.max_model_len,
+        "max_num_batched_tokens": inputs.max_num_batched_tokens,
+        "max_num_seqs": inputs.max_num_seqs,
+        "block_size": inputs.block_size,
+        "cudagraph_capture_sizes": list(inputs.cudagraph_capture_sizes),
+        "enforce_eager": inputs.on_gpu and not inputs.cudagraph_capture_sizes,
+    }
+
+
+def plan_text(result: FitResult) -> str:
+    plan, model = result.plan, result.model
+    inputs = plan.inputs
+    lines = [
+        f"Plan for {model.name or model.source}",
+        f"  model    {model.shape.architecture or model.shape.model_type}, "
+        f"{model.weights.total_params / 1e9:.2f} B parameters, context {model.max_model_len:,} tokens",
+        f"  sizes    from {model.weights.source}",
+        f"  devices  {_devices_line(result)}",
+        "",
+        "Settings",
+    ]
+    for choice in result.choices:
+        value = _display(choice.value)
+        lines.append(f"  {choice.setting:<{_SETTING_WIDTH}} {value:<15} {choice.reason}")
+    if inputs.quantization:
+        lines.append(f"  {'quantization':<{_SETTING_WIDTH}} {inputs.quantization:<15} set by you")
+    if inputs.tensor_parallel_size > 1:
+        lines.append(
+            f"  {'tensor_parallel_size':<{_SETTING_WIDTH}} {inputs.tensor_parallel_size:<15} set by you"
+        )
+    if inputs.cpu_offload_gb:
+        lines.append(
+            f"  {'cpu_offload_gb':<{_SETTING_WIDTH}} {inputs.cpu_offload_gb:<15g} set by you, per GPU"
+        )
+    lines += ["", *_memory_table(plan), *_kv_lines(plan)]
+    if result.notes:
+        lines += ["", "Notes", *(f"  - {note}" for note in result.notes)]
+    return "\n".join(lines)
+
+
+def _devices_line(result: FitResult) -> str:
+    first = result.devices[0]
+    if first.kind == "cpu":
+        return first.name
+    groups: dict[str, int] = {}
+    for device in result.devices:
+        sm = f", SM {format_capability(device.capability)}" if device.capability else ""
+        free = "" if device.assumed else f", {device.free_gib:.2f} GiB free"
+        key = f"{device.name} ({device.total_gib:.2f} GiB{sm}{free})"
+        groups[key] = groups.get(key, 0) + 1
+    return "; ".join(f"{count} x {key}" for key, count in groups.items())
+
+
+def _memory_table(plan: MemoryPlan) -> list[str]:
+    inputs, terms = plan.inputs, plan.terms
+    per = "per GPU" if inputs.on_gpu else "in host RAM"
+    if inputs.on_gpu:
+        utilization = inputs.gpu_memory_utilization
+        budget = f"budget: {inputs.device.total_gib:.2f} GiB x gpu_memory_utilization {utilization:g}"
+    else:
+        budget = "RAM available"
+    weights = (
+        f"weights ({inputs.weights.total_params / 1e9:.2f} B params, {inputs.quantization or inputs.dtype}"
+    )
+    if inputs.tensor_parallel_size > 1:
+        weights += f", 1/{inputs.tensor_parallel_size} per GPU"
+    if plan.weights_offloaded_bytes:
+        weights += f", {plan.weights_offloaded_bytes / GiB:.2f} GiB offloaded"
+    sizes = inputs.cudagraph_capture_sizes
+    graphs = (
+        f"CUDA graphs ({len(sizes)} sizes, {min(sizes)}-{max(sizes)})"
+        if sizes
+        else "CUDA graphs (none: eager)"
+    )
+    kv_label = "KV cache" if inputs.on_gpu else "KV cache (--cpu-kv-cache-space)"
+    rows = [
+        (budget, plan.budget_bytes),
+        (weights + ")", terms.weights),
+        (f"activation peak ({inputs.max_num_batched_tokens:,} tokens per step)", terms.activation),
+        *([(graphs, terms.cuda_graphs)] if inputs.on_gpu else []),
+        ("runtime overhead", terms.runtime_overhead),
+        (kv_label, plan.kv_cache_bytes),
+    ]
+    header = f"Memory {per}"
+    lines = [f"{header:<{_MEMORY_LABEL_WIDTH + 2}}{'GiB':>9}"]
+    lines += [f"  {label:<{_MEMORY_LABEL_WIDTH}}{value / GiB:>9.2f}" for label, value in rows]
+    return lines
+
+
+def _kv_lines(plan: MemoryPlan) -> list[str]:
+    inputs = plan.inputs
+    shape = inputs.shape
+    heads = shape.kv_heads_per_rank(inputs.tensor_parallel_size)
+    element = plan.kv_bytes_per_token // (2 * shape.num_layers * heads * shape.head_dim)
+    per_token = plan.kv_bytes_per_token / 1024
+    return [
+        f"KV cache: {plan.kv_cache_tokens:,} tokens in {plan.num_kv_blocks:,} blocks of {inputs.block_size} "
+        f"(one reserved); {per_token:g} KiB per token = 2 (K, V) x {shape.num_layers} layers x "
+        f"{heads} KV heads "
+        f"x {shape.head_dim} x {element} bytes",
+        f"Maximum concurrency for {inputs.max_model_len:,} tokens per request: {plan.max_concurrency:.2f}x",
+    ]
+
+
+def _display(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        if not value:
+            return "none"
+        return (
+            f"{len(value)} sizes {min(value)}-{max(value)}" if len(value) > 3 else ", ".join(map(str, value))
+        )
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int):
+        return f"{value:,}" if value >= 10000 else str(value)
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,162 @@
+"""`fitserve serve`: build the engine from the flags, wrap it in the app, serve it with uvicorn.
+
+Shutdown contract: SIGINT or SIGTERM stops accepting connections, ends every in-flight request with
+a final output (finish_reason "abort"; streams get their last chunk and `data: [DONE]`), stops the
+engine thread and returns, so the process exits with status 0 within a few seconds. A second SIGINT
+forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import resource
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+
+from fitserve.args import EngineArgs
+from fitserve.engine.async_engine import AsyncEngine
+from fitserve.engine.engine import Engine
+from fitserve.server.app import ROUTES, build_app
+from fitserve.server.args import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# Seconds uvicorn waits for open connections after the in-flight requests were ended.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with two changes: a shutdown signal also ends the engine's in-flight requests
+    (uvicorn alone would wait for them to finish), and the signal is not raised again after a clean
+    shutdown (uvicorn re-raises it, which would end the process with the signal's status, not 0)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, base_url: str) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.base_url = base_url
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_stopping = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            _log_ready(self.engine, self.base_url)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+        if not self._engine_stopping and self._loop is not None:
+            self._engine_stopping = True
+            logger.info("Received %s: shutting down", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(self.engine.begin_shutdown)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Reserve the port before the model loads, so a busy port fails in a second, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({exc.strerror}): stop what uses the port or pick another "
+            "with --port"
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _kv_cache_gib(engine: AsyncEngine) -> float:
+    stats = engine.get_stats()
+    model = engine.config.model
+    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+    return stats.num_kv_blocks * stats.block_size * bytes_per_token / 2**30
+
+
+def _log_ready(engine: AsyncEngine, base_url: str) -> None:
+    model = engine.config.model
+    stats = engine.get_stats()
+    max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    logger.info(
+        "Memory: KV cache %.2f GiB (%d tokens in %d blocks), process peak RSS %.2f GiB",
+        _kv_cache_gib(engine),
+        stats.num_kv_blocks * stats.block_size,
+        stats.num_kv_blocks,
+        max_rss_gib,
+    )
+    logger.info("Routes: %s", ", ".join(ROUTES))
+    names = tuple(model.served_model_name) or (model.model,)
+    logger.info(
+        "Serving %s at %s/v1 (OpenAI-compatible). Try:\n  curl %s/v1/chat/completions "
+        '-H \'Content-Type: application/json\' -d \'{"model": "%s", "messages": '
+        '[{"role": "user", "content": "Hello!"}]}\'',
+        names[0],
+        base_url,
+        base_url,
+        names[0],
+    )
+
+
+def run_server(namespace: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM. Bad flags raise ValueError before anything loads."""
+    settings = ServerSettings.from_namespace(namespace)
+    engine_args = EngineArgs.from_cli(namespace)
+    if settings.exposed_without_key:
+        logger.warning(
+            "Listening on %s without an API key: anyone who can reach this machine can use the server. "
+            "Set --api-key (or FITSERVE_API_KEY), or bind to 127.0.0.1.",
+            settings.host,
+        )
+    sock = bind_socket(settings.host, settings.port)
+    try:
+        with _sigterm_as_interrupt():
+            engine = Engine.from_engine_args(engine_args)
+        async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
+        app = build_app(async_engine, settings)
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.uvicorn_log_level,
+            access_log=not settings.disable_uvicorn_access_log,
+            root_path=settings.root_path or "",
+            ssl_keyfile=settings.ssl_keyfile,
+            ssl_certfile=settings.ssl_certfile,
+            ssl_ca_certs=settings.ssl_ca_certs,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        )
+        _Server(config, async_engine, settings.base_url).run(sockets=[sock])
+    except KeyboardInterrupt:
+        logger.info("Interrupted while starting: exiting")
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the model loads, SIGTERM stops the start like Ctrl-C does (uvicorn handles it later)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,193 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic), with vLLM's extra sampling fields.
+
+Top-level fields a route does not know are kept in `model_extra`: the route refuses those that belong
+to another route (e.g. `messages` sent to /v1/completions) and ignores the rest with a log line, as
+vLLM does, so gateways that add their own fields keep working. Nested objects (stream_options, tool
+definitions) refuse unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallParam(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message of the history; extra keys (e.g. a vendor's) are handed to the template as they are."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role in ("system", "developer", "user", "tool"):
+            raise ValueError(
+                f"a {self.role} message needs content: add a content string or a list of text parts"
+            )
+        return self
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by chat and completions; None means "the model's or vLLM's default"."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+TokenIds = list[int]
+
+
+def check_prompt_shape(value: Any) -> Any:
+    """A prompt is a string, a list of strings, a list of token ids or a list of token-id lists."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return value
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+            return value
+        if all(isinstance(item, list) and item and all(isinstance(t, int) for t in item) for item in value):
+            return value
+    raise ValueError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
+        "(none of them empty)"
+    )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    add_special_tokens: bool = True
+
+    _prompt_shape = field_validator("prompt", mode="before")(check_prompt_shape)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either a `prompt` or chat `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt (a string) or messages (a chat history)")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]

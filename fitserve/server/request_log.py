@@ -1,0 +1,34 @@
+"""One log line per finished request (off with --disable-log-requests)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fitserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def log_finished_request(output: RequestOutput) -> None:
+    """An output observer: logs the request when its final output arrives."""
+    if not output.finished:
+        return
+    timing = output.metrics
+    generated = sum(len(choice.token_ids) for choice in output.outputs)
+    reasons = ",".join(sorted({choice.finish_reason or "abort" for choice in output.outputs})) or "abort"
+    ttft = ""
+    if timing is not None and timing.first_token_time is not None:
+        ttft = f", first token after {timing.first_token_time - timing.arrival_time:.2f} s"
+    total = ""
+    if timing is not None:
+        total = f", {((timing.finished_time or time.time()) - timing.arrival_time):.2f} s in all"
+    logger.info(
+        "Finished request %s: %d prompt tokens, %d generated, finish_reason=%s%s%s",
+        output.request_id,
+        len(output.prompt_token_ids),
+        generated,
+        reasons,
+        ttft,
+        total,
+    )

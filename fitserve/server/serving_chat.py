@@ -1,0 +1,257 @@
+"""POST /v1/chat/completions: render the history, generate, parse reasoning and tool calls, answer
+as one JSON body or as server-sent `chat.completion.chunk` events ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from fitserve.engine.async_engine import RequestStream
+from fitserve.engine.outputs import CompletionOutput, RequestOutput
+from fitserve.server.choice_parsing import ChoiceParser, final_finish_reason
+from fitserve.server.context import ServingContext
+from fitserve.server.errors import APIError
+from fitserve.server.logprobs import chat_logprob_entries
+from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCallDelta, ToolParser
+from fitserve.server.protocol import ChatCompletionRequest
+from fitserve.server.responses import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+    UsageInfo,
+)
+from fitserve.server.streaming import SSE_DONE, EventStreamResponse, run_unless_disconnected, sse_event
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/v1/chat/completions"
+MISPLACED_FIELDS = {
+    "prompt": "chat takes messages; send the prompt as a user message, or send it to /v1/completions",
+    "suffix": "suffix belongs to /v1/completions (and is not supported there either)",
+    "echo": "echo belongs to /v1/completions: send the prompt there to have it echoed",
+    "functions": "functions is OpenAI's retired form of tools: send tools instead",
+    "function_call": "function_call is OpenAI's retired form of tool_choice: send tool_choice instead",
+}
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        model_name = ctx.check_model(request.model)
+        ctx.check_extra_fields(request, MISPLACED_FIELDS, ROUTE)
+        n = ctx.check_common(request)
+        tool_parser_cls = self._tool_parser_class(request)
+        self._check_response_format(request)
+        ctx.check_logprobs(request.top_logprobs, "top_logprobs")
+        prompt_text, prompt_ids = await ctx.render_chat(request, request.add_special_tokens)
+        ctx.check_prompt_ids(prompt_ids, "messages")
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        requested = request.max_completion_tokens if field == "max_completion_tokens" else request.max_tokens
+        max_tokens = ctx.resolve_max_tokens(requested, field, len(prompt_ids))
+        num_top = request.top_logprobs or 0
+        params = ctx.sampling_params(
+            request, n=n, max_tokens=max_tokens, logprobs=num_top if request.logprobs else None
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            stream = await ctx.engine.add_request(request_id, prompt_text, prompt_ids, params)
+        except ValueError as exc:
+            raise APIError(str(exc)) from exc
+        parsers = [self._choice_parser(prompt_text, tool_parser_cls, request) for _ in range(n)]
+        if request.stream:
+            events = self._stream_events(request, stream, model_name, parsers, num_top)
+            return EventStreamResponse(events, on_close=stream.close)
+        final = await run_unless_disconnected(raw_request, stream.final_output())
+        return JSONResponse(self._full_response(final, model_name, parsers, num_top).model_dump())
+
+    def _tool_parser_class(self, request: ChatCompletionRequest) -> type[ToolParser] | None:
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if request.tools else "none"
+        if not isinstance(choice, str):
+            raise APIError(
+                f"tool_choice naming the function {choice.function.name!r} is not supported yet (it needs "
+                'structured output): use tool_choice "auto" and describe the tool in the request',
+                param="tool_choice",
+            )
+        if choice == "required":
+            raise APIError(
+                'tool_choice "required" is not supported yet (it needs structured output): use '
+                'tool_choice "auto" or "none"',
+                param="tool_choice",
+            )
+        if choice == "none":
+            return None
+        if not request.tools:
+            raise APIError('tool_choice "auto" needs tools: add tools to the request', param="tool_choice")
+        settings = self.ctx.settings
+        if not settings.enable_auto_tool_choice or settings.tool_call_parser is None:
+            raise APIError(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
+                '--tool-call-parser (e.g. hermes); or send tool_choice "none"',
+                param="tool_choice",
+            )
+        return TOOL_CALL_PARSERS[settings.tool_call_parser]
+
+    @staticmethod
+    def _check_response_format(request: ChatCompletionRequest) -> None:
+        if request.response_format is not None and request.response_format.type != "text":
+            raise APIError(
+                f"response_format type {request.response_format.type!r} is not supported yet (no structured "
+                'output): leave response_format out or use {"type": "text"}',
+                param="response_format",
+            )
+
+    def _choice_parser(
+        self, prompt_text: str, tool_parser_cls: type[ToolParser] | None, request: ChatCompletionRequest
+    ) -> ChoiceParser:
+        name = self.ctx.settings.reasoning_parser
+        reasoning = REASONING_PARSERS[name](prompt_text) if name else None
+        tools = tool_parser_cls([t.model_dump() for t in request.tools or []]) if tool_parser_cls else None
+        return ChoiceParser(reasoning, tools)
+
+    def _logprobs(self, choice: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs | None:
+        if choice.logprobs is None:
+            return None
+        entries = chat_logprob_entries(
+            self.ctx.tokenizer, choice.token_ids[start:], choice.logprobs[start:], num_top
+        )
+        return ChatChoiceLogprobs(content=entries)
+
+    def _full_response(
+        self,
+        final: RequestOutput,
+        model_name: str,
+        parsers: list[ChoiceParser],
+        num_top: int,
+    ) -> ChatCompletionResponse:
+        choices = []
+        for choice in final.outputs:
+            parser = parsers[choice.index]
+            parsed = parser.parse(choice.text)
+            tool_calls = [
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in parsed.tool_calls
+            ]
+            message = ChatResponseMessage(
+                role=self.ctx.settings.response_role,
+                content=parsed.content,
+                reasoning_content=parsed.reasoning,
+                tool_calls=tool_calls or None,
+            )
+            choices.append(
+                ChatChoice(
+                    index=choice.index,
+                    message=message,
+                    logprobs=self._logprobs(choice, 0, num_top),
+                    finish_reason=final_finish_reason(choice.finish_reason, parser.called_tools),
+                    stop_reason=choice.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=final.request_id, model=model_name, choices=choices, usage=_usage(final)
+        )
+
+    async def _stream_events(
+        self,
+        request: ChatCompletionRequest,
+        stream: RequestStream,
+        model_name: str,
+        parsers: list[ChoiceParser],
+        num_top: int,
+    ) -> AsyncIterator[str]:
+        request_id = stream.request_id
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            body = ChatCompletionChunk(id=request_id, model=model_name, choices=choices, usage=usage)
+            return sse_event(body.model_dump_json())
+
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        sent_text = [""] * len(parsers)
+        sent_tokens = [0] * len(parsers)
+        done = [False] * len(parsers)
+        final: RequestOutput | None = None
+        try:
+            role = DeltaMessage(role=self.ctx.settings.response_role, content="")
+            for index in range(len(parsers)):
+                yield chunk([ChatStreamChoice(index=index, delta=role)])
+            async for output in stream:
+                final = output
+                for choice in output.outputs:
+                    i = choice.index
+                    if done[i]:
+                        continue
+                    finished = choice.finish_reason is not None
+                    parsed = parsers[i].feed(choice.text[len(sent_text[i]) :], finished)
+                    sent_text[i] = choice.text
+                    logprobs = self._logprobs(choice, sent_tokens[i], num_top)
+                    sent_tokens[i] = len(choice.token_ids)
+                    delta = DeltaMessage(
+                        content=parsed.content,
+                        reasoning_content=parsed.reasoning,
+                        tool_calls=[_delta_tool_call(c) for c in parsed.tool_calls] or None,
+                    )
+                    has_logprobs = logprobs is not None and bool(logprobs.content)
+                    if not (
+                        finished
+                        or has_logprobs
+                        or delta.content
+                        or delta.reasoning_content
+                        or delta.tool_calls
+                    ):
+                        continue
+                    reason = final_finish_reason(choice.finish_reason, parsers[i].called_tools)
+                    stream_choice = ChatStreamChoice(
+                        index=i,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        stop_reason=choice.stop_reason if finished else None,
+                    )
+                    done[i] = finished
+                    yield chunk([stream_choice])
+            if include_usage and final is not None:
+                yield chunk([], usage=_usage(final))
+        except APIError as exc:
+            yield exc.to_sse()
+        except Exception as exc:
+            logger.exception("chat stream %s failed", request_id)
+            yield APIError(f"generation failed: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR).to_sse()
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+
+def _delta_tool_call(call: ToolCallDelta) -> DeltaToolCall:
+    return DeltaToolCall(
+        index=call.index,
+        id=call.id,
+        type="function" if call.id is not None else None,
+        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+    )
+
+
+def _usage(output: RequestOutput) -> UsageInfo:
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

@@ -1,0 +1,279 @@
+"""POST /v1/completions: one or more prompts (text or token ids), each with n choices, answered as one
+JSON body or as server-sent `text_completion` events ending in `data: [DONE]`.
+
+Choice i of prompt p has index p * n + i, as in OpenAI and vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from fitserve.engine.async_engine import RequestStream
+from fitserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from fitserve.server.context import ServingContext
+from fitserve.server.errors import APIError
+from fitserve.server.logprobs import completion_logprobs, join_completion_logprobs
+from fitserve.server.protocol import CompletionRequest
+from fitserve.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
+from fitserve.server.streaming import (
+    SSE_DONE,
+    EventStreamResponse,
+    merge_async_iterators,
+    run_unless_disconnected,
+    sse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/v1/completions"
+MISPLACED_FIELDS = {
+    "messages": "completions take a prompt; send chat messages to /v1/chat/completions",
+    "tools": "tools belong to /v1/chat/completions: send the conversation there",
+    "tool_choice": "tool_choice belongs to /v1/chat/completions: send the conversation there",
+    "top_logprobs": "completions take logprobs as a number (e.g. logprobs: 5) instead of top_logprobs",
+    "max_completion_tokens": "completions limit the output with max_tokens: send max_tokens instead",
+}
+
+
+@dataclass
+class _Prompt:
+    text: str  # for echo
+    token_ids: list[int]
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
+        ctx = self.ctx
+        model_name = ctx.check_model(request.model)
+        ctx.check_extra_fields(request, MISPLACED_FIELDS, ROUTE)
+        n = ctx.check_common(request)
+        if request.suffix:
+            raise APIError("suffix is not supported: leave it out", param="suffix")
+        ctx.check_logprobs(request.logprobs, "logprobs")
+        prompts = await asyncio.to_thread(self._prompts, request)  # tokenizing may take a while
+        echo_logprobs = request.logprobs if request.echo else None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        params_list = []
+        for index, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+            ctx.check_prompt_ids(prompt.token_ids, param)
+            max_tokens = ctx.resolve_max_tokens(request.max_tokens, "max_tokens", len(prompt.token_ids))
+            params_list.append(
+                ctx.sampling_params(
+                    request,
+                    n=n,
+                    max_tokens=max_tokens,
+                    logprobs=request.logprobs,
+                    prompt_logprobs=echo_logprobs,
+                )
+            )
+        streams: list[RequestStream] = []
+        try:
+            for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                streams.append(await ctx.engine.add_request(sub_id, prompt.text, prompt.token_ids, params))
+        except BaseException as exc:
+            _close_all(streams)
+            if isinstance(exc, ValueError):
+                raise APIError(str(exc)) from exc
+            raise
+        if request.stream:
+            events = self._stream_events(request, request_id, streams, prompts, model_name, n)
+            return EventStreamResponse(events, on_close=functools.partial(_close_all, streams))
+        finals = await run_unless_disconnected(raw_request, _all_final_outputs(streams))
+        return JSONResponse(
+            self._full_response(request, request_id, finals, prompts, model_name, n).model_dump()
+        )
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        prompt = request.prompt
+        tokenizer = self.ctx.tokenizer
+        if isinstance(prompt, str):
+            return [_Prompt(prompt, self.ctx.tokenize(prompt, request.add_special_tokens))]
+        if all(isinstance(item, int) for item in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            return [_Prompt(tokenizer.decode(ids) if request.echo else "", ids)]
+        prompts = []
+        for item in prompt:
+            if isinstance(item, str):
+                prompts.append(_Prompt(item, self.ctx.tokenize(item, request.add_special_tokens)))
+            else:
+                ids = list(item)
+                prompts.append(_Prompt(tokenizer.decode(ids) if request.echo else "", ids))
+        return prompts
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        positions: list[PositionLogprobs] | list[PositionLogprobs | None] | None,
+        offset: int,
+    ) -> CompletionLogprobs | None:
+        if positions is None:
+            return None
+        return completion_logprobs(self.ctx.tokenizer, token_ids, list(positions), offset)
+
+    def _echo_part(
+        self, request: CompletionRequest, prompt: _Prompt, output: RequestOutput
+    ) -> tuple[str, CompletionLogprobs | None]:
+        if not request.echo:
+            return "", None
+        logprobs = None
+        if request.logprobs is not None and output.prompt_logprobs is not None:
+            logprobs = self._logprobs(prompt.token_ids, output.prompt_logprobs, 0)
+        return prompt.text, logprobs
+
+    def _full_response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        finals: list[RequestOutput],
+        prompts: list[_Prompt],
+        model_name: str,
+        n: int,
+    ) -> CompletionResponse:
+        choices = []
+        for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            echo_text, echo_logprobs = self._echo_part(request, prompt, final)
+            for choice in final.outputs:
+                offset = _end_offset(echo_logprobs)
+                logprobs = self._logprobs(choice.token_ids, choice.logprobs, offset)
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * n + choice.index,
+                        text=echo_text + choice.text,
+                        logprobs=join_completion_logprobs(echo_logprobs, logprobs),
+                        finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason,
+                    )
+                )
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=_usage(finals))
+
+    async def _stream_events(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        streams: list[RequestStream],
+        prompts: list[_Prompt],
+        model_name: str,
+        n: int,
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        progress: dict[int, _ChoiceProgress] = {}
+        finals: dict[int, RequestOutput] = {}
+        merged = merge_async_iterators(*streams)
+        try:
+            async for prompt_index, output in merged:
+                finals[prompt_index] = output
+                for choice in output.outputs:
+                    index = prompt_index * n + choice.index
+                    if index not in progress:
+                        progress[index] = _ChoiceProgress(index, prompts[prompt_index])
+                    event = self._stream_choice(request, output, choice, progress[index])
+                    if event is None:
+                        continue
+                    body = CompletionResponse(id=request_id, model=model_name, choices=[event])
+                    yield sse_event(body.model_dump_json())
+            if include_usage and len(finals) == len(streams):
+                usage = _usage([finals[i] for i in range(len(streams))])
+                yield sse_event(
+                    CompletionResponse(
+                        id=request_id, model=model_name, choices=[], usage=usage
+                    ).model_dump_json()
+                )
+        except APIError as exc:
+            yield exc.to_sse()
+        except Exception as exc:
+            logger.exception("completion stream %s failed", request_id)
+            yield APIError(f"generation failed: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR).to_sse()
+        finally:
+            await merged.aclose()
+            _close_all(streams)
+        yield SSE_DONE
+
+    def _stream_choice(
+        self,
+        request: CompletionRequest,
+        output: RequestOutput,
+        choice: CompletionOutput,
+        sent: _ChoiceProgress,
+    ) -> CompletionChoice | None:
+        """The chunk for what the choice produced since the last one; None when there is nothing new."""
+        if sent.finished:
+            return None
+        delta = choice.text[len(sent.text) :]
+        echo_logprobs = None
+        if not sent.started:
+            echo_text, echo_logprobs = self._echo_part(request, sent.prompt, output)
+            delta = echo_text + delta
+        offset = _end_offset(echo_logprobs) if echo_logprobs is not None else sent.text_offset
+        logprobs = None
+        if choice.logprobs is not None:
+            start = sent.num_tokens
+            logprobs = self._logprobs(choice.token_ids[start:], choice.logprobs[start:], offset)
+        joined = join_completion_logprobs(echo_logprobs, logprobs)
+        sent.started, sent.finished = True, choice.finish_reason is not None
+        sent.text, sent.num_tokens = choice.text, len(choice.token_ids)
+        if joined is not None and joined.tokens:
+            sent.text_offset = _end_offset(joined)
+        if not (delta or sent.finished or (joined is not None and joined.tokens)):
+            return None
+        return CompletionChoice(
+            index=sent.index,
+            text=delta,
+            logprobs=joined,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason if sent.finished else None,
+        )
+
+
+@dataclass
+class _ChoiceProgress:
+    """What a stream has sent of one choice."""
+
+    index: int
+    prompt: _Prompt
+    started: bool = False
+    finished: bool = False
+    text: str = ""
+    num_tokens: int = 0
+    text_offset: int = 0
+
+
+def _end_offset(logprobs: CompletionLogprobs | None) -> int:
+    if logprobs is None or not logprobs.tokens:
+        return 0
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+
+
+def _usage(finals: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
+    completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _all_final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    try:
+        return list(await asyncio.gather(*(stream.final_output() for stream in streams)))
+    finally:
+        _close_all(streams)

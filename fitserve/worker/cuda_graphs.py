@@ -1,0 +1,119 @@
+"""CUDA graphs for decode steps: one captured forward per batch size, replayed with copied inputs.
+
+A decode step of B sequences runs the graph captured for the smallest capture size >= B. Rows past B
+are padding: their new key/value goes to slot 0 (the null block, never handed to a request), their
+context is one token, and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
+
+logger = logging.getLogger("fitserve")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every 8 up to 512, capped by max_num_seqs."""
+    sizes = [1, 2, 4] + list(range(8, 513, 8))
+    capped = [s for s in sizes if s <= max_num_seqs]
+    if max_num_seqs not in capped and max_num_seqs < 512:
+        capped.append(max_num_seqs)
+    return sorted(capped)
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        capture_sizes: list[int],
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.capture_sizes = sorted(capture_sizes)
+        self.max_batch = self.capture_sizes[-1]
+        self.max_model_len = max_model_len
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * batch,
+            seq_lens_cpu=[self.max_model_len] * batch,
+        )
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        with forward_context(self._metadata(batch), self.kv_caches):
+            return self.model(self.input_ids[:batch], self.positions[:batch])
+
+    @torch.inference_mode()
+    def capture(self) -> tuple[float, int]:
+        """Captures every size, largest first so smaller graphs reuse the pool. Returns (secs, bytes)."""
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        started = time.perf_counter()
+        for batch in reversed(self.capture_sizes):
+            self._forward(batch)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(batch)
+                self.hidden[:batch].copy_(out)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        used = free_before - torch.cuda.mem_get_info()[0]
+        return elapsed, used
+
+    def can_run(self, batch: int, max_query_len: int) -> bool:
+        return max_query_len == 1 and batch <= self.max_batch
+
+    def padded_size(self, batch: int) -> int:
+        for size in self.capture_sizes:
+            if size >= batch:
+                return size
+        raise ValueError(f"batch {batch} exceeds the largest captured size {self.max_batch}")
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        batch = input_ids.shape[0]
+        size = self.padded_size(batch)
+        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
+        self.positions[:batch].copy_(positions, non_blocking=True)
+        self.slot_mapping[:batch].copy_(metadata.slot_mapping, non_blocking=True)
+        self.seq_lens[:batch].copy_(metadata.seq_lens, non_blocking=True)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:batch, :width].copy_(metadata.block_tables, non_blocking=True)
+        if size > batch:
+            self.slot_mapping[batch:size].zero_()
+            self.seq_lens[batch:size].fill_(1)
+            self.block_tables[batch:size].zero_()
+        self.graphs[size].replay()
+        return self.hidden[:batch]

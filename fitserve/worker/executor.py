@@ -1,0 +1,31 @@
+"""Executors run the model runner: in this process today; one process per GPU for tensor parallel."""
+
+from __future__ import annotations
+
+from fitserve.config import EngineConfig
+from fitserve.engine.scheduler import SchedulerOutput
+from fitserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+
+class UniprocExecutor:
+    """One model runner in the engine's own process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+
+    def initialize_kv_cache(self) -> int:
+        """Sizes and allocates the KV cache; returns the number of blocks."""
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
+
+
+def create_executor(config: EngineConfig) -> UniprocExecutor:
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "not supported yet: tensor/pipeline parallel size > 1: run with --tensor-parallel-size 1"
+        )
+    return UniprocExecutor(config)

@@ -1,0 +1,252 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
+
+Contract: execute() computes exactly the tokens the scheduler listed; a request whose last known
+token is computed this step gets one sampled token (and its logprobs when asked); a request that
+asked for prompt logprobs gets them for every prompt position this step computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fitserve.config import EngineConfig
+from fitserve.engine.sampling_params import SamplingParams
+from fitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
+from fitserve.models.loader import load_model
+from fitserve.worker.cuda_graphs import CudaGraphRunner
+from fitserve.worker.platforms import make_platform
+from fitserve.worker.sampler import Sampler, SamplingRow, TokenLogprobs, compute_prompt_logprobs
+
+logger = logging.getLogger("fitserve")
+
+GiB = 1 << 30
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Prompt logprobs computed this step, in prompt order, for positions start+1 .. (see execute()).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_indices: list[int]  # row of the hidden states to sample from, per sampling request
+    sample_items: list[ScheduledRequest]
+    # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
+    prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device.torch_device
+        self.block_size = config.cache.block_size
+        self.platform = make_platform(self.device)
+        started = time.perf_counter()
+        self.model = load_model(config.model, self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info(
+            "Model loading took %.2f GiB and %.1f seconds", weight_bytes / GiB, time.perf_counter() - started
+        )
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: CudaGraphRunner | None = None
+
+    # ---- KV cache sizing and allocation -------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.config.model.dtype
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        return self.platform.determine_num_blocks(self)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+        total = num_blocks * self.kv_bytes_per_block() / GiB
+        num_tokens = (num_blocks - 1) * self.block_size  # block 0 is the reserved null block
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d, %.2f GiB, %s)",
+            num_tokens,
+            num_blocks,
+            self.block_size,
+            total,
+            str(self.kv_cache_dtype).replace("torch.", ""),
+        )
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            mc.max_model_len,
+            num_tokens / mc.max_model_len,
+        )
+        self.graph_runner = self.platform.make_graph_runner(self)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A dummy step at the worst case: max_num_batched_tokens prompt tokens, max_num_seqs samples.
+
+        Attention runs over a small scratch KV cache that every dummy sequence shares; only the
+        activation peak matters here.
+        """
+        sc = self.config.scheduler
+        mc = self.config.model
+        num_tokens = sc.max_num_batched_tokens
+        seq_len = min(mc.max_model_len, num_tokens)
+        num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        scratch_shape = (2, blocks_per_seq + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        scratch = [
+            torch.zeros(scratch_shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(mc.num_layers)
+        ]
+        query_lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
+        positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
+        table = torch.arange(1, blocks_per_seq + 1, dtype=torch.int32, device=self.device)
+        slots = positions + self.block_size  # block 1 onwards: one distinct slot per position
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            block_tables=table.unsqueeze(0).expand(num_seqs, -1).contiguous(),
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=query_lens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with forward_context(metadata, scratch):
+            hidden = self.model(input_ids, positions)
+        rows = min(sc.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())] * rows)
+        del scratch, hidden, logits
+
+    # ---- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_req_ids:
+            self.generators.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        inputs = self._prepare_inputs(scheduler_output.scheduled)
+        meta = inputs.metadata
+        if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            with forward_context(meta, self.kv_caches):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+        output = ModelRunnerOutput()
+        if inputs.prompt_logprob_rows:
+            self._prompt_logprobs(hidden, inputs, output)
+        if inputs.sample_items:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            rows = [self._sampling_row(item) for item in inputs.sample_items]
+            result = self.sampler(logits, rows)
+            for item, token_id, token_logprobs in zip(
+                inputs.sample_items, result.sampled_token_ids, result.logprobs
+            ):
+                request_id = item.request.request_id
+                output.sampled[request_id] = token_id
+                if token_logprobs is not None:
+                    output.logprobs[request_id] = token_logprobs
+        return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        for request_id, (rows, next_ids, num_top) in inputs.prompt_logprob_rows.items():
+            logits = self.model.compute_logits(hidden[rows])
+            output.prompt_logprobs[request_id] = compute_prompt_logprobs(logits, next_ids, num_top)
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        params = request.params
+        generator = None
+        if params.seed is not None:
+            generator = self.generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+                self.generators[request.request_id] = generator
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=generator,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_indices: list[int] = []
+        sample_items: list[ScheduledRequest] = []
+        prompt_rows: dict[str, tuple[list[int], list[int], int]] = {}
+        max_blocks = max(len(item.block_ids) for item in scheduled)
+        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, item in enumerate(scheduled):
+            start, n = item.start, item.num_new_tokens
+            row_offset = len(input_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, start + n))
+            table = item.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            request = item.request
+            if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
+                # Row j predicts token start + j + 1; keep those that are prompt tokens.
+                last = min(start + n, request.num_prompt_tokens - 1)
+                rows = list(range(row_offset, row_offset + last - start))
+                next_ids = request.all_token_ids[start + 1 : last + 1]
+                prompt_rows[request.request_id] = (rows, next_ids, request.params.prompt_logprobs)
+            if item.samples:
+                sample_indices.append(row_offset + n - 1)
+                sample_items.append(item)
+        query_start_loc = [0]
+        for q in query_lens:
+            query_start_loc.append(query_start_loc[-1] + q)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            metadata=metadata,
+            sample_indices=sample_indices,
+            sample_items=sample_items,
+            prompt_logprob_rows=prompt_rows,
+        )

@@ -1,0 +1,122 @@
+"""What differs between devices, behind one small interface: KV sizing and graph capture.
+
+CpuPlatform: the KV pool is a fixed amount of RAM (--cpu-kv-cache-space, default
+DEFAULT_CPU_KV_CACHE_SPACE_GIB) unless num_gpu_blocks_override is given; no graphs.
+CudaPlatform: the KV pool is what gpu_memory_utilization leaves after the measured weights, the
+activation peak of a dummy step at max_num_batched_tokens, memory outside torch, and the CUDA graph
+pool (vLLM's accounting); decode steps replay CUDA graphs unless enforce_eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from fitserve.worker.cuda_graphs import CudaGraphRunner, default_capture_sizes
+
+if TYPE_CHECKING:
+    from fitserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("fitserve")
+
+GiB = 1 << 30
+# Reserved for the CUDA graph pool before it is captured (the graphs need the KV cache's addresses,
+# so they are captured after it is allocated); the log reports what capture really took.
+CUDA_GRAPH_RESERVE_BYTES = 256 << 20
+
+
+class Platform(Protocol):
+    def determine_num_blocks(self, runner: ModelRunner) -> int: ...
+
+    def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None: ...
+
+
+class CpuPlatform:
+    def determine_num_blocks(self, runner: ModelRunner) -> int:
+        cache = runner.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        return int(cache.cpu_kv_cache_space_gib * GiB // runner.kv_bytes_per_block())
+
+    def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
+        return None
+
+
+class CudaPlatform:
+    def __init__(self) -> None:
+        self.weights_bytes = 0
+
+    def determine_num_blocks(self, runner: ModelRunner) -> int:
+        config = runner.config
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner.profile_run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free_now, _ = torch.cuda.mem_get_info()
+        non_torch = max(0, (total - free_now) - torch.cuda.memory_reserved())
+        activation = peak - weights
+        graph_reserve = 0 if config.compilation.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        budget = total * config.cache.gpu_memory_utilization
+        kv_bytes = budget - weights - activation - non_torch - graph_reserve
+        torch.cuda.empty_cache()
+        self.weights_bytes = weights
+        logger.info(
+            "Memory profiling: total %.2f GiB x utilization %.2f = %.2f GiB; weights %.2f GiB, "
+            "activation peak %.2f GiB, non-torch %.2f GiB, CUDA graph reserve %.2f GiB",
+            total / GiB,
+            config.cache.gpu_memory_utilization,
+            budget / GiB,
+            weights / GiB,
+            activation / GiB,
+            non_torch / GiB,
+            graph_reserve / GiB,
+        )
+        logger.info("Available KV cache memory: %.2f GiB", max(kv_bytes, 0) / GiB)
+        override = config.cache.num_gpu_blocks_override
+        if override is not None:
+            return override
+        num_blocks = int(kv_bytes // runner.kv_bytes_per_block())
+        if num_blocks < 2:
+            raise ValueError(
+                "no memory is left for the KV cache: "
+                f"gpu_memory_utilization={config.cache.gpu_memory_utilization} gives {budget / GiB:.2f} GiB, "
+                f"of which weights take {weights / GiB:.2f} GiB and the activation peak at "
+                f"max_num_batched_tokens={config.scheduler.max_num_batched_tokens} takes "
+                f"{activation / GiB:.2f} GiB: raise --gpu-memory-utilization, "
+                "lower --max-num-batched-tokens, or use a smaller model"
+            )
+        return num_blocks
+
+    def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
+        config = runner.config
+        if config.compilation.enforce_eager:
+            return None
+        sizes = list(config.compilation.cudagraph_capture_sizes) or default_capture_sizes(
+            config.scheduler.max_num_seqs
+        )
+        sizes = sorted(s for s in sizes if s <= config.scheduler.max_num_seqs) or [1]
+        mc = config.model
+        graph_runner = CudaGraphRunner(
+            model=runner.model,
+            kv_caches=runner.kv_caches,
+            capture_sizes=sizes,
+            max_blocks_per_seq=-(-mc.max_model_len // config.cache.block_size),
+            max_model_len=mc.max_model_len,
+            hidden_size=mc.hf_config.hidden_size,
+            dtype=mc.dtype,
+            device=runner.device,
+        )
+        seconds, used = graph_runner.capture()
+        logger.info("Graph capturing finished in %.0f secs, took %.2f GiB", seconds, used / GiB)
+        return graph_runner
+
+
+def make_platform(device: torch.device) -> Platform:
+    if device.type == "cuda":
+        return CudaPlatform()
+    return CpuPlatform()

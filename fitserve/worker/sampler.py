@@ -1,0 +1,278 @@
+"""Batched token sampling: logits [B, V] plus one `SamplingRow` per row -> one token id per row.
+
+Order of operations, per row, all as tensor ops over the batch (no Python loop over the vocabulary):
+  1. logprobs are taken from the raw logits (log_softmax of the unprocessed logits, vLLM's default);
+  2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+  3. min_tokens: eos and stop_token_ids get -inf while fewer than min_tokens tokens were generated;
+  4. greedy rows (temperature < 1e-5) take torch.argmax of these logits (ties: the lowest id);
+  5. random rows: divide by temperature, then top_k, top_p, min_p, softmax, and draw with the
+     exponential race argmax(probs / q), q ~ Exp(1). A row with its own generator draws its q from that
+     generator alone, so its token depends only on its logits and its generator, never on other rows;
+     rows without one share a single draw.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from fitserve.engine.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # The request's own generator when params.seed is set, on the logits' device; None = shared draw.
+    generator: torch.Generator | None = None
+    # Tokens that end the sequence (empty when params.ignore_eos).
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass
+class TokenLogprobs:
+    """Index 0 is the sampled (or given) token; then the top-k tokens by raw logprob, most likely first.
+
+    rank = 1 + the number of other tokens whose logprob is at least this token's (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows: "
+                "pass logits [num_rows, vocab_size], one row per SamplingRow"
+            )
+        processed = logits.to(torch.float32, copy=True)
+        apply_penalties(processed, rows)
+        mask_stop_tokens_before_min_tokens(processed, rows)
+
+        sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
+        random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
+        if greedy:
+            greedy_idx = _index_tensor(greedy, logits.device)
+            sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+        if random:
+            random_idx = _index_tensor(random, logits.device)
+            sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
+
+        wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if wants_logprobs:
+            idx = _index_tensor(wants_logprobs, logits.device)
+            raw_logprobs = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
+            num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
+            entries = _token_logprobs(raw_logprobs, sampled[idx], num_tops)
+            for i, entry in zip(wants_logprobs, entries, strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], num_top: int
+) -> list[TokenLogprobs]:
+    """Logprobs of each prompt position's next token (row i scores next_token_ids[i]), plus the top
+    `num_top` tokens at that position, from the raw logits."""
+    if logits.dim() != 2 or logits.shape[0] != len(next_token_ids):
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match {len(next_token_ids)} next tokens: "
+            "pass one logits row per scored prompt position"
+        )
+    if not next_token_ids:
+        return []
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    token_ids = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)
+    return _token_logprobs(logprobs, token_ids, [num_top] * len(next_token_ids))
+
+
+def _token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
+) -> list[TokenLogprobs]:
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    chosen_ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    chosen_logprobs = chosen.squeeze(1).tolist()
+    chosen_ids = token_ids.tolist()
+    max_top = min(max(num_tops), logprobs.shape[1])
+    top_logprobs: list[list[float]] = [[] for _ in num_tops]
+    top_ids: list[list[int]] = [[] for _ in num_tops]
+    if max_top > 0:
+        top = logprobs.topk(max_top, dim=-1)
+        top_logprobs, top_ids = top.values.tolist(), top.indices.tolist()
+    result = []
+    for row, num_top in enumerate(num_tops):
+        k = min(num_top, max_top)
+        result.append(
+            TokenLogprobs(
+                token_ids=[chosen_ids[row], *top_ids[row][:k]],
+                logprobs=[chosen_logprobs[row], *top_logprobs[row][:k]],
+                ranks=[chosen_ranks[row], *range(1, k + 1)],
+            )
+        )
+    return result
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place on float32 logits [B, V]: repetition penalty over prompt + output tokens (positive
+    logits divided by it, negative multiplied), then logit -= frequency_penalty * count +
+    presence_penalty * (count > 0) over output tokens."""
+    _apply_repetition_penalty(logits, rows)
+    _apply_frequency_presence_penalties(logits, rows)
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    penalised = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if not penalised:
+        return
+    device = logits.device
+    idx = _index_tensor(penalised, device)
+    seen_rows, seen_tokens = _flat_token_index(
+        [itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in penalised], device
+    )
+    seen = torch.zeros((len(penalised), logits.shape[1]), dtype=torch.bool, device=device)
+    seen[seen_rows, seen_tokens] = True
+    penalty = _row_floats([rows[i].params.repetition_penalty for i in penalised], device).unsqueeze(1)
+    block = logits[idx]
+    scaled = torch.where(block > 0, block / penalty, block * penalty)
+    logits[idx] = torch.where(seen, scaled, block)
+
+
+def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    penalised = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
+    ]
+    if not penalised:
+        return
+    device = logits.device
+    idx = _index_tensor(penalised, device)
+    count_rows, count_tokens = _flat_token_index([rows[i].output_token_ids for i in penalised], device)
+    counts = torch.zeros((len(penalised), logits.shape[1]), dtype=torch.float32, device=device)
+    counts.index_put_(
+        (count_rows, count_tokens), torch.ones_like(count_tokens, dtype=torch.float32), accumulate=True
+    )
+    frequency = _row_floats([rows[i].params.frequency_penalty for i in penalised], device)
+    presence = _row_floats([rows[i].params.presence_penalty for i in penalised], device)
+    logits[idx] -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0).float()
+
+
+def mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: -inf for eos_token_ids and stop_token_ids of rows with fewer than min_tokens outputs."""
+    vocab_size = logits.shape[1]
+    mask_rows: list[int] = []
+    mask_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        banned = sorted(t for t in row.eos_token_ids.union(row.params.stop_token_ids or ()) if t < vocab_size)
+        mask_rows.extend([i] * len(banned))
+        mask_tokens.extend(banned)
+    if mask_tokens:
+        logits[
+            _index_tensor(mask_rows, logits.device), _index_tensor(mask_tokens, logits.device)
+        ] = -torch.inf
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits [R, V] (after penalties) of random rows -> sampled ids [R]; modifies logits."""
+    device = logits.device
+    temperature = _row_floats([row.params.temperature for row in rows], device)
+    logits.div_(temperature.unsqueeze(1))
+    _apply_top_k(logits, [row.params.top_k for row in rows])
+    _apply_top_p(logits, [row.params.top_p for row in rows])
+    _apply_min_p(logits, [row.params.min_p for row in rows])
+    probs = torch.softmax(logits, dim=-1)
+
+    race = torch.empty_like(probs)
+    unseeded = [j for j, row in enumerate(rows) if row.generator is None]
+    if len(unseeded) == len(rows):
+        race.exponential_()
+    elif unseeded:
+        race[_index_tensor(unseeded, device)] = torch.empty(
+            (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
+        ).exponential_()
+    for j, row in enumerate(rows):
+        if row.generator is not None:
+            race[j].exponential_(generator=row.generator)
+    # An Exp(1) draw of exactly 0 would give inf (or nan for a masked token); keep it positive.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return probs.div_(race).argmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
+    vocab_size = logits.shape[1]
+    ks = [k if 0 < k < vocab_size else 0 for k in top_ks]  # 0 = keep everything
+    if not any(ks):
+        return
+    k = torch.tensor(ks, dtype=torch.long, device=logits.device).unsqueeze(1)
+    top_values = logits.topk(max(ks), dim=-1).values
+    kth_value = top_values.gather(1, (k - 1).clamp(min=0))
+    kth_value = torch.where(k > 0, kth_value, torch.full_like(kth_value, -torch.inf))
+    logits.masked_fill_(logits < kth_value, -torch.inf)
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
+    """Keep a token if the probability of the tokens ranked above it is below top_p (so the most
+    likely token always stays). Ties rank by token id, lowest first."""
+    limited = [j for j, p in enumerate(top_ps) if p < 1.0]
+    if not limited:
+        return
+    device = logits.device
+    idx = _index_tensor(limited, device)
+    block = logits[idx]
+    top_p = _row_floats([top_ps[j] for j in limited], device).unsqueeze(1)
+    sorted_logits, order = block.sort(dim=-1, descending=True, stable=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_above >= top_p
+    drop_sorted[:, 0] = False
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    logits[idx] = block.masked_fill(drop, -torch.inf)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> None:
+    """Drop tokens with probability below min_p * (the top probability): in logit space,
+    logit < max_logit + log(min_p)."""
+    if not any(p > 0.0 for p in min_ps):
+        return
+    min_p = _row_floats(min_ps, logits.device).unsqueeze(1)
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
+    logits.masked_fill_(logits < threshold, -torch.inf)
+
+
+def _flat_token_index(
+    token_lists: list[Iterable[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs for every token of every list, as two LongTensors."""
+    lengths: list[int] = []
+    flat: list[int] = []
+    for tokens in token_lists:
+        before = len(flat)
+        flat.extend(tokens)
+        lengths.append(len(flat) - before)
+    row_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    return row_index.to(device), torch.tensor(flat, dtype=torch.long).to(device)
+
+
+def _row_floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

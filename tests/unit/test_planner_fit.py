@@ -1,0 +1,250 @@
+"""Auto-fit: each choice and its reason, explicit settings winning, and every refusal's numbers and fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from fitserve.args import EngineArgs
+from fitserve.planner.fit import FitResult, PlanError, auto_fit
+from fitserve.planner.hardware import DeviceSpec, GiB, parse_assume_gpus
+from tests.unit.planner_helpers import H100, model_info
+
+SEQS = frozenset({"max_num_seqs"})  # max_num_seqs set explicitly (its default value)
+
+
+def fit(name: str, gpus: str = H100, explicit: frozenset[str] = frozenset(), **args: object) -> FitResult:
+    return auto_fit(model_info(name), EngineArgs(**args), parse_assume_gpus(gpus), explicit)  # type: ignore[arg-type]
+
+
+def choice(result: FitResult, setting: str) -> tuple[object, str]:
+    (found,) = [c for c in result.choices if c.setting == setting]
+    return found.value, found.reason
+
+
+def busy_gpu(total_gib: float, free_gib: float, capability: tuple[int, int] = (9, 0)) -> DeviceSpec:
+    return DeviceSpec("cuda", 0, "NVIDIA H100", int(total_gib * GiB), int(free_gib * GiB), capability)
+
+
+def test_dtype_bf16_from_sm_8_and_fp16_below() -> None:
+    assert choice(fit("llama-3.1-8b"), "dtype") == (
+        "bfloat16",
+        "the model's bfloat16; SM 9.0 runs it natively",
+    )
+    value, reason = choice(fit("deepseek-r1-distill-qwen-7b", "1x31.75@7.0"), "dtype")
+    assert value == "float16"
+    assert reason == "fp16: the GPU's compute capability 7.0 is below 8.0 (no fast bf16)"
+    value, reason = choice(fit("llama-3.1-8b", "1x80"), "dtype")
+    assert value == "bfloat16" and "capability unknown, taken as 8.0+" in reason
+
+
+def test_explicit_bf16_on_an_old_gpu_is_refused() -> None:
+    with pytest.raises(
+        PlanError, match=r"dtype=bfloat16 needs compute capability 8.0, .* has 7.5: set --dtype half"
+    ):
+        fit("qwen3-0.6b", "1x16@7.5", dtype="bfloat16")
+
+
+def test_model_max_len_kept_when_two_full_requests_fit() -> None:
+    result = fit("llama-3.1-8b")
+    assert result.plan.inputs.max_model_len == 131072
+    value, reason = choice(result, "max_model_len")
+    tokens = result.plan.kv_cache_tokens
+    assert reason == f"the model's own; the KV cache ({tokens:,} tokens) holds {tokens / 131072:.1f}x"
+    assert result.engine_args.max_model_len == 131072
+
+
+def test_max_model_len_lowered_to_what_two_requests_fit() -> None:
+    result = fit("deepseek-r1-distill-qwen-7b", "1x31.75@7.0")
+    plan = result.plan
+    length = plan.inputs.max_model_len
+    assert length % 16 == 0 and length < 131072
+    assert 2 * length <= plan.kv_cache_tokens < 2 * (length + 16) + 16
+    _, reason = choice(result, "max_model_len")
+    assert re.match(
+        r"the model's own 131,072 fits 1\.\d\dx in the KV cache \([\d,]+ tokens\): lowered", reason
+    )
+
+
+def test_explicit_max_model_len_too_long_names_the_largest_that_fits() -> None:
+    with pytest.raises(PlanError) as error:
+        fit("llama-3.1-8b", "1x24@8.9", max_model_len=65536)
+    assert error.value.kind == "kv_cache"
+    message = str(error.value)
+    largest = int(re.search(r"--max-model-len (\d+) \(the largest that fits\)", message)[1])  # type: ignore[index]
+    assert "the KV cache cannot hold one max_model_len=65,536 request" in message
+    assert f"holds {largest:,} tokens" in message
+    fp8_tokens = int(
+        re.search(r"--kv-cache-dtype fp8 \(one byte per KV element\): ([\d,]+) KV", message)[1].replace(
+            ",", ""
+        )
+    )  # type: ignore[index]
+    assert fp8_tokens >= 2 * largest
+    # the numbers are the planner's own: the length it names fits, one block more does not
+    assert fit("llama-3.1-8b", "1x24@8.9", max_model_len=largest).plan.inputs.max_model_len == largest
+    with pytest.raises(PlanError):
+        fit("llama-3.1-8b", "1x24@8.9", max_model_len=largest + 16)
+
+
+def test_max_model_len_above_the_model_limit() -> None:
+    with pytest.raises(
+        PlanError, match=r"max_model_len=50000 is above the model's own limit 40960: set --max"
+    ):
+        fit("qwen3-8b", max_model_len=50000)
+
+
+def test_utilization_lowered_when_another_process_holds_the_gpu() -> None:
+    info = model_info("llama-3.1-8b")
+    result = auto_fit(info, EngineArgs(max_model_len=4096), [busy_gpu(79.19, 50.0)])
+    value, reason = choice(result, "gpu_memory_utilization")
+    assert value == 0.63  # floor(50 / 79.19, 2 decimals)
+    assert reason.startswith("other processes hold 29.19 GiB of GPU 0 (NVIDIA H100")
+    assert "0.9 would need 71.27 GiB but 50.00 GiB is free" in reason
+
+
+def test_explicit_utilization_above_free_is_refused_with_the_value_that_fits() -> None:
+    info = model_info("llama-3.1-8b")
+    args = EngineArgs(max_model_len=4096, gpu_memory_utilization=0.9)
+    with pytest.raises(PlanError) as error:
+        auto_fit(info, args, [busy_gpu(79.19, 50.0)], frozenset({"gpu_memory_utilization"}))
+    assert error.value.kind == "gpu_memory_utilization"
+    assert str(error.value) == (
+        "gpu_memory_utilization=0.9 asks for 71.27 GiB of GPU 0 (NVIDIA H100, 79.19 GiB, SM 9.0) but only "
+        "50.00 GiB is free (other processes hold 29.19 GiB): set --gpu-memory-utilization 0.63 or lower, "
+        "or stop the other processes"
+    )
+
+
+def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
+    with pytest.raises(PlanError) as error:
+        fit("llama-3.3-70b", "1x24@8.6")
+    assert error.value.kind == "weights"
+    message = str(error.value)
+    assert message.startswith(
+        "the weights do not fit on GPU 0 (assumed GPU, 24.00 GiB, SM 8.6): 131.42 GiB per GPU"
+    )
+    assert re.search(r"114\.\d\d GiB short", message)
+    combo = re.search(r"--quantization awq or gptq with --cpu-offload-gb ([\d.]+) ", message)
+    bnb = re.search(r"--quantization bitsandbytes with --cpu-offload-gb ([\d.]+) ", message)
+    assert combo and bnb
+    assert "--tensor-parallel-size 8 (8 GPUs like this one; this plan has 1)" in message
+    # applying a named fix makes the plan fit; half a GiB less offload does not (with the knobs the
+    # suggestion was sized with, set explicitly so that auto-fit does not shrink them)
+    knobs = {
+        "max_model_len": 4096,
+        "max_num_batched_tokens": 8192,
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, *range(8, 257, 8)]},
+    }
+    for method, offload in (("awq", float(combo[1])), ("bitsandbytes", float(bnb[1]))):
+        fitted = fit("llama-3.3-70b", "1x24@8.6", SEQS, quantization=method, cpu_offload_gb=offload, **knobs)
+        assert fitted.plan.kv_cache_tokens >= 4096
+        with pytest.raises(PlanError):
+            fit("llama-3.3-70b", "1x24@8.6", SEQS, quantization=method, cpu_offload_gb=offload - 0.5, **knobs)
+    fit("llama-3.3-70b", "8x24@8.6", tensor_parallel_size=8, max_model_len=4096)
+
+
+def test_quantization_alone_is_offered_when_it_fits() -> None:
+    with pytest.raises(PlanError) as error:
+        fit("llama-3.1-8b", "1x16@8.9")
+    message = str(error.value)
+    assert (
+        "--quantization fp8 (8-bit, quantized from this checkpoint while loading): weights 8.46 GiB"
+        in message
+    )
+    assert (
+        "--quantization awq or gptq (4-bit, needs an AWQ or GPTQ checkpoint of the model): weights 5.33"
+        in message
+    )
+    assert "--tensor-parallel-size 2 (2 GPUs like this one; this plan has 1)" in message
+    assert "with --cpu-offload-gb" not in message  # quantization alone fits: no combinations offered
+
+
+def test_explicit_settings_win_over_auto_fit() -> None:
+    explicit = frozenset({"max_num_seqs"})
+    result = fit("llama-3.1-8b", "1x20@8.9", explicit, max_num_seqs=512, max_num_batched_tokens=8192)
+    assert result.plan.inputs.max_num_seqs == 512
+    assert choice(result, "max_num_seqs") == (512, "set by you")
+    assert choice(result, "max_num_batched_tokens") == (8192, "set by you")
+
+
+def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
+    result = fit("llama-3.1-8b", "1x18.7@8.9")
+    inputs = result.plan.inputs
+    assert inputs.cudagraph_capture_sizes == () and inputs.max_num_batched_tokens == 4096
+    sizes, reason = choice(result, "cudagraph_capture_sizes")
+    assert re.fullmatch(
+        r"lowered to leave the KV cache room for a 4,096-token request \(frees 0\.\d\d GiB\)", reason
+    )
+    assert choice(result, "max_num_batched_tokens")[1].startswith("lowered to leave the KV cache room")
+    assert result.plan.kv_cache_tokens >= 4096
+    assert result.engine_args.enforce_eager is True
+    # the defaults would not have left room for one 4096-token request
+    with pytest.raises(PlanError):
+        fit(
+            "llama-3.1-8b",
+            "1x18.7@8.9",
+            SEQS,
+            max_model_len=4096,
+            max_num_batched_tokens=8192,
+            enforce_eager=True,
+        )
+
+
+def test_max_num_seqs_capped_by_the_kv_blocks() -> None:
+    result = fit("qwen3-0.6b", "1x2.5@8.9", max_model_len=512, max_num_batched_tokens=512)
+    seqs, reason = choice(result, "max_num_seqs")
+    blocks = result.plan.num_kv_blocks - 1
+    assert seqs <= blocks < 256
+    expected = f"lowered from 128 to {seqs}: the KV cache has {blocks} blocks and every running request holds"
+    assert reason == f"{expected} at least one"
+    assert all(size <= seqs for size in result.plan.inputs.cudagraph_capture_sizes)
+    # the largest such count: one more sequence would need more blocks than its plan leaves
+    more = fit(
+        "qwen3-0.6b", "1x2.5@8.9", SEQS, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=seqs + 1
+    )
+    assert more.plan.num_kv_blocks - 1 < seqs + 1
+
+
+def test_tensor_parallel_checks() -> None:
+    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 needs 2 GPUs, the plan has 1: set --tensor"):
+        fit("llama-3.1-8b", tensor_parallel_size=2)
+    with pytest.raises(
+        PlanError, match=r"tensor_parallel_size=3 does not divide the model's 32 attention heads"
+    ):
+        fit("llama-3.1-8b", "4x80", tensor_parallel_size=3)
+    result = fit("qwen3-8b", "2x20@8.9", tensor_parallel_size=2)
+    assert result.plan.inputs.max_model_len == 40960
+    assert "planned only: fitserve's engine does not run --tensor-parallel-size 2 yet" in result.notes
+
+
+def test_unused_gpus_are_noted() -> None:
+    result = fit("qwen3-8b", "2x20@8.9")
+    (note,) = [n for n in result.notes if n.startswith("2 GPUs present")]
+    assert re.fullmatch(r"2 GPUs present, .* --tensor-parallel-size 2 would give [\d,]+ KV tokens", note)
+
+
+def test_cpu_plan_and_host_memory_refusal() -> None:
+    cpu = DeviceSpec("cpu", 0, "CPU (2 cores, 16.0 GiB RAM)", 16 * GiB, 12 * GiB)
+    result = auto_fit(model_info("qwen3-0.6b"), EngineArgs(), [cpu])
+    assert choice(result, "dtype")[0] == "float32"
+    assert result.plan.inputs.max_num_batched_tokens == 2048
+    assert result.plan.kv_cache_bytes == pytest.approx(4 * GiB, abs=result.plan.block_bytes)
+    small = DeviceSpec("cpu", 0, "CPU", 4 * GiB, 3 * GiB)
+    with pytest.raises(PlanError) as error:
+        auto_fit(model_info("qwen3-0.6b"), EngineArgs(), [small])
+    assert error.value.kind == "host_memory"
+    assert re.search(
+        r"needs [\d.]+ GiB of RAM .* but 3\.00 GiB is available: lower --cpu-kv-cache-space", str(error.value)
+    )
+
+
+def test_filled_engine_args_carry_every_choice() -> None:
+    result = fit("llama-3.1-8b", max_model_len=4096)
+    args = result.engine_args
+    assert (args.dtype, args.max_model_len, args.max_num_batched_tokens) == ("bfloat16", 4096, 8192)
+    assert args.compilation_config == {
+        "cudagraph_capture_sizes": list(result.plan.inputs.cudagraph_capture_sizes)
+    }
+    assert dataclasses.replace(args) == args
