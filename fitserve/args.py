@@ -153,7 +153,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Check every value, resolve the model, device and defaults; the one place that does so."""
-        self._check_ranges()
+        self.check_ranges()
         self._refuse_unsupported()
         device = _resolve_device(self.device)
         compilation = CompilationConfig(
@@ -214,7 +214,7 @@ class EngineArgs:
             disable_log_stats=self.disable_log_stats,
         )
 
-    def _check_ranges(self) -> None:
+    def check_ranges(self) -> None:
         for engine_field in fields(self):  # argparse checks choices for flags; this covers Python callers
             choices = engine_field.metadata["argparse"].get("choices")
             value = getattr(self, engine_field.name)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.args import EngineArgs, add_engine_args
 from fitserve.engine.reasoning_split import prompt_ends_in_think, split_reasoning
+from fitserve.planner.cli_plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan
 
 logger = logging.getLogger("fitserve")
 
@@ -26,16 +27,27 @@ DEFAULT_CLI_MAX_TOKENS = 256
 PROMPT_TAIL_TOKENS = 8
 
 
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (tests and servers may swap it)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """One stderr handler on the "fitserve" logger; calling it again changes nothing."""
     if any(getattr(h, "fitserve_cli", False) for h in logger.handlers):
         return
-    handler = logging.StreamHandler()
+    handler = CurrentStderrHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     handler.fitserve_cli = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(level)
-    logger.propagate = False
 
 
 def add_model_positional(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +113,9 @@ def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentPa
     from fitserve.bench.cli_bench import add_bench_parser
 
     add_bench_parser(subparsers)  # listed in --help; `fitserve bench ...` runs through bench_main
-    return top, {"serve": serve, "generate": generate}
+    plan = add_plan_parser(subparsers)
+    doctor = add_doctor_parser(subparsers)
+    return top, {"serve": serve, "generate": generate, "plan": plan, "doctor": doctor}
 
 
 def run_serve(namespace: argparse.Namespace) -> int:
@@ -161,7 +175,12 @@ def format_answer(text: str, prompt_opened_think: bool) -> str:
     return f"Think: {split.reasoning.strip()}\nAnswer: {split.answer.strip()}"
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"serve": run_serve, "generate": run_generate}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": run_serve,
+    "generate": run_generate,
+    "plan": run_plan,
+    "doctor": run_doctor,
+}
 
 
 def parse_command(argv: Sequence[str]) -> tuple[str, FlexibleArgumentParser, argparse.Namespace]:

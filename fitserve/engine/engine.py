@@ -16,6 +16,7 @@ from fitserve.engine.outputs import RequestMetrics, RequestOutput
 from fitserve.engine.request import Request, RequestStatus
 from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.scheduler import Scheduler
+from fitserve.engine.token_bytes import token_byte_table
 from fitserve.models.loader import load_generation_defaults, load_tokenizer
 from fitserve.worker.executor import create_executor
 
@@ -43,7 +44,6 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
-        logger.info("Model: %s", mc.model_source)
         started = time.perf_counter()
         self.tokenizer = load_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.executor = create_executor(config)
@@ -53,6 +53,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        token_byte_table(self.tokenizer)  # built once now, not on the first request
         self.eos_token_ids = self._eos_token_ids()
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0

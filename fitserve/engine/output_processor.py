@@ -84,6 +84,8 @@ class OutputProcessor:
             if detokenizer is None:
                 continue
             stop = detokenizer.add_tokens([token_id])
+            if stop is None and child.is_finished:
+                detokenizer.finish()  # flush a trailing partial character as decode() would
             if stop is not None and not child.is_finished:
                 stopped.append((child, stop))
         return stopped

@@ -84,7 +84,7 @@ def plan_from_namespace(namespace: argparse.Namespace) -> FitResult:
     from fitserve.planner.model_info import inspect_model
 
     args = EngineArgs.from_cli(namespace)
-    args._check_ranges()
+    args.check_ranges()
     devices, host_ram = planning_devices(args.device, getattr(namespace, "assume_gpus", None))
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
     return auto_fit(model, args, devices, explicit_engine_fields(namespace), host_ram)

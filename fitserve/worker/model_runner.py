@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fitserve.config import EngineConfig
@@ -207,15 +208,20 @@ class ModelRunner:
         sample_items: list[ScheduledRequest] = []
         prompt_rows: dict[str, tuple[list[int], list[int], int]] = {}
         max_blocks = max(len(item.block_ids) for item in scheduled)
-        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
         for i, item in enumerate(scheduled):
             start, n = item.start, item.num_new_tokens
             row_offset = len(input_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, start + n))
             table = item.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            if n == 1:  # decode: the common case, kept cheap
+                input_ids.append(item.request.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(item.token_ids)
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            block_tables[i, : len(table)] = table
             query_lens.append(n)
             seq_lens.append(start + n)
             request = item.request
@@ -236,7 +242,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,

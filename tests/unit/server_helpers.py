@@ -22,8 +22,9 @@ from fitserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
 from fitserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fitserve.engine.sampling_params import SamplingParams
+from tests.paths import SMOLLM2_TOKENIZER_DIR
 
-TOKENIZER_PATH = "/work/shared/tokenizers/smollm2"
+TOKENIZER_PATH = str(SMOLLM2_TOKENIZER_DIR)
 _TOKENIZER: Any = None
 
 

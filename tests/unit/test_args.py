@@ -16,8 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.args import EngineArgs, add_engine_args, resolve_dtype
 from fitserve.server.args import add_server_args
+from tests.paths import FIXTURES_DIR
 
-FIXTURES = Path("/work/shared/fixtures")
+FIXTURES = FIXTURES_DIR
 TINY_MAX_POSITIONS = 256
 
 

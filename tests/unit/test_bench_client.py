@@ -21,8 +21,9 @@ from fitserve.arg_parser import FlexibleArgumentParser
 from fitserve.bench.cli_bench import _add_bench_parsers
 from fitserve.bench.client import RequestInput, SSELines, send_request
 from fitserve.bench.serve import arrival_offsets, run_requests, run_serve_benchmark
+from tests.paths import SMOLLM2_TOKENIZER_DIR
 
-SMOLLM2_TOKENIZER = "/work/shared/tokenizers/smollm2"
+SMOLLM2_TOKENIZER = str(SMOLLM2_TOKENIZER_DIR)
 FIRST_TOKEN_DELAY = 0.05
 TOKEN_GAP = 0.01
 

@@ -16,8 +16,9 @@ from fitserve.bench.datasets import (
     sample_requests,
     sample_sharegpt_requests,
 )
+from tests.paths import SMOLLM2_TOKENIZER_DIR
 
-TOKENIZER_PATH = "/work/shared/tokenizers/smollm2"
+TOKENIZER_PATH = str(SMOLLM2_TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="module")

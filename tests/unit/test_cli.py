@@ -13,9 +13,10 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from fitserve.cli import format_answer, main, parse_command
 from fitserve.engine.reasoning_split import ReasoningSplit, prompt_ends_in_think, split_reasoning
+from tests.paths import FIXTURES_DIR, SMOLLM2_TOKENIZER_DIR
 
-SMOLLM2_TOKENIZER = Path("/work/shared/tokenizers/smollm2")
-FIXTURE_32GB = "/work/shared/fixtures/seed-config-32gb.yaml"
+SMOLLM2_TOKENIZER = SMOLLM2_TOKENIZER_DIR
+FIXTURE_32GB = str(FIXTURES_DIR / "seed-config-32gb.yaml")
 
 # ---- the <think> split ---------------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ from fitserve.engine.detokenizer import (
 )
 from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.token_bytes import CLEANUP_PROBE_TEXT, decode_with_table, token_byte_table
+from tests.paths import SMOLLM2_TOKENIZER_DIR
 
-SMOLLM2 = "/work/shared/tokenizers/smollm2"
+SMOLLM2 = str(SMOLLM2_TOKENIZER_DIR)
 IM_END = 2
 
 MULTILINGUAL = (

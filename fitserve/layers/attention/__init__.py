@@ -12,10 +12,10 @@ import torch
 
 from fitserve.layers.attention.backend import AttentionBackend
 
-# device type -> (module, class). CUDA runs the reference backend until the Triton kernels register here.
+# device type -> (module, class).
 _BACKEND_REGISTRY: dict[str, tuple[str, str]] = {
     "cpu": ("fitserve.layers.attention.torch_reference", "TorchReferenceBackend"),
-    "cuda": ("fitserve.layers.attention.torch_reference", "TorchReferenceBackend"),
+    "cuda": ("fitserve.kernels.triton_attention", "TritonAttentionBackend"),
 }
 _backends: dict[str, AttentionBackend] = {}
 
