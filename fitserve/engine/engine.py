@@ -58,6 +58,8 @@ class Engine:
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # The last step's new tokens, detokenized while the next step runs: (requests, logprobs, time).
+        self._pending: tuple[list[Request], dict, float] | None = None
         logger.info(
             "Engine ready in %.1f s: max_model_len %d, KV cache %d tokens, "
             "max concurrency %.1fx at full length",
@@ -188,23 +190,39 @@ class Engine:
             child_ids = self.output_processor.child_ids(parent_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(parent_id)
+            if self._pending is not None:
+                progressed, token_logprobs, token_time = self._pending
+                kept = [child for child in progressed if child.parent_id != parent_id]
+                self._pending = (kept, token_logprobs, token_time) if kept else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     # ---- the step loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and starts a step, then, while the device computes it, detokenizes the tokens of
+        the step before (finding stop strings) and builds their outputs; then takes this step's
+        tokens. A request ended by a stop string may so compute one token more, which is dropped."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        finish_step = self.executor.launch(scheduler_output)
+        outputs = self._process_pending()
+        runner_output = finish_step()
         if scheduler_output.is_empty:
-            return []
+            return outputs
         self._count_tokens(scheduler_output)
-        self.output_processor.mark_scheduled(
-            [s.request.request_id for s in scheduler_output.scheduled], time.time()
-        )
+        now = time.time()
+        self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
         self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
-        stopped = self.output_processor.apply_tokens(progressed, runner_output.logprobs)
+        self._pending = (progressed, runner_output.logprobs, now)
+        return outputs
+
+    def _process_pending(self) -> list[RequestOutput]:
+        if self._pending is None:
+            return []
+        progressed, token_logprobs, token_time = self._pending
+        self._pending = None
+        stopped = self.output_processor.apply_tokens(progressed, token_logprobs, token_time)
         for child, stop_string in stopped:
             child.stop_reason = stop_string
             self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)

@@ -117,6 +117,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}
         self.req_block_hashes: dict[str, list[int]] = {}
         self.req_num_cached_blocks: dict[str, int] = {}  # leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens looked up
@@ -133,7 +134,8 @@ class KVCacheManager:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (a live list: it grows as the request does)."""
+        return self.req_block_ids.get(request_id, [])
 
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Hashes of the request's full blocks among its first num_tokens tokens (extended lazily)."""
@@ -172,31 +174,36 @@ class KVCacheManager:
         computed_blocks: prefix-cache hits for a request being scheduled for the first time; the
         caller has already counted them in request.num_computed_tokens.
         """
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        request_id = request.request_id
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            blocks = []
         total_tokens = request.num_computed_tokens + num_new_tokens
-        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
-        num_needed = max(num_needed, 0)
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_needed + num_revived > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_blocks[request.request_id]
-            return False
-        self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(num_needed))
+        num_needed = max(-(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks), 0)
+        if num_needed or computed_blocks or request_id not in self.req_blocks:
+            num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+            if num_needed + num_revived > self.pool.num_free_blocks:
+                return False
+            self.pool.touch(computed_blocks)
+            new_blocks = list(computed_blocks) + self.pool.allocate(num_needed)
+            blocks.extend(new_blocks)
+            self.req_blocks[request_id] = blocks
+            self.req_block_ids.setdefault(request_id, []).extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
             # Blocks filled by this step are findable from the next schedule on.
             num_full = total_tokens // self.block_size
-            hashes = self._block_hashes(request, total_tokens)
-            start = self.req_num_cached_blocks.get(request.request_id, 0)
-            for i in range(start, num_full):
-                self.pool.cache(blocks[i], hashes[i])
-            self.req_num_cached_blocks[request.request_id] = max(start, num_full)
+            start = self.req_num_cached_blocks.get(request_id, 0)
+            if num_full > start:
+                hashes = self._block_hashes(request, total_tokens)
+                for i in range(start, num_full):
+                    self.pool.cache(blocks[i], hashes[i])
+                self.req_num_cached_blocks[request_id] = num_full
         return True
 
     def free(self, request: Request) -> None:
         """Return a request's blocks; the tail goes first into the free queue so it is evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.req_block_hashes.pop(request.request_id, None)
         self.req_num_cached_blocks.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))

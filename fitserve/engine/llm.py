@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 from fitserve.args import EngineArgs
 from fitserve.engine.engine import Engine
 from fitserve.engine.outputs import RequestOutput
-from fitserve.engine.sampling_params import SamplingParams
+from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -84,7 +85,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        params_list = self._final_only(self._params_per_prompt(sampling_params, len(prompts)))
         # Validate everything before anything is queued: a bad prompt leaves the engine untouched.
         requests = [self._split_prompt(p) for p in prompts]
         for _text, token_ids in requests:
@@ -144,6 +145,15 @@ class LLM:
                 f"got {len(params_list)} SamplingParams for {count} prompts: pass one, or one per prompt"
             )
         return params_list
+
+    @staticmethod
+    def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+        """The offline API reads only finished outputs: ask the engine for nothing else."""
+        converted: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in converted:
+                converted[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        return [converted[id(p)] for p in params_list]
 
     @staticmethod
     def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
 from fitserve.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from fitserve.engine.request import Request
-from fitserve.engine.sampling_params import SamplingParams
+from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from fitserve.worker.sampler import TokenLogprobs
 
 
@@ -65,13 +65,14 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
 
     def apply_tokens(
-        self, progressed: list[Request], token_logprobs: dict[str, TokenLogprobs]
+        self, progressed: list[Request], token_logprobs: dict[str, TokenLogprobs], now: float
     ) -> list[tuple[Request, str]]:
         """Feed each new token to its detokenizer; returns the children a stop string just ended."""
         stopped: list[tuple[Request, str]] = []
-        now = time.time()
         for child in progressed:
-            parent = self.child_to_parent[child.request_id]
+            parent = self.child_to_parent.get(child.request_id)
+            if parent is None:  # aborted after its token was sampled
+                continue
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
@@ -98,6 +99,8 @@ class OutputProcessor:
             if parent is None:
                 continue
             finished = parent.finished
+            if not finished and parent.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             if finished:
                 parent.metrics.finished_time = now
                 self._forget(parent)

@@ -27,6 +27,11 @@ class RequestStatus(enum.Enum):
         )
 
 
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
+
+
 class Request:
     """A single sequence (one of a parent's n samples).
 
@@ -76,7 +81,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -25,6 +25,13 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request: every step with everything so far, or once when finished."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class SamplingParams:
     """What to sample and when to stop; field names and defaults follow vLLM's `SamplingParams`.
@@ -49,6 +56,7 @@ class SamplingParams:
     detokenize: produce text (False: token ids only; stop strings need text).
     skip_special_tokens / spaces_between_special_tokens: how special tokens appear in the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    output_kind: CUMULATIVE (a RequestOutput every step, for streaming) or FINAL_ONLY (the offline API).
     """
 
     n: int = 1
@@ -71,6 +79,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)

@@ -12,7 +12,9 @@ class RMSNorm(nn.Module):
     """`norm(x)` -> normed; `norm(x, residual)` adds first and returns (normed, x + residual).
 
     The fused form lets a decoder layer carry the residual stream without a separate add per block:
-    the sum is taken in the activations' dtype, exactly as HF's `residual + hidden_states`.
+    the sum is taken in the activations' dtype, exactly as HF's `residual + hidden_states`. On CUDA
+    both forms run as one Triton kernel (fitserve.kernels.norm); the fused one works in place, so x
+    and residual must not be read again by the caller.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -30,6 +32,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from fitserve.kernels.norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual

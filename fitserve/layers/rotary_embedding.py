@@ -111,9 +111,10 @@ class RotaryEmbedding(nn.Module):
     cast to the activations' dtype, as HF transformers does.
     """
 
-    def __init__(self, head_dim: int, settings: RopeSettings) -> None:
+    def __init__(self, head_dim: int, settings: RopeSettings, max_positions: int = 8192) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.max_positions = max_positions
         self.settings = settings
         self.register_buffer(
             "inv_freq", compute_inv_freq(head_dim, settings).to(torch.float32), persistent=False
@@ -124,6 +125,24 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(torch.float32)[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def rope_for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """What a decoder layer applies to q and k this step: a fused in-place kernel over a cached
+        cos/sin table on CUDA, the torch reference elsewhere."""
+        if positions.is_cuda:
+            return StepRope(positions=positions, cos_sin_cache=self._cos_sin_cache(positions.device))
+        cos, sin = self(positions, dtype)
+        return StepRope(cos=cos, sin=sin)
+
+    def _cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """float32 [max_positions, head_dim]: cos of each angle pair, then sin (the kernel's layout)."""
+        cache = getattr(self, "_cached_cos_sin", None)
+        if cache is None or cache.device != device:
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            angles = positions[:, None] * self.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+            cache = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+            self._cached_cos_sin = cache
+        return cache
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, {self.settings}"
@@ -139,3 +158,21 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class StepRope:
+    """One step's rotary inputs: (positions, cos_sin_cache) for the CUDA kernel, or (cos, sin) tables."""
+
+    positions: torch.Tensor | None = None
+    cos_sin_cache: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CUDA)."""
+        if self.cos_sin_cache is not None:
+            from fitserve.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
+        return apply_rotary_emb(q, self.cos, self.sin), apply_rotary_emb(k, self.cos, self.sin)

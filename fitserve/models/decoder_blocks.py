@@ -27,7 +27,7 @@ from fitserve.layers.linear import (
     ShardId,
     default_weight_loader,
 )
-from fitserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, rope_settings_from_config
+from fitserve.layers.rotary_embedding import RotaryEmbedding, StepRope, rope_settings_from_config
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -90,7 +90,7 @@ class DecoderAttention(nn.Module):
             sliding_window=sliding_window,
         )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(
             [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
@@ -100,8 +100,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary_emb(q, cos, sin)
-        k = apply_rotary_emb(k, cos, sin)
+        q, k = rope.apply(q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -114,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, config.hidden_act)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes the previous layer's (mlp output, residual stream); returns this layer's."""
         if residual is None:
@@ -122,7 +121,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -131,7 +130,9 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_settings_from_config(config))
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), rope_settings_from_config(config), config.max_position_embeddings
+        )
         windows = sliding_windows_of(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, i, windows[i]) for i in range(config.num_hidden_layers)
@@ -140,10 +141,10 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

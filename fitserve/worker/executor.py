@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fitserve.config import EngineConfig
 from fitserve.engine.scheduler import SchedulerOutput
 from fitserve.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -21,6 +23,10 @@ class UniprocExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Starts the step; the returned callable waits for it (see ModelRunner.launch)."""
+        return self.runner.launch(scheduler_output)
 
 
 def create_executor(config: EngineConfig) -> UniprocExecutor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,12 +146,18 @@ class ModelRunner:
         del scratch, hidden, logits
 
     # ---- one step ----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output)()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Queues the step's forward and sampling on the device and returns without waiting; calling
+        the result waits for the step and hands back its tokens. The engine does host work between."""
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
+        output = ModelRunnerOutput()
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
+            return lambda: output
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         meta = inputs.metadata
         if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
@@ -158,13 +165,16 @@ class ModelRunner:
         else:
             with forward_context(meta, self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-        output = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, output)
-        if inputs.sample_items:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            rows = [self._sampling_row(item) for item in inputs.sample_items]
-            result = self.sampler(logits, rows)
+        if not inputs.sample_items:
+            return lambda: output
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = [self._sampling_row(item) for item in inputs.sample_items]
+        pending = self.sampler.launch(logits, rows)
+
+        def finish() -> ModelRunnerOutput:
+            result = pending.result()
             for item, token_id, token_logprobs in zip(
                 inputs.sample_items, result.sampled_token_ids, result.logprobs
             ):
@@ -172,7 +182,9 @@ class ModelRunner:
                 output.sampled[request_id] = token_id
                 if token_logprobs is not None:
                     output.logprobs[request_id] = token_logprobs
-        return output
+            return output
+
+        return finish
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
         for request_id, (rows, next_ids, num_top) in inputs.prompt_logprob_rows.items():

@@ -53,6 +53,10 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queues the sampling work on the logits' device without waiting for it (no host sync)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows: "
@@ -62,26 +66,44 @@ class Sampler:
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
 
-        sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
         random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
-        if greedy:
-            greedy_idx = _index_tensor(greedy, logits.device)
-            sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
-        if random:
+        if not random:
+            sampled = processed.argmax(dim=-1)
+        else:
+            sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if greedy:
+                greedy_idx = _index_tensor(greedy, logits.device)
+                sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
             random_idx = _index_tensor(random, logits.device)
             sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
 
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        raw_logprobs = None
         if wants_logprobs:
             idx = _index_tensor(wants_logprobs, logits.device)
             raw_logprobs = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
-            num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
-            entries = _token_logprobs(raw_logprobs, sampled[idx], num_tops)
-            for i, entry in zip(wants_logprobs, entries, strict=True):
+        num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
+        return PendingSample(sampled, wants_logprobs, raw_logprobs, num_tops)
+
+
+@dataclass
+class PendingSample:
+    """Sampling queued on the device; result() waits for it and brings the ids to the host."""
+
+    sampled: torch.Tensor
+    logprob_rows: list[int]
+    raw_logprobs: torch.Tensor | None
+    num_tops: list[int]
+
+    def result(self) -> SamplerOutput:
+        logprobs: list[TokenLogprobs | None] = [None] * self.sampled.shape[0]
+        if self.raw_logprobs is not None:
+            chosen = self.sampled[_index_tensor(self.logprob_rows, self.sampled.device)]
+            entries = _token_logprobs(self.raw_logprobs, chosen, self.num_tops)
+            for i, entry in zip(self.logprob_rows, entries, strict=True):
                 logprobs[i] = entry
-        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=self.sampled.tolist(), logprobs=logprobs)
 
 
 def compute_prompt_logprobs(

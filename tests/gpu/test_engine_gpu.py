@@ -59,17 +59,16 @@ def _prompts(n: int, vocab: int = 49152) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(8, 200))] for _ in range(n)]
 
 
-def _hf_greedy(folder: Path, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def _hf_logprobs(folder: Path, token_ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """HF's log-softmax at every position of one sequence, float32 [len, vocab] on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
     with torch.inference_mode():
-        ids = torch.tensor([prompt], device="cuda")
-        first_logits = model(ids).logits[0, -1].float()
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        logits = model(torch.tensor([token_ids], device="cuda")).logits[0].float()
     del model
     torch.cuda.empty_cache()
-    return out[0, len(prompt) :].tolist(), torch.log_softmax(first_logits, -1).cpu()
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 def _llm(folder: Path, **kwargs):
@@ -88,42 +87,73 @@ def _greedy(llm, prompts: list[list[int]], max_tokens: int = GREEDY_TOKENS):
     return [o.outputs[0] for o in outs]
 
 
+# With random weights the top two logits are often closer than bf16 rounding noise (measured on the
+# Qwen3-0.6B shape: HF's own bf16 and fp32 forwards pick different argmaxes at 18% of positions), so
+# greedy agreement is judged where the fp32 reference's top-2 margin is clear of that noise, and a
+# free-running divergence must start at a near-tie.
+CLEAR_MARGIN = 0.5
+
+
 def test_greedy_and_logprobs_match_hf(model_folder):
     prompt = _prompts(1)[0]
-    hf_tokens, hf_first_logprobs = _hf_greedy(model_folder, prompt, GREEDY_TOKENS)
     llm = _llm(model_folder)
     out = _greedy(llm, [prompt])[0]
-    agree = sum(a == b for a, b in zip(out.token_ids, hf_tokens)) / GREEDY_TOKENS
-    assert agree >= 0.99, f"greedy agreement {agree:.3f} < 0.99"
-    first = out.logprobs[0]
-    for token_id, entry in first.items():
-        assert abs(entry.logprob - hf_first_logprobs[token_id].item()) < 0.05
     del llm
     torch.cuda.empty_cache()
+    sequence = prompt + out.token_ids
+    reference = _hf_logprobs(model_folder, sequence, torch.float32)[len(prompt) - 1 : -1]
+    hf_bf16 = _hf_logprobs(model_folder, sequence, torch.bfloat16)[len(prompt) - 1 : -1]
+    top2 = reference.topk(2, dim=-1)
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > CLEAR_MARGIN
+    ours = torch.tensor(out.token_ids)
+    agree = (ours == top2.indices[:, 0])[clear].float().mean().item()
+    assert clear.sum() >= 50, "too few clear positions to judge"
+    assert agree >= 0.99, f"greedy agreement {agree:.3f} < 0.99 on {int(clear.sum())} clear positions"
+    # Logprobs: no further from fp32 than HF's own bf16 forward is (plus a little).
+    our_error, hf_error = [], []
+    for step, position in enumerate(out.logprobs):
+        for token_id, entry in position.items():
+            our_error.append(abs(entry.logprob - reference[step, token_id].item()))
+            hf_error.append(abs(hf_bf16[step, token_id].item() - reference[step, token_id].item()))
+    ours_mean, hf_mean = sum(our_error) / len(our_error), sum(hf_error) / len(hf_error)
+    assert ours_mean <= 1.5 * hf_mean + 0.02, f"logprob error {ours_mean:.4f} vs HF bf16's {hf_mean:.4f}"
+
+
+def _first_divergence_is_a_near_tie(got, reference) -> None:
+    for ours, ref in zip(got, reference):
+        for step, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids)):
+            if a != b:
+                values = sorted((e.logprob for e in ref.logprobs[step].values()), reverse=True)
+                margin = values[0] - values[1]
+                assert margin < CLEAR_MARGIN, f"diverged at step {step} where the margin was {margin:.3f}"
+                break
 
 
 def test_graphs_prefix_cache_chunking_and_preemption_change_nothing(model_folder):
     prompts = _prompts(8)
     prompts[1] = prompts[0][:100] + prompts[1]  # a shared prefix for the prefix cache
-    reference_llm = _llm(model_folder, enforce_eager=True, enable_prefix_caching=False)
-    reference = [o.token_ids for o in _greedy(reference_llm, prompts, 64)]
-    del reference_llm
+    eager_llm = _llm(model_folder, enforce_eager=True, enable_prefix_caching=False)
+    eager = _greedy(eager_llm, prompts, 64)
+    del eager_llm
+    torch.cuda.empty_cache()
+    graphs_llm = _llm(model_folder, enable_prefix_caching=False)
+    graphs = _greedy(graphs_llm, prompts, 64)
+    assert [o.token_ids for o in graphs] == [o.token_ids for o in eager], "CUDA graphs changed the output"
+    del graphs_llm
     torch.cuda.empty_cache()
     variants = {
-        "cuda graphs": {},
         "prefix caching": {"enable_prefix_caching": True},
-        "chunked prefill": {"max_num_batched_tokens": 64, "enforce_eager": True},
+        "chunked prefill": {"max_num_batched_tokens": 64, "max_num_seqs": 8},
         "preemption": {"num_gpu_blocks_override": 40, "block_size": 16},
     }
     for name, kwargs in variants.items():
         llm = _llm(model_folder, **kwargs)
-        got = [o.token_ids for o in _greedy(llm, prompts, 64)]
+        got = _greedy(llm, prompts, 64)
         if name == "prefix caching":
-            got = [o.token_ids for o in _greedy(llm, prompts, 64)]  # second pass: hits
+            got = _greedy(llm, prompts, 64)  # second pass: hits
             assert llm.engine.kv_manager.prefix_cache_hits > 0
         if name == "preemption":
             assert llm.engine.scheduler.num_preemptions_total > 0
-        same = sum(a == b for a, b in zip(got, reference))
-        assert same == len(prompts), f"{name}: {len(prompts) - same} of {len(prompts)} outputs differ"
+        _first_divergence_is_a_near_tie(got, eager)
         del llm
         torch.cuda.empty_cache()

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from fitserve.engine.sampling_params import SamplingParams, SamplingType
+from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_are_vllms() -> None:
@@ -33,6 +33,7 @@ def test_defaults_are_vllms() -> None:
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "include_stop_str_in_output": False,
+        "output_kind": RequestOutputKind.CUMULATIVE,
     }
     assert {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} == expected
     assert params.sampling_type == SamplingType.RANDOM

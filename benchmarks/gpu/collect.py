@@ -1,0 +1,44 @@
+"""Folds the latest per-workload results into benchmarks/results/h100.json (the issue's keys)."""
+
+from __future__ import annotations
+
+import json
+
+from common import RESULTS
+
+
+def figures(name: str) -> dict:
+    path = RESULTS / f"h100_{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def main() -> None:
+    nano, equal, single, startup = (figures(n) for n in ("nano", "equal", "single8b", "startup8b"))
+    summary = {
+        "nano_out_tok_per_s": nano.get("figures", {}).get("out_tok_per_s"),
+        "equal_out_tok_per_s": equal.get("figures", {}).get("out_tok_per_s"),
+        "single8b_tok_per_s": single.get("figures", {}).get("tok_per_s"),
+        "single8b_roofline_frac": single.get("figures", {}).get("roofline_frac"),
+        "startup_8b_s": startup.get("figures", {}).get("process_start_to_first_token_s"),
+        "kv_tokens_8b": startup.get("figures", {}).get("kv_cache_tokens"),
+        "machine": (single or equal or nano or startup).get("machine"),
+        "commands": {
+            n: r.get("command")
+            for n, r in zip(("nano", "equal", "single8b", "startup8b"), (nano, equal, single, startup))
+            if r
+        },
+        "vllm_0_26_0": {
+            "nano_out_tok_per_s": 17603,
+            "equal_out_tok_per_s": 23302,
+            "single8b_tok_per_s": 152.5,
+            "single8b_roofline_frac": 0.81,
+            "startup_8b_s": 95,
+            "kv_tokens_8b": 444528,
+        },
+    }
+    (RESULTS / "h100.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

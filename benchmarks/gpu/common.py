@@ -1,0 +1,70 @@
+"""Shared by the GPU workload scripts: machine facts, the model shapes, and saving results.
+
+Each script prints one JSON object and saves it as benchmarks/results/h100_<workload>.json (or
+--out); `collect.py` folds the latest ones into benchmarks/results/h100.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
+MODELS = SHARED / "models"
+TOKENIZER = SHARED / "tokenizers" / "smollm2"
+PROCESS_START = time.perf_counter()  # the scripts import this module first
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / (1 << 30), 2)
+    return info
+
+
+def copy_bandwidth_bytes_per_s(num_bytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy, counting bytes read and written (as the issue's roofline does)."""
+    import torch
+
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / elapsed
+
+
+def save(workload: str, figures: dict, out: str | None = None) -> dict:
+    result = {
+        "workload": workload,
+        "command": " ".join(["python"] + sys.argv),
+        "machine": machine(),
+        "figures": figures,
+    }
+    print(json.dumps(result, indent=2))
+    path = Path(out) if out else RESULTS / f"h100_{workload}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return result

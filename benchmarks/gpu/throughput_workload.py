@@ -1,0 +1,55 @@
+"""The nano and equal workloads of issue 4 (Qwen3-0.6B shape, dummy weights), offline, output tok/s.
+
+python benchmarks/gpu/throughput_workload.py nano     # vLLM 0.26.0: 17,603 output tok/s
+python benchmarks/gpu/throughput_workload.py equal    # vLLM 0.26.0: 23,302 output tok/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import MODELS, TOKENIZER, save  # noqa: I001  (sets the process start time first)
+
+from fitserve import LLM, SamplingParams
+from fitserve.bench.workloads import named_workload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workload", choices=["nano", "equal"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    workload = named_workload(args.workload)
+    llm = LLM(
+        str(MODELS / "qwen3-0.6b"),
+        tokenizer=str(TOKENIZER),
+        load_format="dummy",
+        max_model_len=workload.max_model_len or 4096,
+    )
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [
+        SamplingParams(temperature=workload.temperature, max_tokens=r.max_tokens, ignore_eos=True)
+        for r in workload.requests
+    ]
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up: Triton compiles
+    llm.engine.kv_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    save(
+        args.workload,
+        {
+            "requests": len(outputs),
+            "prompt_tokens": workload.num_prompt_tokens,
+            "output_tokens": output_tokens,
+            "seconds": round(elapsed, 3),
+            "out_tok_per_s": round(output_tokens / elapsed, 1),
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
