@@ -16,38 +16,15 @@ from collections.abc import Callable, Sequence
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.args import EngineArgs, add_engine_args
 from fitserve.engine.reasoning_split import prompt_ends_in_think, split_reasoning
+from fitserve.logger import setup_logging
 from fitserve.planner.cli_plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan
 
 logger = logging.getLogger("fitserve")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-LOG_DATE_FORMAT = "%H:%M:%S"
+
 DEFAULT_CLI_MAX_TOKENS = 256
 # Decoded prompt tail long enough to hold a chat template's trailing "<think>\n".
 PROMPT_TAIL_TOKENS = 8
-
-
-class CurrentStderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a record is emitted (tests and servers may swap it)."""
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    """One stderr handler on the "fitserve" logger; calling it again changes nothing."""
-    if any(getattr(h, "fitserve_cli", False) for h in logger.handlers):
-        return
-    handler = CurrentStderrHandler()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
-    handler.fitserve_cli = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
-    logger.setLevel(level)
 
 
 def add_model_positional(parser: argparse.ArgumentParser) -> None:

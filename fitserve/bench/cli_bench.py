@@ -88,7 +88,7 @@ def bench_main(argv: Sequence[str]) -> int:
     if argv[0] == "serve":
         args = leaf.parse_args(argv[1:])
     else:
-        from fitserve.cli import setup_logging
+        from fitserve.logger import setup_logging
 
         setup_logging()
         args = parse_args_with_config(leaf, argv[1:])  # type: ignore[arg-type]

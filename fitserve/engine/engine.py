@@ -17,6 +17,7 @@ from fitserve.engine.request import Request, RequestStatus
 from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.scheduler import Scheduler
 from fitserve.engine.token_bytes import token_byte_table
+from fitserve.logger import configure_default_logging
 from fitserve.models.loader import load_generation_defaults, load_tokenizer
 from fitserve.worker.executor import create_executor
 
@@ -42,6 +43,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        configure_default_logging()
         self.config = config
         mc = config.model
         started = time.perf_counter()

@@ -102,11 +102,11 @@ class ModelRunner:
         self.graph_runner = self.platform.make_graph_runner(self)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """A dummy step at the worst case: max_num_batched_tokens prompt tokens, max_num_seqs samples.
 
         Attention runs over a small scratch KV cache that every dummy sequence shares; only the
-        activation peak matters here.
+        activation peak matters here. Returns the scratch cache's bytes, which are not activations.
         """
         sc = self.config.scheduler
         mc = self.config.model
@@ -143,7 +143,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())] * rows)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         del scratch, hidden, logits
+        return scratch_bytes
 
     # ---- one step ----------------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

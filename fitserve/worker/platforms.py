@@ -54,9 +54,9 @@ class CudaPlatform:
         torch.cuda.synchronize()
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        runner.profile_run()
+        scratch_bytes = runner.profile_run()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - scratch_bytes
         free_now, _ = torch.cuda.mem_get_info()
         non_torch = max(0, (total - free_now) - torch.cuda.memory_reserved())
         activation = peak - weights

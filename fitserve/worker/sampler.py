@@ -21,6 +21,8 @@ import torch
 
 from fitserve.engine.sampling_params import SamplingParams, SamplingType
 
+TOP_P_ROWS_PER_CHUNK = 64
+
 
 @dataclass
 class SamplingRow:
@@ -256,16 +258,20 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
     if not limited:
         return
     device = logits.device
-    idx = _index_tensor(limited, device)
-    block = logits[idx]
-    top_p = _row_floats([top_ps[j] for j in limited], device).unsqueeze(1)
-    sorted_logits, order = block.sort(dim=-1, descending=True, stable=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop_sorted = mass_above >= top_p
-    drop_sorted[:, 0] = False
-    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-    logits[idx] = block.masked_fill(drop, -torch.inf)
+    # Rows go through the sort in chunks: a full-vocabulary sort of every row at once would hold
+    # several [rows, vocab] temporaries (values, int64 indices, probabilities, sums) at the same time.
+    for first in range(0, len(limited), TOP_P_ROWS_PER_CHUNK):
+        chunk = limited[first : first + TOP_P_ROWS_PER_CHUNK]
+        idx = _index_tensor(chunk, device)
+        block = logits[idx]
+        top_p = _row_floats([top_ps[j] for j in chunk], device).unsqueeze(1)
+        sorted_logits, order = block.sort(dim=-1, descending=True, stable=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_above >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits[idx] = block.masked_fill(drop, -torch.inf)
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> None:
