@@ -43,6 +43,7 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     sample_indices: list[int]  # row of the hidden states to sample from, per sampling request
+    sample_rows: torch.Tensor | None  # the same on the device; None when it is every row in order
     sample_items: list[ScheduledRequest]
     # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
     prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
@@ -171,7 +172,11 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, output)
         if not inputs.sample_items:
             return lambda: output
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        # Every index tensor was built before the forward: a host-to-device copy made now would wait
+        # for the whole step and leave nothing to overlap.
+        if inputs.sample_rows is not None:
+            hidden = hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in inputs.sample_items]
         pending = self.sampler.launch(logits, rows)
 
@@ -267,6 +272,9 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             metadata=metadata,
             sample_indices=sample_indices,
+            sample_rows=None
+            if sample_indices == list(range(len(input_ids)))
+            else torch.tensor(sample_indices, dtype=torch.long, device=device),
             sample_items=sample_items,
             prompt_logprob_rows=prompt_rows,
         )

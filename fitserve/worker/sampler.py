@@ -72,6 +72,8 @@ class Sampler:
         random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
         if not random:
             sampled = processed.argmax(dim=-1)
+        elif not greedy:
+            sampled = _sample_random(processed, rows)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
@@ -244,7 +246,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     ks = [k if 0 < k < vocab_size else 0 for k in top_ks]  # 0 = keep everything
     if not any(ks):
         return
-    k = torch.tensor(ks, dtype=torch.long, device=logits.device).unsqueeze(1)
+    k = _to_device(ks, torch.long, logits.device).unsqueeze(1)
     top_values = logits.topk(max(ks), dim=-1).values
     kth_value = top_values.gather(1, (k - 1).clamp(min=0))
     kth_value = torch.where(k > 0, kth_value, torch.full_like(kth_value, -torch.inf))
@@ -299,8 +301,16 @@ def _flat_token_index(
 
 
 def _row_floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _to_device(values, torch.float32, device)
 
 
 def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return _to_device(values, torch.long, device)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device: through pinned memory, queued in
+    stream order (a plain pageable copy would block until the step's forward has finished)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
