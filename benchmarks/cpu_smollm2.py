@@ -5,6 +5,8 @@ Measures in one run on the same machine:
   - fitserve, single stream;
   - fitserve, 16 prompts at once.
 Goal (issue 2): fitserve single stream >= 3x HF's; 16 prompts >= 10x HF's single-stream tokens/s.
+HF is measured twice: as `from_pretrained` loads it by default (the config's dtype, bfloat16, which
+this CPU has no fast instructions for) and in float32, fitserve's CPU default.
 
 Usage: python benchmarks/cpu_smollm2.py [--out benchmarks/results/cpu_smollm2.json]
 """
@@ -49,8 +51,10 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def bench_hf(model_path: str, prompt_ids: list[int]) -> dict:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+def bench_hf(model_path: str, prompt_ids: list[int], dtype: torch.dtype | None) -> dict:
+    """HF `generate`, batch 1. dtype None: what from_pretrained loads by default (the config's dtype)."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.eval()
     inputs = torch.tensor([prompt_ids])
     with torch.inference_mode():
@@ -61,7 +65,12 @@ def bench_hf(model_path: str, prompt_ids: list[int]) -> dict:
         )
         elapsed = time.perf_counter() - start
     generated = out.shape[1] - len(prompt_ids)
-    return {"tokens": generated, "seconds": elapsed, "tok_per_s": generated / elapsed}
+    return {
+        "dtype": str(model.dtype),
+        "tokens": generated,
+        "seconds": elapsed,
+        "tok_per_s": generated / elapsed,
+    }
 
 
 def bench_fitserve(llm, prompts_ids: list[list[int]]) -> dict:
@@ -93,7 +102,8 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
     prompts_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
 
-    hf = bench_hf(llm.engine.config.model.model_path, prompts_ids[0])
+    hf_default = bench_hf(llm.engine.config.model.model_path, prompts_ids[0], None)
+    hf = bench_hf(llm.engine.config.model.model_path, prompts_ids[0], torch.float32)
     single = bench_fitserve(llm, prompts_ids[:1])
     batch16 = bench_fitserve(llm, prompts_ids)
     result = {
@@ -110,11 +120,14 @@ def main() -> None:
         "model": llm.engine.config.model.model_source,
         "dtype": str(llm.engine.config.model.dtype),
         "new_tokens": NEW_TOKENS,
+        "hf_single_stream_default_dtype": hf_default,
         "hf_single_stream": hf,
         "fitserve_single_stream": single,
         "fitserve_16_prompts": batch16,
         "single_stream_speedup_vs_hf": single["tok_per_s"] / hf["tok_per_s"],
         "batch16_speedup_vs_hf_single": batch16["tok_per_s"] / hf["tok_per_s"],
+        "single_stream_speedup_vs_hf_default_dtype": single["tok_per_s"] / hf_default["tok_per_s"],
+        "batch16_speedup_vs_hf_default_dtype_single": batch16["tok_per_s"] / hf_default["tok_per_s"],
     }
     print(json.dumps(result, indent=2))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -65,6 +65,7 @@ class CudaPlatform:
         kv_bytes = budget - weights - activation - non_torch - graph_reserve
         torch.cuda.empty_cache()
         self.weights_bytes = weights
+        self._log_planned_vs_measured(config, weights, activation, graph_reserve, non_torch)
         logger.info(
             "Memory profiling: total %.2f GiB x utilization %.2f = %.2f GiB; weights %.2f GiB, "
             "activation peak %.2f GiB, non-torch %.2f GiB, CUDA graph reserve %.2f GiB",
@@ -91,6 +92,18 @@ class CudaPlatform:
                 "lower --max-num-batched-tokens, or use a smaller model"
             )
         return num_blocks
+
+    @staticmethod
+    def _log_planned_vs_measured(config, weights: int, activation: int, graphs: int, non_torch: int) -> None:
+        """The planner's numbers (fitserve plan) beside what profiling measured, term by term."""
+        from fitserve.planner.engine_plan import gpu_device_spec, inputs_from_engine_config
+        from fitserve.planner.memory import MemoryTerms, plan_memory, planned_vs_measured
+
+        inputs = inputs_from_engine_config(config, gpu_device_spec(torch.cuda.current_device()))
+        planned = plan_memory(inputs)
+        measured = plan_memory(inputs, MemoryTerms(weights, activation, graphs, non_torch))
+        for line in planned_vs_measured(planned, measured):
+            logger.info("Plan vs measured: %s", line)
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
         config = runner.config
