@@ -17,7 +17,14 @@ from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.args import EngineArgs, add_engine_args
 from fitserve.engine.reasoning_split import prompt_ends_in_think, split_reasoning
 from fitserve.logger import setup_logging
-from fitserve.planner.cli_plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan
+from fitserve.planner.cli_plan import (
+    add_doctor_parser,
+    add_plan_parser,
+    plan_from_namespace,
+    run_doctor,
+    run_plan,
+    track_explicit_flags,
+)
 
 logger = logging.getLogger("fitserve")
 
@@ -87,6 +94,8 @@ def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentPa
     add_model_positional(generate)
     add_engine_args(generate)
     add_generate_args(generate)
+    for parser in (serve, generate):
+        track_explicit_flags(parser)  # auto-fit fills only what the user left unset
     from fitserve.bench.cli_bench import add_bench_parser
 
     add_bench_parser(subparsers)  # listed in --help; `fitserve bench ...` runs through bench_main
@@ -95,7 +104,22 @@ def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentPa
     return top, {"serve": serve, "generate": generate, "plan": plan, "doctor": doctor}
 
 
+def apply_auto_fit(namespace: argparse.Namespace) -> None:
+    """Plans before loading a byte: fills the engine settings the user left unset and logs each choice
+    with its reason. A model that cannot fit stops here with the fix (a PlanError, a ValueError)."""
+    result = plan_from_namespace(namespace)
+    for choice in result.choices:
+        origin = "set by you" if choice.explicit else "auto-fit"
+        logger.info("%s = %s (%s: %s)", choice.setting, choice.value, origin, choice.reason)
+    for note in result.notes:
+        logger.info("Plan note: %s", note)
+    for choice in result.choices:
+        if not choice.explicit and hasattr(namespace, choice.setting):
+            setattr(namespace, choice.setting, getattr(result.engine_args, choice.setting))
+
+
 def run_serve(namespace: argparse.Namespace) -> int:
+    apply_auto_fit(namespace)
     try:
         from fitserve.server.api_server import run_server
     except ModuleNotFoundError as error:
@@ -123,6 +147,7 @@ def run_generate(namespace: argparse.Namespace) -> int:
     }
     overrides = {name: value for name, value in requested.items() if value is not None}
     SamplingParams(**overrides)  # refuses a bad sampling flag before the model loads
+    apply_auto_fit(namespace)
     llm = LLM.from_engine_args(EngineArgs.from_cli(namespace))
     params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
     tokenizer = llm.get_tokenizer()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import runpy
 import shutil
 import sys
@@ -203,3 +204,34 @@ def test_generate_matches_transformers_greedy(
     printed = capsys.readouterr().out
     assert expected, "the reference produced no text; pick another seed"
     assert printed == expected + "\n"
+
+
+def test_generate_auto_fits_max_model_len_to_a_small_kv_cache(
+    tiny_chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The same model claiming a 4096-token context; 0.001 GiB of KV cache holds 2080 of its tokens.
+    folder = tmp_path / "long-context"
+    shutil.copytree(tiny_chat_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = ["generate", str(folder), "--prompt", "Hi", "--no-chat", "--device", "cpu"]
+    argv += ["--max-tokens", "4", "--cpu-kv-cache-space", "0.001"]
+    with caplog.at_level("INFO", logger="fitserve"):
+        assert main(argv) == 0
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("max_model_len = ")]
+    assert chosen and "auto-fit" in chosen[0]
+    assert 1024 <= int(chosen[0].split()[2]) < 4096
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_refuses_an_explicit_max_model_len_that_cannot_fit(
+    tiny_chat_model: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["generate", str(tiny_chat_model), "--prompt", "Hi", "--no-chat", "--device", "cpu"]
+    argv += ["--max-model-len", "256", "--cpu-kv-cache-space", "0.0001"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "max_model_len" in error and "256" in error
