@@ -156,6 +156,11 @@ class EngineArgs:
         self.check_ranges()
         self._refuse_unsupported()
         device = _resolve_device(self.device)
+        if device == "cuda" and self.block_size < MIN_CUDA_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size={self.block_size} is below {MIN_CUDA_BLOCK_SIZE}, the smallest block the CUDA "
+                f"attention kernels take: set --block-size {MIN_CUDA_BLOCK_SIZE} (or 32, 64, 128)"
+            )
         compilation = CompilationConfig(
             enforce_eager=self.enforce_eager, cudagraph_capture_sizes=_capture_sizes(self.compilation_config)
         )
@@ -310,6 +315,10 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[device], self.max_num_seqs)
+
+
+# The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
+MIN_CUDA_BLOCK_SIZE = 16
 
 
 def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:

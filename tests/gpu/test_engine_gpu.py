@@ -157,3 +157,13 @@ def test_graphs_prefix_cache_chunking_and_preemption_change_nothing(model_folder
         _first_divergence_is_a_near_tie(got, eager)
         del llm
         torch.cuda.empty_cache()
+
+
+def test_block_size_below_16_is_refused_before_loading():
+    from fitserve.args import EngineArgs
+
+    args = EngineArgs(
+        model=str(SHARED / "models" / "qwen3-0.6b"), load_format="dummy", block_size=8, device="cuda"
+    )
+    with pytest.raises(ValueError, match=r"block_size=8 is below 16.*set --block-size 16"):
+        args.create_engine_config()
