@@ -378,6 +378,8 @@ class AsyncEngine:
         for output in outputs:
             if output.finished:
                 self._engine_request_ids.discard(output.request_id)
+        # Published before the outputs: a client that has its last token reads stats that count it done.
+        self._stats = self.engine.get_stats()
         if outputs:
             self._call_in_loop(self._deliver, outputs)
 
