@@ -21,9 +21,6 @@ class UniprocExecutor:
         self.runner.allocate_kv_cache(num_blocks)
         return num_blocks
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
-
     def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Starts the step; the returned callable waits for it (see ModelRunner.launch)."""
         return self.runner.launch(scheduler_output)

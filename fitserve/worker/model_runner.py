@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
 
-Contract: execute() computes exactly the tokens the scheduler listed; a request whose last known
+Contract: launch() computes exactly the tokens the scheduler listed; a request whose last known
 token is computed this step gets one sampled token (and its logprobs when asked); a request that
 asked for prompt logprobs gets them for every prompt position this step computed.
 """
@@ -33,7 +33,7 @@ GiB = 1 << 30
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # Prompt logprobs computed this step, in prompt order, for positions start+1 .. (see execute()).
+    # Prompt logprobs computed this step, in prompt order, for positions start+1 .. (see launch()).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -42,8 +42,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    sample_indices: list[int]  # row of the hidden states to sample from, per sampling request
-    sample_rows: torch.Tensor | None  # the same on the device; None when it is every row in order
+    # Rows of the hidden states to sample from, one per sampling request; None when every row, in order.
+    sample_rows: torch.Tensor | None
     sample_items: list[ScheduledRequest]
     # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
     prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
@@ -149,9 +149,6 @@ class ModelRunner:
         return scratch_bytes
 
     # ---- one step ----------------------------------------------------------------------------------
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(scheduler_output)()
-
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Queues the step's forward and sampling on the device and returns without waiting; calling
@@ -271,7 +268,6 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             metadata=metadata,
-            sample_indices=sample_indices,
             sample_rows=None
             if sample_indices == list(range(len(input_ids)))
             else torch.tensor(sample_indices, dtype=torch.long, device=device),

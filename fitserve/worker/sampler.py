@@ -76,9 +76,8 @@ class Sampler:
             sampled = _sample_random(processed, rows)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            if greedy:
-                greedy_idx = _index_tensor(greedy, logits.device)
-                sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+            greedy_idx = _index_tensor(greedy, logits.device)
+            sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
             random_idx = _index_tensor(random, logits.device)
             sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
 
