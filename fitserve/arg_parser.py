@@ -62,6 +62,17 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         """The message alone: the usage line of ~40 engine flags would bury it."""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """argparse's check of a flag's choices, naming the closest choice on a typo."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            choices = [str(choice) for choice in action.choices or ()]
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{error.message} (did you mean {close[0]}?)") from None
+
     def option_actions(self) -> list[argparse.Action]:
         """The actions behind --flags (argparse keeps them in a private list)."""
         return [action for action in self._actions if action.option_strings]

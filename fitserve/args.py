@@ -8,7 +8,11 @@ so the dataclass, the flags and the YAML keys (fitserve/arg_parser.py) cannot dr
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
+import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -18,6 +22,7 @@ import torch
 from fitserve.arg_parser import json_object, nullable_str
 from fitserve.config import (
     DEFAULT_CPU_KV_CACHE_SPACE_GIB,
+    FP8_KV_CACHE_DTYPES,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -26,6 +31,9 @@ from fitserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from fitserve.logger import configure_default_logging
+
+logger = logging.getLogger("fitserve")
 
 # Token budget per step when --max-num-batched-tokens is not given. Chunked prefill is always on,
 # so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
@@ -90,13 +98,21 @@ class EngineArgs:
         0.9, "Fraction of GPU memory this engine may use (weights, activations, KV cache).", type=float
     )
     swap_space: float = _flag(4, f"GiB of CPU swap per GPU. {_NO_EFFECT}: preemption recomputes.", type=float)
-    cpu_offload_gb: float = _flag(0, "GiB of weights to keep in CPU memory (not supported yet).", type=float)
+    cpu_offload_gb: float = _flag(
+        0,
+        "GiB of weights per GPU to keep in CPU memory, a virtual way to increase GPU memory: whole decoder "
+        "layers, the first ones first, copied to the GPU right before each runs, so every step moves them "
+        "over PCIe (slow). Ignored on the CPU, where every weight already is.",
+        type=float,
+    )
     quantization: str | None = _flag(
         None, "Weight quantization method (not supported yet).", type=nullable_str
     )
     kv_cache_dtype: str = _flag(
         "auto",
-        "KV cache dtype; auto = the model dtype (fp8 not supported yet).",
+        "KV cache dtype. auto: the model dtype. fp8 (= fp8_e4m3, as in vLLM) or fp8_e5m2: one byte per "
+        "element, twice the tokens of a 16-bit cache, at a small accuracy cost; per-layer k/v scales come "
+        "from the checkpoint, else 1.0. On CUDA, fp8_e4m3 needs compute capability 8.9.",
         choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
     )
     tensor_parallel_size: int = _flag(
@@ -153,6 +169,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Check every value, resolve the model, device and defaults; the one place that does so."""
+        configure_default_logging()  # so the model's source and the resolved settings reach the log
+        started = time.perf_counter()
         self.check_ranges()
         self._refuse_unsupported()
         device = _resolve_device(self.device)
@@ -161,6 +179,8 @@ class EngineArgs:
                 f"block_size={self.block_size} is below {MIN_CUDA_BLOCK_SIZE}, the smallest block the CUDA "
                 f"attention kernels take: set --block-size {MIN_CUDA_BLOCK_SIZE} (or 32, 64, 128)"
             )
+        if device == "cuda":
+            _check_fp8_kv_cache_on_gpu(self.kv_cache_dtype, torch.cuda.get_device_capability())
         compilation = CompilationConfig(
             enforce_eager=self.enforce_eager, cudagraph_capture_sizes=_capture_sizes(self.compilation_config)
         )
@@ -192,6 +212,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             served_model_name=_served_names(self.served_model_name),
             revision=self.revision,
+            cpu_offload_gb=_resolve_cpu_offload_gb(self.cpu_offload_gb, device),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -201,14 +222,13 @@ class EngineArgs:
             swap_space=float(self.swap_space),
             kv_cache_dtype=self.kv_cache_dtype,
             cpu_kv_cache_space_gib=float(self.cpu_kv_cache_space),
-            cpu_offload_gb=float(self.cpu_offload_gb),
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self._resolve_max_num_batched_tokens(device),
             max_model_len=max_model_len,
         )
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             cache=cache,
             scheduler=scheduler,
@@ -218,6 +238,8 @@ class EngineArgs:
             quantization=self.quantization,
             disable_log_stats=self.disable_log_stats,
         )
+        logger.info("Resolved the model and the engine settings in %.1f s", time.perf_counter() - started)
+        return config
 
     def check_ranges(self) -> None:
         for engine_field in fields(self):  # argparse checks choices for flags; this covers Python callers
@@ -226,7 +248,7 @@ class EngineArgs:
             if choices is not None and value not in choices:
                 raise ValueError(
                     f"{engine_field.name}={value!r} is not one of {', '.join(map(str, choices))}: "
-                    f"set --{_dashed(engine_field.name)} to one of them"
+                    f"set --{_dashed(engine_field.name)} to one of them{_closest_choice(value, choices)}"
                 )
         minimums: dict[str, tuple[float | None, float]] = {
             "max_model_len": (self.max_model_len, 1),
@@ -246,6 +268,11 @@ class EngineArgs:
                 raise ValueError(
                     f"{name}={value} is below the minimum {minimum}: set {flag} to {minimum} or more"
                 )
+        if not math.isfinite(self.cpu_offload_gb):
+            raise ValueError(
+                f"cpu_offload_gb={self.cpu_offload_gb} is not a number of GiB: set --cpu-offload-gb to 0 "
+                "or more"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: set "
@@ -268,7 +295,6 @@ class EngineArgs:
         """Features asked for that fitserve cannot do yet stop here; none is silently ignored."""
         refusals = [
             (self.quantization is not None, f"--quantization {self.quantization}", "drop --quantization"),
-            (self.cpu_offload_gb > 0, f"--cpu-offload-gb {self.cpu_offload_gb:g}", "drop --cpu-offload-gb"),
             (
                 self.tensor_parallel_size > 1,
                 f"--tensor-parallel-size {self.tensor_parallel_size}",
@@ -278,11 +304,6 @@ class EngineArgs:
                 self.pipeline_parallel_size > 1,
                 f"--pipeline-parallel-size {self.pipeline_parallel_size}",
                 "set --pipeline-parallel-size 1",
-            ),
-            (
-                self.kv_cache_dtype != "auto",
-                f"--kv-cache-dtype {self.kv_cache_dtype}",
-                "set --kv-cache-dtype auto",
             ),
             (
                 self.enable_chunked_prefill is False,
@@ -319,6 +340,8 @@ class EngineArgs:
 
 # The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
 MIN_CUDA_BLOCK_SIZE = 16
+# Triton converts to float8 e4m3 (fp8e4nv) from this compute capability on; e5m2 works on older GPUs.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
 
 
 def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
@@ -362,6 +385,29 @@ def _refuse_quantized_checkpoint(hf_config: Any, model_path: str) -> None:
         f"not supported yet: a quantized checkpoint (quant_method {method} in {model_path}) "
         "(pick the model's unquantized release)"
     )
+
+
+def _check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
+    """The Triton kernels convert to float8 e4m3 only from compute capability 8.9 (Ada, Hopper) on."""
+    is_e4m3 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
+    if is_e4m3 and capability < FP8_E4M3_MIN_CAPABILITY:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype} (float8 e4m3) needs compute capability "
+            f"{'.'.join(map(str, FP8_E4M3_MIN_CAPABILITY))}, this GPU has {'.'.join(map(str, capability))}: "
+            "set --kv-cache-dtype fp8_e5m2 (also one byte per element) or auto"
+        )
+
+
+def _resolve_cpu_offload_gb(cpu_offload_gb: float, device: str) -> float:
+    """GiB of decoder layers the loader keeps in CPU memory: as asked on CUDA; on the CPU nothing to move."""
+    if device == "cpu" and cpu_offload_gb > 0:
+        logger.warning(
+            "cpu_offload_gb=%g is ignored on the CPU device: every weight is already in CPU memory "
+            "(drop --cpu-offload-gb to silence this)",
+            cpu_offload_gb,
+        )
+        return 0.0
+    return float(cpu_offload_gb)
 
 
 def _cuda_has_bf16() -> bool:
@@ -411,6 +457,11 @@ def _served_names(names: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def _dashed(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _closest_choice(value: Any, choices: Sequence[Any]) -> str:
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

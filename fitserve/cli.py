@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.args import EngineArgs, add_engine_args
@@ -159,14 +160,27 @@ def run_generate(namespace: argparse.Namespace) -> int:
         outputs = llm.chat(conversations, sampling_params=params, use_tqdm=False)
     else:
         outputs = llm.generate(namespace.prompt, params, use_tqdm=False)
-    for prompt, output in zip(namespace.prompt, outputs, strict=True):
+    return print_answers(namespace.prompt, outputs, tokenizer)
+
+
+def print_answers(prompts: Sequence[str], outputs: Sequence[Any], tokenizer: Any) -> int:
+    """Prints each answer; a request the engine ended with an error (e.g. out of GPU memory) prints its
+    message to stderr instead. Returns the exit status: 1 when any request failed."""
+    failed = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        if len(prompts) > 1:
+            print(f"Prompt: {prompt}")
+        if output.error is not None:
+            failed += 1
+            print(f"Error: {output.error}", file=sys.stderr)
+            continue
         prompt_tail = tokenizer.decode(output.prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         opened_think = prompt_ends_in_think(prompt_tail)
-        if len(namespace.prompt) > 1:
-            print(f"Prompt: {prompt}")
         for completion in output.outputs:
             print(format_answer(completion.text, opened_think))
-    return 0
+    if failed:
+        print(f"fitserve generate: {failed} of {len(prompts)} prompt(s) failed (see above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def format_answer(text: str, prompt_opened_think: bool) -> str:

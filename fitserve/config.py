@@ -16,6 +16,14 @@ import torch
 # --cpu-kv-cache-space is given (GiB). Documented in docs/engine.md.
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 
+# --kv-cache-dtype values other than "auto" (the model dtype) -> the cache's torch dtype. As in vLLM,
+# "fp8" is e4m3. One byte per element: twice the tokens of a 16-bit cache in the same memory.
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +40,8 @@ class ModelConfig:
     generation_config: str = "auto"  # auto | vllm | a folder holding generation_config.json
     served_model_name: tuple[str, ...] = ()
     revision: str | None = None
+    # GiB of decoder-layer weights kept in CPU memory (--cpu-offload-gb); 0 on the CPU device
+    cpu_offload_gb: float = 0.0
 
     @property
     def architecture(self) -> str:
@@ -68,9 +78,14 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB, accepted for vLLM compatibility (preemption is by recompute)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto | a key of FP8_KV_CACHE_DTYPES
     cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_SPACE_GIB
-    cpu_offload_gb: float = 0.0
+
+    def torch_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model dtype for "auto", else the float8 type asked for."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return FP8_KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,16 @@ def figures(name: str) -> dict:
 
 def main() -> None:
     nano, equal, single, startup = (figures(n) for n in ("nano", "equal", "single8b", "startup8b"))
+    cold = figures("startup8b_cold")  # run with an empty TRITON_CACHE_DIR: every kernel compiles
     summary = {
         "nano_out_tok_per_s": nano.get("figures", {}).get("out_tok_per_s"),
         "equal_out_tok_per_s": equal.get("figures", {}).get("out_tok_per_s"),
         "single8b_tok_per_s": single.get("figures", {}).get("tok_per_s"),
         "single8b_roofline_frac": single.get("figures", {}).get("roofline_frac"),
         "startup_8b_s": startup.get("figures", {}).get("process_start_to_first_token_s"),
+        "startup_8b_cold_triton_cache_s": cold.get("figures", {}).get("process_start_to_first_token_s"),
+        "nano_out_tok_per_s_kv_fp8": figures("nano_kv_fp8").get("figures", {}).get("out_tok_per_s"),
+        "equal_out_tok_per_s_kv_fp8": figures("equal_kv_fp8").get("figures", {}).get("out_tok_per_s"),
         "kv_tokens_8b": startup.get("figures", {}).get("kv_cache_tokens"),
         "machine": (single or equal or nano or startup).get("machine"),
         "commands": {

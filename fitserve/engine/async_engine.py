@@ -8,6 +8,10 @@ event loop never waits on the engine, so a long step never stalls other connecti
 A consumer of `generate()` that goes away (client disconnect, task cancellation) aborts its request,
 which frees its KV blocks at the engine's next command drain. `shutdown()` ends every in-flight request
 with a final output whose finish_reason is "abort", then stops the thread.
+
+A step the engine could not run (e.g. out of GPU memory) ends its requests with final outputs whose
+finish_reason is "error" and whose `error` says what to change (the engine logs it once); they pass
+through like any other output and the engine goes on with the other requests.
 """
 
 from __future__ import annotations

@@ -8,18 +8,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from fitserve.config import EngineConfig
 from fitserve.engine.detokenizer import IncrementalDetokenizer
 from fitserve.engine.kv_cache import KVCacheManager
+from fitserve.engine.out_of_memory import out_of_memory_message
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
 from fitserve.engine.outputs import RequestMetrics, RequestOutput
 from fitserve.engine.request import Request, RequestStatus
 from fitserve.engine.sampling_params import SamplingParams
-from fitserve.engine.scheduler import Scheduler
+from fitserve.engine.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.logger import configure_default_logging
-from fitserve.models.loader import load_generation_defaults, load_tokenizer
+from fitserve.models.loader import load_generation_defaults, load_tokenizer, read_generation_config
 from fitserve.worker.executor import create_executor
+from fitserve.worker.model_runner import LaunchedStep
 
 if TYPE_CHECKING:
     from fitserve.args import EngineArgs
@@ -41,6 +45,12 @@ class EngineStats:
     block_size: int
 
 
+@dataclass
+class InFlightStep:
+    scheduler_output: SchedulerOutput
+    launched: LaunchedStep
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         configure_default_logging()
@@ -60,8 +70,8 @@ class Engine:
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        # The last step's new tokens, detokenized while the next step runs: (requests, logprobs, time).
-        self._pending: tuple[list[Request], dict, float] | None = None
+        # The step on the device whose tokens have not been taken yet (see step()).
+        self._in_flight: InFlightStep | None = None
         logger.info(
             "Engine ready in %.1f s: max_model_len %d, KV cache %d tokens, "
             "max concurrency %.1fx at full length",
@@ -77,9 +87,13 @@ class Engine:
 
     # ---- configuration views ------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:
+        """eos ids from config.json, generation_config.json and the tokenizer, together."""
         ids: set[int] = set()
-        for source in (self.config.model.hf_config, self._generation_config_obj()):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
+        try:
+            from_generation_config = read_generation_config(self.config.model.model_path).get("eos_token_id")
+        except ValueError:  # a broken file is reported where its sampling defaults are read
+            from_generation_config = None
+        for value in (getattr(self.config.model.hf_config, "eos_token_id", None), from_generation_config):
             if isinstance(value, int):
                 ids.add(value)
             elif isinstance(value, (list, tuple)):
@@ -87,14 +101,6 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
-
-    def _generation_config_obj(self):
-        try:
-            from transformers import GenerationConfig
-
-            return GenerationConfig.from_pretrained(self.config.model.model_path)
-        except (OSError, ValueError):
-            return None
 
     def _load_generation_defaults(self) -> dict:
         setting = self.config.model.generation_config
@@ -192,39 +198,71 @@ class Engine:
             child_ids = self.output_processor.child_ids(parent_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(parent_id)
-            if self._pending is not None:
-                progressed, token_logprobs, token_time = self._pending
-                kept = [child for child in progressed if child.parent_id != parent_id]
-                self._pending = (kept, token_logprobs, token_time) if kept else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        """True while step() has work: a request to schedule, or tokens in flight that someone awaits
+        (a step whose requests were all aborted or stopped meanwhile is not waited for)."""
+        if self.scheduler.has_unfinished_requests():
+            return True
+        step = self._in_flight
+        return step is not None and any(not s.request.is_finished for s in step.scheduler_output.scheduled)
 
     # ---- the step loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and starts a step, then, while the device computes it, detokenizes the tokens of
-        the step before (finding stop strings) and builds their outputs; then takes this step's
-        tokens. A request ended by a stop string may so compute one token more, which is dropped."""
+        """Plans and launches step N+1 while step N still runs on the device, then takes step N's
+        tokens (updating the requests, detokenizing, finding stop strings) while N+1 runs. So the
+        host's work hides behind the device's, and the device never waits for the host.
+
+        Step N+1 is planned with step N's tokens as placeholders (see Scheduler). When step N sampled
+        with penalties (they read the exact output tokens), its tokens are taken first instead."""
+        outputs: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.launched.needs_token_history:
+            outputs.extend(self._take_tokens(previous))
+            previous = None
         scheduler_output = self.scheduler.schedule()
-        finish_step = self.executor.launch(scheduler_output)
-        outputs = self._process_pending()
-        runner_output = finish_step()
-        if scheduler_output.is_empty:
-            return outputs
-        self._count_tokens(scheduler_output)
-        now = time.time()
-        self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
-        self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
-        progressed = self.scheduler.update_from_output(scheduler_output, runner_output.sampled)
-        self._pending = (progressed, runner_output.logprobs, now)
+        if not scheduler_output.is_empty:
+            try:
+                self._in_flight = self._launch(scheduler_output)
+            except torch.OutOfMemoryError as error:
+                outputs.extend(self._fail_step(scheduler_output, error))
+        elif scheduler_output.finished_req_ids:
+            self.executor.launch(scheduler_output)  # lets the runner drop finished requests' state
+        if previous is not None:
+            outputs.extend(self._take_tokens(previous))
         return outputs
 
-    def _process_pending(self) -> list[RequestOutput]:
-        if self._pending is None:
-            return []
-        progressed, token_logprobs, token_time = self._pending
-        self._pending = None
-        stopped = self.output_processor.apply_tokens(progressed, token_logprobs, token_time)
+    def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        launched = self.executor.launch(scheduler_output)
+        now = time.time()
+        self._count_tokens(scheduler_output)
+        self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
+        return InFlightStep(scheduler_output, launched)
+
+    def _fail_step(
+        self, scheduler_output: SchedulerOutput, error: torch.OutOfMemoryError
+    ) -> list[RequestOutput]:
+        """The device ran out of memory while the step was being queued: end that step's requests with
+        an error naming the knob to turn, free their blocks, and go on with the others."""
+        message = out_of_memory_message(
+            self.config, scheduler_output.num_batched_tokens, len(scheduler_output.scheduled), error
+        )
+        logger.error(message)
+        parent_ids = list(dict.fromkeys(item.request.parent_id for item in scheduler_output.scheduled))
+        for parent_id in parent_ids:
+            children = self.output_processor.child_ids(parent_id)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
+            self.output_processor.fail(parent_id, message)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return self.output_processor.make_outputs(parent_ids)
+
+    def _take_tokens(self, step: InFlightStep) -> list[RequestOutput]:
+        runner_output = step.launched.result()
+        now = time.time()
+        self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
+        progressed = self.scheduler.update_from_output(step.scheduler_output, runner_output.sampled)
+        stopped = self.output_processor.apply_tokens(progressed, runner_output.logprobs, now)
         for child, stop_string in stopped:
             child.stop_reason = stop_string
             self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)

@@ -190,8 +190,9 @@ class KVCacheManager:
             self.req_blocks[request_id] = blocks
             self.req_block_ids.setdefault(request_id, []).extend(b.block_id for b in new_blocks)
         if self.enable_prefix_caching:
-            # Blocks filled by this step are findable from the next schedule on.
-            num_full = total_tokens // self.block_size
+            # Blocks filled by this step are findable from the next schedule on. A token still in
+            # flight (asynchronous scheduling) is not known yet: its block is hashed a step later.
+            num_full = min(total_tokens, request.num_tokens) // self.block_size
             start = self.req_num_cached_blocks.get(request_id, 0)
             if num_full > start:
                 hashes = self._block_hashes(request, total_tokens)

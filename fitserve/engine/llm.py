@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
+
+logger = logging.getLogger("fitserve")
 
 
 class LLM:
@@ -170,6 +173,9 @@ class LLM:
         )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps until every request is finished. A request the engine ended with an error (its step ran
+        out of GPU memory; the engine logs the message when it happens) comes back with finish_reason
+        "error" and `.error` set, the other requests complete, and one line at the end counts them."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         started = time.perf_counter()
@@ -193,4 +199,13 @@ class LLM:
             raise
         finally:
             bar.close()
+        failed = [r for r in request_ids if finished[r].error is not None]
+        if failed:
+            logger.warning(
+                '%d of %d request(s) ended with an error (finish_reason "error"; the message is in their '
+                "output's .error): %s",
+                len(failed),
+                len(request_ids),
+                ", ".join(failed[:5]) + (", ..." if len(failed) > 5 else ""),
+            )
         return [finished[r] for r in request_ids]

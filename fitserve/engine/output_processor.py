@@ -26,6 +26,7 @@ class ParentRequest:
     logprobs: list[list[PositionLogprobs]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None  # why the engine ended it early (its step failed)
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,12 @@ class OutputProcessor:
             outputs.append(self._request_output(parent, finished))
         return outputs
 
+    def fail(self, parent_id: str, message: str) -> None:
+        """Records why a request was ended with an error; its next output carries the message."""
+        parent = self.parents.get(parent_id)
+        if parent is not None:
+            parent.error = message
+
     def abort(self, parent_id: str) -> None:
         parent = self.parents.get(parent_id)
         if parent is not None:
@@ -144,6 +151,7 @@ class OutputProcessor:
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             metrics=parent.metrics,
             num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
+            error=parent.error if finished else None,
         )
 
     def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:

@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -52,7 +52,13 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Why the request ended early (e.g. the device ran out of memory in its step), with what to change;
+    # set only on a final output whose choices all have finish_reason "error".
+    error: str | None = None
 
     def __repr__(self) -> str:
         texts = [o.text for o in self.outputs]
-        return f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, texts={texts!r})"
+        error = f", error={self.error!r}" if self.error is not None else ""
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, finished={self.finished}, texts={texts!r}{error})"
+        )

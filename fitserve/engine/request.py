@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its step failed (out of device memory); RequestOutput.error says why
 
     @property
     def is_finished(self) -> bool:
@@ -24,19 +25,26 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
 _FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
 )
 
 
 class Request:
     """A single sequence (one of a parent's n samples).
 
-    Invariants: 0 <= num_computed_tokens <= num_tokens; every token at an index below
-    num_computed_tokens has its keys/values in the blocks listed by the KV cache manager.
+    Invariants: 0 <= num_computed_tokens <= num_tokens_with_placeholders; every token at an index
+    below num_computed_tokens has its keys/values in the blocks listed by the KV cache manager (or
+    will have, once the step computing it finishes on the device).
     """
 
     def __init__(
@@ -59,6 +67,9 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight, not yet appended (asynchronous scheduling): the
+        # scheduler plans with num_tokens + num_output_placeholders known tokens.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
@@ -70,6 +81,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

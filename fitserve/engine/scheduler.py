@@ -5,6 +5,12 @@ decoding request, a chunk of its prompt otherwise); waiting requests are admitte
 while the step's token budget, max_num_seqs and the block pool allow. When the pool runs dry, the
 most recently admitted running request is preempted: its blocks are freed and it is recomputed later
 (its computed blocks usually come back as prefix-cache hits).
+
+Asynchronous scheduling: the engine may schedule step N+1 before step N's sampled tokens reached the
+host. A request sampled by a step in flight counts that token as a placeholder
+(Request.num_output_placeholders): it is scheduled as if the token were known (the model runner takes
+it from the device), and it is not scheduled past max_tokens or max_model_len counting placeholders.
+A request that turns out to have stopped (eos, a stop string) computes one token more, which is dropped.
 """
 
 from __future__ import annotations
@@ -25,15 +31,8 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step: position of the first new token
     num_new_tokens: int
     block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new one is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+    # True when this step computes the request's last token (known or placeholder): a new one is sampled.
+    samples: bool
 
 
 @dataclass
@@ -83,8 +82,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._reaches_limit(request):
                 i += 1
                 continue
             while not self.kv_manager.allocate_slots(request, num_new):
@@ -135,6 +134,17 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _reaches_limit(self, request: Request) -> bool:
+        """True when the tokens in flight already end the request (max_tokens or max_model_len): it
+        finishes when they arrive, so computing another would be wasted."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if max_tokens is not None and num_outputs >= max_tokens:
+            return True
+        return request.num_tokens_with_placeholders >= self.config.max_model_len
+
     def _gated_on_sibling(self, request: Request) -> bool:
         first = request.waits_for
         if first is None:
@@ -147,7 +157,11 @@ class Scheduler:
     def _record(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        return ScheduledRequest(request, start, num_new, self.kv_manager.block_ids(request.request_id))
+        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        if samples:
+            request.num_output_placeholders += 1
+        block_ids = self.kv_manager.block_ids(request.request_id)
+        return ScheduledRequest(request, start, num_new, block_ids, samples)
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
@@ -164,7 +178,10 @@ class Scheduler:
         """
         progressed = []
         for item in output.scheduled:
+            if not item.samples:
+                continue
             request = item.request
+            request.num_output_placeholders -= 1
             token_id = sampled.get(request.request_id)
             if token_id is None or request.is_finished:
                 continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fitserve.layers.attention.backend import is_fp8_kv_cache
+
 
 def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -22,9 +24,21 @@ def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError(f"{num_q_heads // num_kv_heads} query heads per KV head is above the supported 64")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} is not supported: use a power of two >= 16")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not (
+        kv_cache.dtype == q.dtype or is_fp8_kv_cache(kv_cache.dtype)
+    ):
         raise ValueError(
-            f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16, fp16, fp32)"
+            f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16, fp16, fp32), or the "
+            "kv_cache must be float8 (e4m3fn, e5m2)"
         )
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, kv_cache and block_tables need a contiguous last dimension")
+
+
+def kv_cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a kernel applies: the layer's for a float8 cache, 1.0 for a cache in the model dtype.
+
+    Host floats passed as runtime kernel arguments: no recompile per value, no device read."""
+    if is_fp8_kv_cache(kv_cache.dtype):
+        return float(k_scale), float(v_scale)
+    return 1.0, 1.0

@@ -1,5 +1,8 @@
 """Write a step's new keys and values into the paged KV cache (reshape_and_cache).
 
+A float8 cache stores clamp(x * (1 / scale), -max, max), rounded to nearest even (the convention in
+fitserve/layers/attention/backend.py); the reciprocal scales are runtime arguments.
+
 Reference: fitserve.kernels.reference.reshape_and_cache_reference.
 """
 
@@ -9,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.attention_inputs import kv_cache_scales
+from fitserve.layers.attention.backend import is_fp8_kv_cache
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -16,6 +22,8 @@ def _reshape_and_cache_kernel(
     value_ptr,
     cache_ptr,
     slot_mapping_ptr,
+    k_inv_scale,
+    v_inv_scale,
     num_kv_heads,
     head_dim,
     stride_key_tok,
@@ -29,6 +37,7 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache is in the model dtype, stored as is
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -46,6 +55,9 @@ def _reshape_and_cache_kernel(
     value = tl.load(
         value_ptr + token64 * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :], mask=mask
     )
+    if FP8_MAX > 0.0:
+        key = tl.minimum(tl.maximum(key.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        value = tl.minimum(tl.maximum(value.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     dst = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
     dst = dst + heads[:, None] * stride_cache_head + dims[None, :]
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -53,12 +65,18 @@ def _reshape_and_cache_kernel(
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """key, value [T, num_kv_heads, head_dim] -> kv_cache [2, num_blocks, block_size, H, D] at slot_mapping.
 
     slot_mapping [>= T] int32/int64 on the device; a negative slot skips its token. Reads no host data,
-    so it can be captured in a CUDA graph.
+    so it can be captured in a CUDA graph. k_scale, v_scale (host floats): a float8 cache's scales;
+    other caches ignore them.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
@@ -71,11 +89,15 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     block_size = kv_cache.shape[2]
+    k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
+    fp8_max = float(torch.finfo(kv_cache.dtype).max) if is_fp8_kv_cache(kv_cache.dtype) else 0.0
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         kv_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         num_kv_heads,
         head_dim,
         key.stride(0),
@@ -89,5 +111,6 @@ def reshape_and_cache(
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=fp8_max,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

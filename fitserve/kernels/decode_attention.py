@@ -12,6 +12,9 @@ CUDA-graph safety: seq_lens and block_tables are read on the device only, and th
 on (batch size, num_kv_heads, block_tables.shape[1]). Each sequence's partition size is derived on
 the device from its own seq_len, so short contexts still spread over the partitions.
 
+A float8 cache: keys and values are converted to the query dtype (exact for e4m3 and e5m2); k_scale
+is folded into the score scale and v_scale multiplies the output, both runtime float arguments.
+
 Reference: fitserve.kernels.reference.paged_attention_reference.
 """
 
@@ -25,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import check_attention_inputs
+from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
 
 MAX_PARTITIONS = 64
+SMALL_PARTITION_BLOCK = 8
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,9 @@ def _merge_partitions(
     return acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
 
-@triton.jit
+# Values that change with the batch size are not specialized on (Triton would compile one variant per
+# divisibility class): each compile costs ~0.5 s at startup, and the block-table stride varies per step.
+@triton.jit(do_not_specialize=["num_partitions", "stride_bt_seq"])
 def _decode_partition_kernel(
     q_ptr,
     cache_ptr,
@@ -103,6 +109,7 @@ def _decode_partition_kernel(
     part_sum_ptr,
     counters_ptr,
     qk_scale_log2,
+    v_scale,
     num_partitions,
     head_dim,
     stride_q_tok,
@@ -163,8 +170,8 @@ def _decode_partition_kernel(
         block = tl.load(block_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
         rows = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -176,7 +183,7 @@ def _decode_partition_kernel(
 
     if WRITE_DIRECT:
         # seq_len 0 (a padded batch row) leaves l_i at 0: write zeros, not NaN
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partial buffers: [num_seqs, num_q_heads, num_partitions] and [..., BLOCK_D], contiguous
@@ -186,7 +193,7 @@ def _decode_partition_kernel(
         tl.store(part_sum_ptr + index, l_i, mask=group_mask)
         tl.store(
             part_out_ptr + index[:, None] * BLOCK_D + dims[None, :],
-            acc / l_i[:, None],
+            acc * (v_scale / l_i)[:, None],
             mask=group_mask[:, None],
         )
         if FUSED_REDUCE:
@@ -211,7 +218,7 @@ def _decode_partition_kernel(
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])
 def _decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -294,6 +301,12 @@ def choose_num_partitions(
     return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 
+def partition_block_size(num_partitions: int) -> int:
+    """The merge's vector width: two sizes only (8, or MAX_PARTITIONS), so the batch sizes of CUDA graph
+    capture compile two variants of the kernels instead of one per power of two."""
+    return SMALL_PARTITION_BLOCK if num_partitions <= SMALL_PARTITION_BLOCK else MAX_PARTITIONS
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -303,11 +316,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_partitions: int | None = None,
     config: DecodeLaunchConfig = DEFAULT_DECODE_CONFIG,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (row i is sequence i's one new token) -> out [B, Hq, D].
 
     seq_lens int32 [>= B] and block_tables int32 [>= B, max_blocks] stay on the device. A row with
     seq_len 0 (batch padding) gets zeros. num_partitions=None picks by choose_num_partitions.
+    k_scale, v_scale (host floats): a float8 cache's scales; other caches ignore them.
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -324,7 +340,7 @@ def paged_decode_attention(
         )
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(queries_per_kv))
-    partition_block = triton.next_power_of_2(num_partitions)
+    partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1
     fused_reduce = config.fused_reduce and not write_direct
     if write_direct:
@@ -336,6 +352,7 @@ def paged_decode_attention(
             (num_seqs, num_q_heads, num_partitions, block_d), dtype=torch.float32, device=q.device
         )
     counters = _arrival_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else part_max
+    k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q,
         kv_cache,
@@ -346,7 +363,8 @@ def paged_decode_attention(
         part_max,
         part_sum,
         counters,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
+        v_scale,
         num_partitions,
         head_dim,
         q.stride(0),

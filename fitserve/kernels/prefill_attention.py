@@ -6,7 +6,11 @@ and prefix caching are this one path. A program takes one (sequence, KV head, qu
 BLOCK_M rows are BLOCK_Q query tokens x the QUERIES_PER_KV heads sharing that KV head, so keys and
 values are loaded once per group, and a decode row in a mixed batch still fills several rows.
 Keys are tiled by BLOCK_N with an online softmax; the causal bound stops the key loop at the last
-query's position.
+query's position. A float8 cache is read as in the decode kernel: keys and values converted to the
+query dtype, k_scale folded into the score scale, v_scale applied to the output (runtime floats).
+That read is exact (every e4m3/e5m2 value is a bf16/fp16 value), so the only rounding is the one a bf16
+cache has too: p rounded to the query dtype for the P @ V dot, which moves an output element by at most
+2**-8 * max|V| for bf16 (tests/gpu/test_kernels_fp8.py sets its tolerance from that).
 
 Reference: fitserve.kernels.reference.paged_attention_reference.
 """
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import check_attention_inputs
+from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale_log2,
+    v_scale,
     head_dim,
     stride_q_tok,
     stride_q_head,
@@ -99,8 +104,8 @@ def _prefill_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         visible = (keys[None, :] <= query_pos[:, None]) & key_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -111,7 +116,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     out_offsets = (q_start + query_local).to(tl.int64) * stride_out_tok + heads * stride_out_head
     tl.store(
         out_ptr + out_offsets[:, None] + dims[None, :],
@@ -130,12 +135,15 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: PrefillLaunchConfig = DEFAULT_PREFILL_CONFIG,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] in the token layout of AttentionMetadata -> out [T, Hq, D].
 
     query_start_loc int32 [B+1], seq_lens int32 [B], block_tables int32 [B, max_blocks] on the device;
     max_query_len (host int) only sizes the grid. Sequence i's queries are the last q_len_i tokens of
-    its seq_lens[i]-token context, whose keys/values must already be in kv_cache.
+    its seq_lens[i]-token context, whose keys/values must already be in kv_cache. k_scale, v_scale
+    (host floats): a float8 cache's scales; other caches ignore them.
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -156,6 +164,7 @@ def paged_prefill_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q,
         kv_cache,
@@ -163,7 +172,8 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         out,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
+        v_scale,
         head_dim,
         q.stride(0),
         q.stride(1),

@@ -1,40 +1,56 @@
 """Torch reference semantics of every kernel in fitserve.kernels: plain torch, no triton, any device.
 
 Each function computes in float32 from the same low-precision inputs and rounds once to the input
-dtype, which is what the kernels do; the kernels' tests compare against these.
+dtype, which is what the kernels do; the kernels' tests compare against these. A float8 KV cache
+follows fitserve/layers/attention/backend.py: written as clamp(x / scale), read as stored * scale in
+float32; k_scale / v_scale are ignored for a cache in the model dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, quantize_kv
 from fitserve.layers.attention.metadata import AttentionMetadata
 
 
 def reshape_and_cache_reference(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes key/value [T, num_kv_heads, head_dim] into kv_cache [2, num_blocks, block_size, H, D].
 
     Token t goes to flat slot slot_mapping[t]; a negative slot (padding) writes nothing.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat = kv_bytes_view(kv_cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    flat[0][slots] = key[valid].to(kv_cache.dtype)
-    flat[1][slots] = value[valid].to(kv_cache.dtype)
+    flat[0][slots] = kv_bytes_view(quantize_kv(key[valid], kv_cache.dtype, k_scale))
+    flat[1][slots] = kv_bytes_view(quantize_kv(value[valid], kv_cache.dtype, v_scale))
 
 
 def gather_sequence_kv(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    context_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first context_len keys and values of one sequence, each [context_len, H, D]."""
+    """The first context_len keys and values of one sequence, each [context_len, H, D]: as stored, or
+    dequantized to float32 from a float8 cache."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = -(-context_len // block_size)
     blocks = block_table_row[:num_blocks].long()
-    keys = kv_cache[0, blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
-    values = kv_cache[1, blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
+    stored = kv_bytes_view(kv_cache)[:, blocks].view(kv_cache.dtype)
+    keys = stored[0].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
+    values = stored[1].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
+    if is_fp8_kv_cache(kv_cache.dtype):
+        return dequantize_kv(keys, torch.float32, k_scale), dequantize_kv(values, torch.float32, v_scale)
     return keys, values
 
 
@@ -65,6 +81,8 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of query [T, Hq, D] over the paged cache, the token layout of AttentionMetadata.
 
@@ -78,16 +96,28 @@ def paged_attention_reference(
         start, end = starts[i], starts[i + 1]
         if end == start or context_len == 0:
             continue
-        keys, values = gather_sequence_kv(kv_cache, block_tables[i], context_len)
+        keys, values = gather_sequence_kv(kv_cache, block_tables[i], context_len, k_scale, v_scale)
         out[start:end] = causal_attention_reference(query[start:end], keys, values, scale).to(query.dtype)
     return out
 
 
 def attention_reference_from_metadata(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     return paged_attention_reference(
-        query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale
+        query,
+        kv_cache,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        scale,
+        k_scale,
+        v_scale,
     )
 
 

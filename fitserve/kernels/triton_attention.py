@@ -16,7 +16,9 @@ class TritonAttentionBackend:
     Decode-only steps (max_query_len == 1) take the split-K decode kernel, whose launch reads no host
     values (CUDA-graph safe: q.shape[0] is the batch; padded rows carry seq_len 0 and slot -1 and
     get zeros). Every other step takes the varlen prefill kernel, which serves prefill, chunked
-    prefill, prefix-cache hits and mixed prefill/decode batches alike.
+    prefill, prefix-cache hits and mixed prefill/decode batches alike. A float8 cache is written and
+    read with the layer's k_scale / v_scale (runtime floats, baked into a captured graph: they are
+    fixed once the weights are loaded).
     """
 
     name = "triton"
@@ -29,10 +31,20 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        reshape_and_cache(k, v, kv_cache, metadata.slot_mapping)
+        reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1:
-            return paged_decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return paged_decode_attention(
+                q,
+                kv_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return paged_prefill_attention(
             q,
             kv_cache,
@@ -41,4 +53,6 @@ class TritonAttentionBackend:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -29,6 +29,7 @@ from fitserve.layers.linear import (
 )
 from fitserve.layers.rotary_embedding import RotaryEmbedding, StepRope, rope_settings_from_config
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from fitserve.models.cpu_offload import make_layers
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,9 @@ class DecoderModel(nn.Module):
             head_dim_of(config), rope_settings_from_config(config), config.max_position_embeddings
         )
         windows = sliding_windows_of(config)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, windows[i]) for i in range(config.num_hidden_layers)
+        # make_layers: --cpu-offload-gb moves the first layers to CPU memory as they are built
+        self.layers = make_layers(
+            config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i])
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

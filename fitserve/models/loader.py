@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 from fitserve.config import ModelConfig
+from fitserve.models.checkpoint_config import CheckpointConfig
+from fitserve.models.cpu_offload import CpuOffload, offloading
 from fitserve.models.resolve import ResolvedModel, require_config_json, resolve_model, resolve_tokenizer_path
 from fitserve.models.weights import (
     check_safetensors_file,
     initialize_dummy_weights,
     iterate_safetensors,
     list_safetensors_files,
+    take_kv_scales,
 )
 
 __all__ = [
@@ -68,10 +71,15 @@ _GENERATION_KEYS = {
 
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
-    """The folder's transformers.PretrainedConfig. ValueError for a missing folder or no config.json."""
+    """The folder's config: a CheckpointConfig for the architectures fitserve runs (read without
+    importing transformers' model code), else a transformers.PretrainedConfig. ValueError for a missing
+    folder or no config.json."""
+    require_config_json(model_path)
+    config = CheckpointConfig.from_folder(model_path)
+    if config is not None:
+        return config
     from transformers import AutoConfig
 
-    require_config_json(model_path)
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
@@ -88,6 +96,12 @@ def load_generation_defaults(model_path: str) -> dict[str, Any]:
 
     Only keys present (and not null) in the file appear; {} when there is no file.
     """
+    raw = read_generation_config(model_path)
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items() if raw.get(theirs) is not None}
+
+
+def read_generation_config(model_path: str) -> dict[str, Any]:
+    """The folder's generation_config.json as a dict ({} when there is none)."""
     path = Path(model_path) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -99,7 +113,7 @@ def load_generation_defaults(model_path: str) -> dict[str, Any]:
         ) from error
     if not isinstance(raw, dict):
         raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object: fix or delete it")
-    return {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items() if raw.get(theirs) is not None}
+    return raw
 
 
 def model_max_length(hf_config: Any) -> int:
@@ -129,7 +143,9 @@ def model_max_length(hf_config: Any) -> int:
 
 def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
     """The registry's model class for the config, on `device` in `model_config.dtype`, with weights
-    from the folder's safetensors (or dummy weights seeded by `model_config.seed`), in eval mode."""
+    from the folder's safetensors (or dummy weights seeded by `model_config.seed`), in eval mode. With
+    `model_config.cpu_offload_gb`, the first decoder layers' weights stay in CPU memory and are copied in
+    before each of them runs (fitserve/models/cpu_offload.py); the model keeps that as `.cpu_offload`."""
     from fitserve.models.registry import get_model_class
 
     load_format = model_config.load_format
@@ -145,15 +161,17 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         for path in files:  # refuse a damaged checkpoint before spending time building the model
             check_safetensors_file(path)
 
-    with default_dtype(model_config.dtype), device:
+    offload = CpuOffload(model_config.cpu_offload_gb, device) if model_config.cpu_offload_gb > 0 else None
+    with default_dtype(model_config.dtype), device, offloading(offload):
         model = model_class(model_config.hf_config)
 
     started = time.perf_counter()
     with torch.no_grad():
         if load_format == "dummy":
-            initialize_dummy_weights(model, model_config.seed)
+            initialize_dummy_weights(model, model_config.seed, device)
         else:
-            loaded = model.load_weights(iterate_safetensors(files))
+            tensors = take_kv_scales(iterate_safetensors(files), getattr(model, "attention_layers", []))
+            loaded = model.load_weights(tensors)
             _require_all_loaded(model, loaded, model_config.model_path)
     logger.info(
         "Loading weights took %.2f s (%s, %s, %s)",
@@ -162,6 +180,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         str(model_config.dtype).removeprefix("torch."),
         device,
     )
+    if offload is not None:
+        offload.attach(model)
     return model.eval()
 
 

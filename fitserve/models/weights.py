@@ -4,14 +4,20 @@ A safetensors file is: 8 bytes little-endian header length N, N bytes of JSON (t
 dtype, shape, data_offsets relative to the data section), then the data section. A file whose size
 disagrees with its header was cut short in transfer; one whose header does not parse is damaged.
 Both are refused before any tensor is read, naming the file.
+
+A checkpoint may carry each layer's KV cache scales (`...layers.N.self_attn.k_scale`, `v_scale`, or one
+`kv_scale` for both, as fp8 checkpoints do): `take_kv_scales` sets them on the attention layers.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +25,9 @@ from torch import nn
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 _REDOWNLOAD = "delete it and download the model again"
+
+# A layer's KV cache scale in a checkpoint: which layer, and k_scale, v_scale or kv_scale (both).
+_KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\..*\.(k_scale|v_scale|kv_scale)$")
 
 # Dummy weights: matrices ~ N(0, DUMMY_STD) keep every layer's activations O(1), norm scales are 1
 # and biases 0, so a dummy model's logits are finite for any input.
@@ -107,23 +116,69 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
             raise ValueError(f"safetensors file {path} is corrupt ({error}): {_REDOWNLOAD}") from error
 
 
-def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+def initialize_dummy_weights(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:
     """Fills every floating-point parameter in place, reproducibly for a given seed and device.
 
-    Matrices (ndim >= 2) ~ N(0, DUMMY_STD); 1-D `*weight` (norm scales) = 1; 1-D `*bias` = 0.
+    Matrices (ndim >= 2) ~ N(0, DUMMY_STD); 1-D `*weight` (norm scales) = 1; 1-D `*bias` = 0. Matrices are
+    drawn on `device` (default: each parameter's own) and copied to a parameter that lives elsewhere, so
+    the layers --cpu-offload-gb keeps in CPU memory get the values they would have on the GPU.
     """
+    draw_device = None if device is None else _indexed(torch.device(device))
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not param.is_floating_point():
                 continue
             if param.ndim >= 2:
-                generator = generators.get(param.device)
+                on = draw_device or param.device
+                generator = generators.get(on)
                 if generator is None:
-                    generator = torch.Generator(device=param.device).manual_seed(seed)
-                    generators[param.device] = generator
-                param.normal_(0.0, DUMMY_STD, generator=generator)
+                    generator = torch.Generator(device=on).manual_seed(seed)
+                    generators[on] = generator
+                if param.device == on:
+                    param.normal_(0.0, DUMMY_STD, generator=generator)
+                else:
+                    drawn = torch.empty(param.shape, dtype=param.dtype, device=on)
+                    param.copy_(drawn.normal_(0.0, DUMMY_STD, generator=generator))
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 param.fill_(1.0)
+
+
+def take_kv_scales(
+    weights: Iterable[tuple[str, torch.Tensor]], attention_layers: Sequence[Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Passes every checkpoint tensor on except KV cache scales, which it sets as host floats on
+    `attention_layers[N]` (objects with k_scale and v_scale attributes). A scale must be one positive,
+    finite number (vLLM's per-tensor scale); anything else is refused, naming the tensor."""
+    for name, tensor in weights:
+        match = _KV_SCALE_NAME.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer_index, kind = int(match[1]), match[2]
+        if layer_index >= len(attention_layers):
+            raise ValueError(
+                f"checkpoint tensor {name!r} is a KV cache scale of layer {layer_index}, but the model has "
+                f"{len(attention_layers)} attention layers: the checkpoint does not match config.json"
+            )
+        value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else math.nan
+        if not (math.isfinite(value) and value > 0):
+            shown = tensor.float().flatten()[:4].tolist()
+            raise ValueError(
+                f"checkpoint tensor {name!r} holds {tensor.numel()} value(s) {shown}: a KV cache scale must "
+                "be one positive, finite number; fix the checkpoint or drop the tensor"
+            )
+        layer = attention_layers[layer_index]
+        if kind in ("k_scale", "kv_scale"):
+            layer.k_scale = value
+        if kind in ("v_scale", "kv_scale"):
+            layer.v_scale = value
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """A bare cuda device with the index its parameters report ("cuda:0"), so that the two compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -53,7 +53,7 @@ def inputs_from_engine_config(
         kv_cache_dtype=config.cache.kv_cache_dtype,
         quantization=config.quantization,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
-        cpu_offload_gb=config.cache.cpu_offload_gb,
+        cpu_offload_gb=config.model.cpu_offload_gb,
         gpu_memory_utilization=config.cache.gpu_memory_utilization,
         cudagraph_capture_sizes=sizes,
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
     check_devices,
@@ -326,8 +327,11 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             wider = plan_memory(with_settings(inputs, tensor_parallel_size=size))
             notes.append(
                 f"{len(devices)} GPUs present, tensor_parallel_size {inputs.tensor_parallel_size} uses "
-                f"{inputs.tensor_parallel_size}: --tensor-parallel-size {size} would give "
-                f"{wider.kv_cache_tokens:,} KV tokens"
+                f"{inputs.tensor_parallel_size}: "
+                + vllm_only(
+                    f"--tensor-parallel-size {size} would give {wider.kv_cache_tokens:,} KV tokens",
+                    "tensor_parallel_size",
+                )
             )
     if not inputs.on_gpu:
         notes.append(

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 from fitserve.args import EngineArgs
+from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE, vllm_only
 from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.formats import format_capability, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
@@ -29,8 +30,8 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
     if args.pipeline_parallel_size > 1:
         raise PlanError(
             "devices",
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned: split the model with "
-            "--tensor-parallel-size instead",
+            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned: "
+            + vllm_only("split the model with --tensor-parallel-size instead", "tensor_parallel_size"),
         )
     if not devices:
         raise PlanError("devices", "no device to plan for: give --assume-gpus COUNTxGiB, e.g. 1x24")
@@ -83,8 +84,8 @@ def check_quantization(quantization: str | None, model: ModelInfo, used: Sequenc
             "quantization",
             f"quantization={quantization!r} needs compute capability "
             f"{format_capability(method.min_capability)}, "
-            f"the GPU has {format_capability(min(capabilities))}: use --quantization awq or gptq "
-            "(4-bit) instead",
+            f"the GPU has {format_capability(min(capabilities))}: "
+            + vllm_only("use --quantization awq or gptq (4-bit) instead", "quantization"),
         )
 
 
@@ -199,8 +200,8 @@ def check_host_memory(plan: MemoryPlan, host_ram_available: int | None) -> None:
                 f"cpu_offload_gb={inputs.cpu_offload_gb:g} per GPU keeps {offloaded / GiB:.2f} GiB of "
                 "weights in "
                 f"host RAM but {host_ram_available / GiB:.2f} GiB is available: lower "
-                "--cpu-offload-gb, or add "
-                "--quantization to shrink the weights",
+                "--cpu-offload-gb, or "
+                + vllm_only("add --quantization to shrink the weights", "quantization"),
             )
         return
     needed = plan.terms.total + plan.kv_cache_bytes
@@ -217,11 +218,16 @@ def check_host_memory(plan: MemoryPlan, host_ram_available: int | None) -> None:
 
 
 def planned_only_notes(args: EngineArgs) -> list[str]:
-    """Settings the planner sizes but fitserve's engine does not run yet (EngineArgs refuses them)."""
+    """Settings asked for that the planner sizes but fitserve's engine does not run yet (EngineArgs
+    refuses them): `planned only: --quantization awq (fitserve does not run quantized weights yet; ...)`."""
     asked = [
-        (args.quantization is not None, f"--quantization {args.quantization}"),
-        (args.cpu_offload_gb > 0, f"--cpu-offload-gb {args.cpu_offload_gb:g}"),
-        (args.tensor_parallel_size > 1, f"--tensor-parallel-size {args.tensor_parallel_size}"),
-        (args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
+        ("quantization", args.quantization is not None, f"--quantization {args.quantization}"),
+        (
+            "tensor_parallel_size",
+            args.tensor_parallel_size > 1,
+            f"--tensor-parallel-size {args.tensor_parallel_size}",
+        ),
     ]
-    return [f"planned only: fitserve's engine does not run {flag} yet" for wanted, flag in asked if wanted]
+    return [
+        f"planned only: {flag} ({NOT_RUN_BY_FITSERVE[setting]})" for setting, wanted, flag in asked if wanted
+    ]

@@ -1,7 +1,9 @@
 """What would make a plan fit: each change the user could make, tried on the plan, kept when it fits.
 
 "Fits" means the KV cache left over holds `needed_tokens` (one request of that length). Every option
-is a real plan run with the changed setting, so the numbers it quotes are the planner's own.
+is a real plan run with the changed setting, so the numbers it quotes are the planner's own. Options
+fitserve runs come first; those only vLLM runs today (quantization, tensor parallel) follow, each
+saying so (engine_support.py).
 """
 
 from __future__ import annotations
@@ -9,9 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+from fitserve.planner.memory import (
+    MemoryInputs,
+    MemoryPlan,
+    decoder_layer_bytes_per_gpu,
+    plan_memory,
+    with_settings,
+)
 
 # Raising gpu_memory_utilization is suggested up to this (leaving the rest for the CUDA context and
 # fragmentation), and never above what is free.
@@ -45,7 +54,8 @@ def holds(inputs: MemoryInputs, needed_tokens: int) -> MemoryPlan | None:
 def fitting_options(
     inputs: MemoryInputs, needed_tokens: int, headroom: Headroom, kv_options: bool = False
 ) -> list[str]:
-    """One line per change that fits, smallest sacrifice first within each kind."""
+    """One line per change that fits: those fitserve runs first, then those only vLLM runs (each
+    saying so); the smallest sacrifice first within each kind."""
     options: list[str] = []
     if kv_options and inputs.kv_cache_dtype == "auto":
         plan = holds(with_settings(inputs, kv_cache_dtype="fp8"), needed_tokens)
@@ -54,19 +64,20 @@ def fitting_options(
                 f"--kv-cache-dtype fp8 (one byte per KV element): {plan.kv_cache_tokens:,} KV tokens"
             )
     options += _utilization_options(inputs, needed_tokens, headroom)
+    offload = _offload_option(inputs, needed_tokens, headroom)
+    if offload:
+        options.append(offload)
     quantization = _quantization_options(inputs, needed_tokens)
-    options += quantization
+    options += [vllm_only(option, "quantization") for option in quantization]
     if not quantization and _can_quantize(inputs):
         for group in (("awq", "gptq"), ("bitsandbytes",)):
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
             if combined:
-                options.append(f"--quantization {' or '.join(group)} with {combined}")
-    offload = _offload_option(inputs, needed_tokens, headroom)
-    if offload:
-        options.append(offload)
+                suggestion = f"--quantization {' or '.join(group)} with {combined}"
+                options.append(vllm_only(suggestion, "quantization"))
     tensor_parallel = _tensor_parallel_option(inputs, needed_tokens, headroom)
     if tensor_parallel:
-        options.append(tensor_parallel)
+        options.append(vllm_only(tensor_parallel, "tensor_parallel_size"))
     return options
 
 
@@ -119,12 +130,16 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
     short = plan.terms.total + kv_needed - plan.budget_bytes
     if short <= 0:
         return None
+    offloadable = decoder_layer_bytes_per_gpu(inputs) * inputs.shape.num_layers
     offload_gib = inputs.cpu_offload_gb + math.ceil(short / GiB / OFFLOAD_STEP_GIB) * OFFLOAD_STEP_GIB
-    if offload_gib * GiB > plan.weights_bytes_per_gpu_before_offload:
-        return None  # even with every weight in CPU memory the rest does not fit
-    fitted = holds(with_settings(inputs, cpu_offload_gb=offload_gib), needed_tokens)
+    fitted = None
+    # The first guess frees `short` but ignores the staging buffer of one layer the GPU then holds.
+    while fitted is None and offload_gib * GiB <= offloadable:
+        fitted = holds(with_settings(inputs, cpu_offload_gb=offload_gib), needed_tokens)
+        if fitted is None:
+            offload_gib += OFFLOAD_STEP_GIB
     if fitted is None:
-        return None
+        return None  # even with every decoder layer in CPU memory the rest does not fit
     host_needed = offload_gib * GiB * inputs.tensor_parallel_size
     ram = ""
     if headroom.host_ram_available is not None and host_needed > headroom.host_ram_available:

@@ -18,13 +18,15 @@ from dataclasses import dataclass, field, replace
 from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.model_shape import ModelShape
+from fitserve.planner.offload import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
 from fitserve.planner.weights import WeightInventory
 
 MiB = 1024**2
-# Memory of the serving process on a GPU outside torch's allocations: the CUDA context, cuBLAS/cuBLASLt
-# workspaces, kernel images. fitserve's CUDA platform measured 0.68 GiB on an H100 (torch 2.11, CUDA 13);
-# vLLM's profiling counts 0.5-1 GiB of it.
-GPU_RUNTIME_OVERHEAD_BYTES = 696 * MiB
+# Memory the engine adds on a GPU outside torch's allocations once it runs: cuBLAS/cuBLASLt workspaces,
+# kernel images. Like vLLM, fitserve counts it from a baseline taken after its CUDA context exists, so
+# neither the context (~0.5 GiB) nor other processes' memory is in it. Measured 0.16 GiB on an H100
+# (torch 2.11, CUDA 13, Qwen3-0.6B shape; benchmarks/results/h100_equal.json's log).
+GPU_RUNTIME_OVERHEAD_BYTES = 164 * MiB
 # Extra per GPU with tensor parallelism: NCCL's communicator buffers.
 TP_COMMUNICATION_BYTES = 512 * MiB
 # On the CPU the "overhead" is the Python process itself: interpreter, torch, tokenizer.
@@ -89,6 +91,7 @@ class MemoryPlan:
     kv_cache_bytes: int  # per GPU
     free_for_kv_bytes: int  # per GPU: budget minus the terms; negative when they do not fit
     notes: tuple[str, ...] = field(default=())
+    offload: OffloadSplit = NO_OFFLOAD  # --cpu-offload-gb: the decoder layers kept in CPU memory
 
     @property
     def block_bytes(self) -> int:
@@ -134,9 +137,9 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
     """The plan for `inputs`; with `measured`, the KV cache is sized from the measured terms instead."""
     _check_inputs(inputs)
     on_disk = weight_bytes_per_gpu(inputs)
-    offloaded = min(on_disk, int(inputs.cpu_offload_gb * GiB)) if inputs.on_gpu else 0
+    offload, offload_note = offload_split(inputs)
     estimated = MemoryTerms(
-        weights=on_disk - offloaded,
+        weights=on_disk - offload.gpu_bytes_saved,
         activation=activation_peak_bytes(inputs),
         cuda_graphs=cuda_graph_bytes(inputs),
         runtime_overhead=runtime_overhead_bytes(inputs),
@@ -154,24 +157,20 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         num_blocks = inputs.num_gpu_blocks_override
     else:
         num_blocks = max(0, free_for_kv // block_bytes)
-    notes = []
-    if inputs.on_gpu and inputs.cpu_offload_gb * GiB > on_disk:
-        notes.append(
-            f"cpu_offload_gb={inputs.cpu_offload_gb:g} is more than the {on_disk / GiB:.2f} GiB of weights "
-            f"per GPU: only {on_disk / GiB:.2f} GiB can be offloaded"
-        )
+    notes = [offload_note] if offload_note else []
     return MemoryPlan(
         inputs=inputs,
         terms=terms,
         estimated=estimated,
         weights_bytes_per_gpu_before_offload=on_disk,
-        weights_offloaded_bytes=offloaded,
+        weights_offloaded_bytes=offload.offloaded_bytes,
         budget_bytes=budget,
         kv_bytes_per_token=per_token,
         num_kv_blocks=num_blocks,
         kv_cache_bytes=num_blocks * block_bytes,
         free_for_kv_bytes=free_for_kv,
         notes=tuple(notes),
+        offload=offload,
     )
 
 
@@ -207,6 +206,30 @@ def weight_bytes_per_gpu(inputs: MemoryInputs) -> int:
         kv_proj_params_per_head = 2 * shape.num_layers * shape.hidden_size * shape.head_dim
         per_rank += int(kv_proj_params_per_head * extra_kv_heads * linear_bytes_per_param(inputs))
     return per_rank
+
+
+def decoder_layer_bytes_per_gpu(inputs: MemoryInputs) -> int:
+    """One decoder layer's weights on one rank: all weights less the embeddings, the LM head and the final
+    norm, shared out over the layers (every layer of the modelled families has the same shapes)."""
+    shape = inputs.shape
+    element = DTYPE_BYTES[inputs.dtype]
+    tables = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    outside_layers = math.ceil(tables / inputs.tensor_parallel_size) * element + shape.hidden_size * element
+    return max(0, weight_bytes_per_gpu(inputs) - outside_layers) // shape.num_layers
+
+
+def offload_split(inputs: MemoryInputs) -> tuple[OffloadSplit, str | None]:
+    """The engine's --cpu-offload-gb choice of layers (fitserve/planner/offload.py), and a note when more
+    is asked than the decoder layers hold (the plan then offloads them all; the engine refuses it)."""
+    if not inputs.on_gpu or inputs.cpu_offload_gb <= 0:
+        return NO_OFFLOAD, None
+    layers = [decoder_layer_bytes_per_gpu(inputs)] * inputs.shape.num_layers
+    wanted = inputs.cpu_offload_gb * GiB
+    split = first_layers_holding(layers, wanted)
+    if wanted <= sum(layers):
+        return split, None
+    too_large = offload_too_large_message(inputs.cpu_offload_gb, sum(layers), len(layers))
+    return split, f"{too_large}; the plan offloads all {len(layers)} layers"
 
 
 def kv_bytes_per_token(inputs: MemoryInputs) -> int:

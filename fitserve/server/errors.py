@@ -8,12 +8,15 @@ the fix. `type` follows vLLM's names (BadRequestError, ...); `code` is the HTTP 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from fitserve.engine.outputs import RequestOutput
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -52,6 +55,14 @@ class APIError(Exception):
 
     def to_sse(self) -> str:
         return f"data: {json.dumps(self.to_dict())}\n\n"
+
+
+def raise_if_generation_failed(outputs: Iterable[RequestOutput]) -> None:
+    """An output the engine ended with an error (e.g. its step ran out of GPU memory) becomes a 503
+    carrying the engine's message: the server is up and the request can be retried."""
+    for output in outputs:
+        if output.error is not None:
+            raise APIError(output.error, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
 def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

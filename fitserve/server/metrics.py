@@ -102,7 +102,7 @@ class ServerMetrics:
         )
         self.request_success = Counter(
             PREFIX + "request_success",
-            "Finished requests, by finish reason (stop, length, abort).",
+            "Finished requests, by finish reason (stop, length, abort, error).",
             [*labels, "finished_reason"],
             registry=self.registry,
         )

@@ -23,7 +23,10 @@ def log_finished_request(output: RequestOutput) -> None:
     total = ""
     if timing is not None:
         total = f", {((timing.finished_time or time.time()) - timing.arrival_time):.2f} s in all"
-    logger.info(
+    # A request the engine ended with an error is a warning (the engine logged the message itself).
+    level = logging.WARNING if output.error is not None else logging.INFO
+    logger.log(
+        level,
         "Finished request %s: %d prompt tokens, %d generated, finish_reason=%s%s%s",
         output.request_id,
         len(output.prompt_token_ids),

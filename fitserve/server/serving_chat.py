@@ -15,7 +15,7 @@ from fitserve.engine.async_engine import RequestStream
 from fitserve.engine.outputs import CompletionOutput, RequestOutput
 from fitserve.server.choice_parsing import ChoiceParser, final_finish_reason
 from fitserve.server.context import ServingContext
-from fitserve.server.errors import APIError
+from fitserve.server.errors import APIError, raise_if_generation_failed
 from fitserve.server.logprobs import chat_logprob_entries
 from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCallDelta, ToolParser
 from fitserve.server.protocol import ChatCompletionRequest
@@ -78,6 +78,7 @@ class ChatHandler:
             events = self._stream_events(request, stream, model_name, parsers, num_top)
             return EventStreamResponse(events, on_close=stream.close)
         final = await run_unless_disconnected(raw_request, stream.final_output())
+        raise_if_generation_failed([final])
         return JSONResponse(self._full_response(final, model_name, parsers, num_top).model_dump())
 
     def _tool_parser_class(self, request: ChatCompletionRequest) -> type[ToolParser] | None:
@@ -192,6 +193,7 @@ class ChatHandler:
             for index in range(len(parsers)):
                 yield chunk([ChatStreamChoice(index=index, delta=role)])
             async for output in stream:
+                raise_if_generation_failed([output])  # sent as an error event, then [DONE]
                 final = output
                 for choice in output.outputs:
                     i = choice.index

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from fitserve.engine.async_engine import RequestStream
 from fitserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from fitserve.server.context import ServingContext
-from fitserve.server.errors import APIError
+from fitserve.server.errors import APIError, raise_if_generation_failed
 from fitserve.server.logprobs import completion_logprobs, join_completion_logprobs
 from fitserve.server.protocol import CompletionRequest
 from fitserve.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
@@ -93,6 +93,7 @@ class CompletionHandler:
             events = self._stream_events(request, request_id, streams, prompts, model_name, n)
             return EventStreamResponse(events, on_close=functools.partial(_close_all, streams))
         finals = await run_unless_disconnected(raw_request, _all_final_outputs(streams))
+        raise_if_generation_failed(finals)
         return JSONResponse(
             self._full_response(request, request_id, finals, prompts, model_name, n).model_dump()
         )
@@ -175,6 +176,7 @@ class CompletionHandler:
         merged = merge_async_iterators(*streams)
         try:
             async for prompt_index, output in merged:
+                raise_if_generation_failed([output])  # sent as an error event, then [DONE]
                 finals[prompt_index] = output
                 for choice in output.outputs:
                     index = prompt_index * n + choice.index

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fitserve.config import EngineConfig
 from fitserve.engine.scheduler import SchedulerOutput
-from fitserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from fitserve.worker.model_runner import LaunchedStep, ModelRunner
 
 
 class UniprocExecutor:
@@ -21,8 +19,8 @@ class UniprocExecutor:
         self.runner.allocate_kv_cache(num_blocks)
         return num_blocks
 
-    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Starts the step; the returned callable waits for it (see ModelRunner.launch)."""
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Starts the step; its result() waits for it (see ModelRunner.launch)."""
         return self.runner.launch(scheduler_output)
 
 

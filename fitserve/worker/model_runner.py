@@ -20,9 +20,11 @@ from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
+from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.platforms import make_platform
 from fitserve.worker.sampler import Sampler, SamplingRow, TokenLogprobs, compute_prompt_logprobs
+from fitserve.worker.transfer import PinnedStagingRing
 
 logger = logging.getLogger("fitserve")
 
@@ -35,6 +37,21 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Prompt logprobs computed this step, in prompt order, for positions start+1 .. (see launch()).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class LaunchedStep:
+    """A step queued on the device. result() waits for it and returns its tokens.
+
+    needs_token_history: a request of this step samples with penalties, which read its exact output
+    tokens, so the next step may not be planned before this one's tokens are on the host.
+    """
+
+    def __init__(self, finish: Callable[[], ModelRunnerOutput], needs_token_history: bool = False) -> None:
+        self._finish = finish
+        self.needs_token_history = needs_token_history
+
+    def result(self) -> ModelRunnerOutput:
+        return self._finish()
 
 
 @dataclass
@@ -65,11 +82,18 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CudaGraphRunner | None = None
+        # The last step's sampled ids on the device, and each sampled request's row among them.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_sample_index: dict[str, int] = {}
+        self.staging = PinnedStagingRing(self.device)
+        mc = config.model
+        self.block_table_rows = BlockTableRows(-(-mc.max_model_len // self.block_size))
 
     # ---- KV cache sizing and allocation -------------------------------------------------------
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        return self.config.model.dtype
+        """The model dtype, or float8 for --kv-cache-dtype fp8 (one byte per element, as the plan counts)."""
+        return self.config.cache.torch_kv_cache_dtype(self.config.model.dtype)
 
     def kv_bytes_per_block(self) -> int:
         mc = self.config.model
@@ -150,14 +174,18 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Queues the step's forward and sampling on the device and returns without waiting; calling
-        the result waits for the step and hands back its tokens. The engine does host work between."""
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queues the step's forward and sampling on the device and returns without waiting; the
+        result waits for this step alone. The engine does host work (and plans the next step) between.
+
+        A token still in flight (scheduled before the last step's tokens reached the host) is read on
+        the device from the last step's sampled ids."""
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
+            self.block_table_rows.release(request_id)
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
-            return lambda: output
+            return LaunchedStep(lambda: output)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         meta = inputs.metadata
         if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
@@ -168,7 +196,7 @@ class ModelRunner:
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, output)
         if not inputs.sample_items:
-            return lambda: output
+            return LaunchedStep(lambda: output)
         # Every index tensor was built before the forward: a host-to-device copy made now would wait
         # for the whole step and leave nothing to overlap.
         if inputs.sample_rows is not None:
@@ -176,6 +204,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in inputs.sample_items]
         pending = self.sampler.launch(logits, rows)
+        self._last_sampled = pending.sampled
+        self._last_sample_index = {item.request.request_id: i for i, item in enumerate(inputs.sample_items)}
 
         def finish() -> ModelRunnerOutput:
             result = pending.result()
@@ -188,7 +218,7 @@ class ModelRunner:
                     output.logprobs[request_id] = token_logprobs
             return output
 
-        return finish
+        return LaunchedStep(finish, any(row.needs_token_history for row in rows))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
         for request_id, (rows, next_ids, num_top) in inputs.prompt_logprob_rows.items():
@@ -211,6 +241,7 @@ class ModelRunner:
             output_token_ids=request.output_token_ids,
             generator=generator,
             eos_token_ids=request.eos_token_ids,
+            num_pending_outputs=request.num_output_placeholders - 1,
         )
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
@@ -222,25 +253,36 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_indices: list[int] = []
         sample_items: list[ScheduledRequest] = []
+        # Rows whose token is still in flight, and where the last step's sampled ids hold it.
+        placeholder_rows: list[int] = []
+        placeholder_sources: list[int] = []
         prompt_rows: dict[str, tuple[list[int], list[int], int]] = {}
-        max_blocks = max(len(item.block_ids) for item in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for i, item in enumerate(scheduled):
+        max_blocks = 0
+        table_rows: list[int] = []
+        row_of_request = self.block_table_rows.row
+        for item in scheduled:
+            request = item.request
             start, n = item.start, item.num_new_tokens
             row_offset = len(input_ids)
             table = item.block_ids
+            known = request.all_token_ids
             if n == 1:  # decode: the common case, kept cheap
-                input_ids.append(item.request.all_token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(item.token_ids)
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            block_tables[i, : len(table)] = table
+            if start + n <= len(known):
+                input_ids.extend(known[start : start + n])
+            else:  # the last token is in flight: only ever one (see Scheduler)
+                input_ids.extend(known[start:])
+                input_ids.append(0)
+                placeholder_rows.append(len(input_ids) - 1)
+                placeholder_sources.append(self._in_flight_index(request.request_id))
+            table_rows.append(row_of_request(request.request_id, table))
+            max_blocks = max(max_blocks, len(table))
             query_lens.append(n)
             seq_lens.append(start + n)
-            request = item.request
             if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 # Row j predicts token start + j + 1; keep those that are prompt tokens.
                 last = min(start + n, request.num_prompt_tokens - 1)
@@ -253,24 +295,48 @@ class ModelRunner:
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
-        device = self.device
+        block_tables = self.block_table_rows.gather(table_rows, max_blocks)
+        all_rows = len(sample_indices) == len(input_ids)
+        arrays = [
+            np.array(input_ids, dtype=np.int64),
+            np.array(positions, dtype=np.int64),
+            np.array(slots, dtype=np.int64),
+            np.array(query_start_loc, dtype=np.int32),
+            np.array(seq_lens, dtype=np.int32),
+            block_tables,
+            np.array(placeholder_rows, dtype=np.int64),
+            np.array(placeholder_sources, dtype=np.int64),
+            np.array([] if all_rows else sample_indices, dtype=np.int64),
+        ]
+        (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = self.staging.upload(
+            arrays
+        )
+        if placeholder_rows:
+            ids[fill_rows] = self._last_sampled[fill_sources]
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.from_numpy(block_tables).to(device),
+            slot_mapping=slot_mapping,
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=tables,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            input_ids=ids,
+            positions=pos,
             metadata=metadata,
-            sample_rows=None
-            if sample_indices == list(range(len(input_ids)))
-            else torch.tensor(sample_indices, dtype=torch.long, device=device),
+            sample_rows=None if all_rows else rows,
             sample_items=sample_items,
             prompt_logprob_rows=prompt_rows,
         )
+
+    def _in_flight_index(self, request_id: str) -> int:
+        index = self._last_sample_index.get(request_id)
+        if index is None:
+            raise RuntimeError(
+                f"request {request_id} was scheduled with a token in flight, but the last step did not "
+                "sample it: the scheduler and the model runner disagree (a bug; please report it)"
+            )
+        return index

@@ -3,8 +3,9 @@
 CpuPlatform: the KV pool is a fixed amount of RAM (--cpu-kv-cache-space, default
 DEFAULT_CPU_KV_CACHE_SPACE_GIB) unless num_gpu_blocks_override is given; no graphs.
 CudaPlatform: the KV pool is what gpu_memory_utilization leaves after the measured weights, the
-activation peak of a dummy step at max_num_batched_tokens, memory outside torch, and the CUDA graph
-pool (vLLM's accounting); decode steps replay CUDA graphs unless enforce_eager.
+activation peak of a dummy step at max_num_batched_tokens, memory outside torch that this engine added
+since it started, and the CUDA graph pool (vLLM's accounting); decode steps replay CUDA graphs
+unless enforce_eager.
 """
 
 from __future__ import annotations
@@ -45,8 +46,15 @@ class CpuPlatform:
 
 
 class CudaPlatform:
+    """Memory outside torch is counted from a baseline taken when the platform starts (before the
+    weights load, after this process's CUDA context exists), as vLLM does: memory other processes hold
+    is not this engine's, so two engines can share a GPU at 0.45 each."""
+
     def __init__(self) -> None:
         self.weights_bytes = 0
+        free, total = torch.cuda.mem_get_info()
+        self.baseline_used = total - free
+        self.baseline_reserved = torch.cuda.memory_reserved()
 
     def determine_num_blocks(self, runner: ModelRunner) -> int:
         config = runner.config
@@ -58,7 +66,8 @@ class CudaPlatform:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - scratch_bytes
         free_now, _ = torch.cuda.mem_get_info()
-        non_torch = max(0, (total - free_now) - torch.cuda.memory_reserved())
+        used_since_start = (total - free_now) - self.baseline_used
+        non_torch = max(0, used_since_start - (torch.cuda.memory_reserved() - self.baseline_reserved))
         activation = peak - weights
         graph_reserve = 0 if config.compilation.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
         budget = total * config.cache.gpu_memory_utilization

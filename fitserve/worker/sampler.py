@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fitserve.engine.sampling_params import SamplingParams, SamplingType
+from fitserve.worker.transfer import start_copy_to_host, tensor_to_device, to_device
 
 TOP_P_ROWS_PER_CHUNK = 64
 
@@ -33,6 +34,19 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # Tokens that end the sequence (empty when params.ignore_eos).
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Tokens sampled by earlier steps still in flight, not in output_token_ids yet (asynchronous
+    # scheduling): they count toward min_tokens. Rows with penalties never have any.
+    num_pending_outputs: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_outputs
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Penalties read the exact output tokens, so the next step must wait for this one's."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 @dataclass
@@ -82,31 +96,91 @@ class Sampler:
             sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
 
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        raw_logprobs = None
+        logprob_tensors = None
         if wants_logprobs:
             idx = _index_tensor(wants_logprobs, logits.device)
             raw_logprobs = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
-        num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
-        return PendingSample(sampled, wants_logprobs, raw_logprobs, num_tops)
+            num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
+            logprob_tensors = LogprobTensors.compute(raw_logprobs, sampled[idx], num_tops)
+        return PendingSample(sampled, wants_logprobs, logprob_tensors)
 
 
 @dataclass
-class PendingSample:
-    """Sampling queued on the device; result() waits for it and brings the ids to the host."""
+class LogprobTensors:
+    """Logprobs of chosen tokens and the top-k per row, as tensors (on the device until to_host)."""
 
-    sampled: torch.Tensor
-    logprob_rows: list[int]
-    raw_logprobs: torch.Tensor | None
+    chosen_ids: torch.Tensor
+    chosen_logprobs: torch.Tensor
+    chosen_ranks: torch.Tensor
+    top_logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
     num_tops: list[int]
 
+    @classmethod
+    def compute(cls, logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]) -> LogprobTensors:
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+        ranks = (logprobs >= chosen).sum(dim=-1)
+        max_top = min(max(num_tops), logprobs.shape[1])
+        top = logprobs.topk(max_top, dim=-1) if max_top > 0 else None
+        return cls(
+            chosen_ids=token_ids,
+            chosen_logprobs=chosen.squeeze(1),
+            chosen_ranks=ranks,
+            top_logprobs=top.values if top is not None else None,
+            top_ids=top.indices if top is not None else None,
+            num_tops=num_tops,
+        )
+
+    def to_host(self) -> LogprobTensors:
+        """Queues copies into pinned host memory (no wait); read them after the step's event."""
+        return LogprobTensors(
+            *(None if t is None else start_copy_to_host(t) for t in self.tensors()), num_tops=self.num_tops
+        )
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.chosen_ids, self.chosen_logprobs, self.chosen_ranks, self.top_logprobs, self.top_ids)
+
+    def entries(self) -> list[TokenLogprobs]:
+        chosen_ids = self.chosen_ids.tolist()
+        chosen_logprobs = self.chosen_logprobs.tolist()
+        chosen_ranks = self.chosen_ranks.tolist()
+        top_logprobs = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        result = []
+        for row, num_top in enumerate(self.num_tops):
+            k = min(num_top, len(top_ids[row])) if top_ids is not None else 0
+            result.append(
+                TokenLogprobs(
+                    token_ids=[chosen_ids[row], *(top_ids[row][:k] if k else [])],
+                    logprobs=[chosen_logprobs[row], *(top_logprobs[row][:k] if k else [])],
+                    ranks=[chosen_ranks[row], *range(1, k + 1)],
+                )
+            )
+        return result
+
+
+class PendingSample:
+    """Sampling queued on the device. Its results start their way to the host at once (pinned memory,
+    an event), so result() waits for this step alone, never for a step queued after it."""
+
+    def __init__(self, sampled: torch.Tensor, logprob_rows: list[int], logprobs: LogprobTensors | None):
+        self.sampled = sampled  # on the device: the next step may read its tokens from here
+        self.logprob_rows = logprob_rows
+        self._host_sampled = start_copy_to_host(sampled)
+        self._host_logprobs = logprobs.to_host() if logprobs is not None else None
+        self._ready: torch.cuda.Event | None = None
+        if sampled.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
     def result(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
         logprobs: list[TokenLogprobs | None] = [None] * self.sampled.shape[0]
-        if self.raw_logprobs is not None:
-            chosen = self.sampled[_index_tensor(self.logprob_rows, self.sampled.device)]
-            entries = _token_logprobs(self.raw_logprobs, chosen, self.num_tops)
-            for i, entry in zip(self.logprob_rows, entries, strict=True):
+        if self._host_logprobs is not None:
+            for i, entry in zip(self.logprob_rows, self._host_logprobs.entries(), strict=True):
                 logprobs[i] = entry
-        return SamplerOutput(sampled_token_ids=self.sampled.tolist(), logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=self._host_sampled.tolist(), logprobs=logprobs)
 
 
 def compute_prompt_logprobs(
@@ -122,34 +196,8 @@ def compute_prompt_logprobs(
     if not next_token_ids:
         return []
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    token_ids = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)
-    return _token_logprobs(logprobs, token_ids, [num_top] * len(next_token_ids))
-
-
-def _token_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]
-) -> list[TokenLogprobs]:
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    chosen_ranks = (logprobs >= chosen).sum(dim=-1).tolist()
-    chosen_logprobs = chosen.squeeze(1).tolist()
-    chosen_ids = token_ids.tolist()
-    max_top = min(max(num_tops), logprobs.shape[1])
-    top_logprobs: list[list[float]] = [[] for _ in num_tops]
-    top_ids: list[list[int]] = [[] for _ in num_tops]
-    if max_top > 0:
-        top = logprobs.topk(max_top, dim=-1)
-        top_logprobs, top_ids = top.values.tolist(), top.indices.tolist()
-    result = []
-    for row, num_top in enumerate(num_tops):
-        k = min(num_top, max_top)
-        result.append(
-            TokenLogprobs(
-                token_ids=[chosen_ids[row], *top_ids[row][:k]],
-                logprobs=[chosen_logprobs[row], *top_logprobs[row][:k]],
-                ranks=[chosen_ranks[row], *range(1, k + 1)],
-            )
-        )
-    return result
+    token_ids = _index_tensor(next_token_ids, logits.device)
+    return LogprobTensors.compute(logprobs, token_ids, [num_top] * len(next_token_ids)).entries()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -203,7 +251,7 @@ def mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[Sampling
     mask_rows: list[int] = []
     mask_tokens: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if row.num_generated >= row.params.min_tokens:
             continue
         banned = sorted(t for t in row.eos_token_ids.union(row.params.stop_token_ids or ()) if t < vocab_size)
         mask_rows.extend([i] * len(banned))
@@ -245,7 +293,7 @@ def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
     ks = [k if 0 < k < vocab_size else 0 for k in top_ks]  # 0 = keep everything
     if not any(ks):
         return
-    k = _to_device(ks, torch.long, logits.device).unsqueeze(1)
+    k = to_device(ks, torch.long, logits.device).unsqueeze(1)
     top_values = logits.topk(max(ks), dim=-1).values
     kth_value = top_values.gather(1, (k - 1).clamp(min=0))
     kth_value = torch.where(k > 0, kth_value, torch.full_like(kth_value, -torch.inf))
@@ -296,20 +344,12 @@ def _flat_token_index(
         flat.extend(tokens)
         lengths.append(len(flat) - before)
     row_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    return row_index.to(device), torch.tensor(flat, dtype=torch.long).to(device)
+    return tensor_to_device(row_index, device), _index_tensor(flat, device)
 
 
 def _row_floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return _to_device(values, torch.float32, device)
+    return to_device(values, torch.float32, device)
 
 
 def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return _to_device(values, torch.long, device)
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the device: through pinned memory, queued in
-    stream order (a plain pageable copy would block until the step's forward has finished)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    return to_device(values, torch.long, device)

@@ -221,15 +221,19 @@ def sse_payloads(body: str) -> list[Any]:
 
 
 def build_test_client(
-    script: Callable[[str, int], str], step_delay_s: float = 0.0, **settings: Any
+    script: Callable[[str, int], str],
+    step_delay_s: float = 0.0,
+    engine: ReplayEngine | None = None,
+    **settings: Any,
 ) -> tuple[Any, ReplayEngine]:
-    """A TestClient on the real app over a ReplayEngine; use it as a context manager (runs the lifespan)."""
+    """A TestClient on the real app over a ReplayEngine (`engine`, else one replaying `script`); use it as
+    a context manager (runs the lifespan)."""
     from fastapi.testclient import TestClient
 
     from fitserve.engine.async_engine import AsyncEngine
     from fitserve.server.app import build_app
     from fitserve.server.args import ServerSettings
 
-    engine = ReplayEngine(script, step_delay_s=step_delay_s)
+    engine = engine or ReplayEngine(script, step_delay_s=step_delay_s)
     app = build_app(AsyncEngine(engine, log_stats=False), ServerSettings(**settings))
     return TestClient(app), engine

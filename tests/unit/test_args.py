@@ -207,13 +207,11 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
             dict(quantization="bitsandbytes"),
             "not supported yet: --quantization bitsandbytes (drop --quantization)",
         ),
-        (dict(cpu_offload_gb=20), "not supported yet: --cpu-offload-gb 20 (drop --cpu-offload-gb)"),
         (
             dict(tensor_parallel_size=2),
             "not supported yet: --tensor-parallel-size 2 (set --tensor-parallel-size 1)",
         ),
         (dict(pipeline_parallel_size=2), "not supported yet: --pipeline-parallel-size 2"),
-        (dict(kv_cache_dtype="fp8"), "not supported yet: --kv-cache-dtype fp8 (set --kv-cache-dtype auto)"),
         (dict(enable_chunked_prefill=False), "not supported yet: --no-enable-chunked-prefill"),
         (dict(compilation_config='{"level": 3}'), "not supported yet: --compilation-config key(s) level"),
     ],

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from fitserve.args import EngineArgs
+from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit import FitResult, PlanError, auto_fit
 from fitserve.planner.hardware import DeviceSpec, GiB, parse_assume_gpus
 from tests.unit.planner_helpers import H100, model_info
@@ -125,11 +126,12 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
     assert message.startswith(
         "the weights do not fit on GPU 0 (assumed GPU, 24.00 GiB, SM 8.6): 131.42 GiB per GPU"
     )
-    assert re.search(r"114\.\d\d GiB short", message)
+    assert re.search(r"113\.\d\d GiB short", message)
     combo = re.search(r"--quantization awq or gptq with --cpu-offload-gb ([\d.]+) ", message)
     bnb = re.search(r"--quantization bitsandbytes with --cpu-offload-gb ([\d.]+) ", message)
     assert combo and bnb
     assert "--tensor-parallel-size 8 (8 GPUs like this one; this plan has 1)" in message
+    assert_runnable_first(message)
     # applying a named fix makes the plan fit; half a GiB less offload does not (with the knobs the
     # suggestion was sized with, set explicitly so that auto-fit does not shrink them)
     knobs = {
@@ -143,6 +145,57 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
         with pytest.raises(PlanError):
             fit("llama-3.3-70b", "1x24@8.6", SEQS, quantization=method, cpu_offload_gb=offload - 0.5, **knobs)
     fit("llama-3.3-70b", "8x24@8.6", tensor_parallel_size=8, max_model_len=4096)
+
+
+VLLM_ONLY = {
+    "--quantization": " (fitserve does not run quantized weights yet; vLLM does)",
+    "--tensor-parallel-size": " (fitserve does not run tensor parallel yet; vLLM does)",
+}
+
+
+def assert_runnable_first(message: str) -> None:
+    """Every suggested line that fitserve's engine refuses says so at its end, and none comes before a
+    line fitserve runs."""
+    lines = message.split("What would fit (any one line):\n", 1)[1].splitlines()
+    options = [line.strip() for line in lines]
+    refused = [any(o.startswith(flag) for flag in VLLM_ONLY) for o in options]
+    for option, is_refused in zip(options, refused):
+        if is_refused:
+            flag = next(flag for flag in VLLM_ONLY if option.startswith(flag))
+            assert option.endswith(VLLM_ONLY[flag]), option
+        else:
+            assert not any(reason in option for reason in VLLM_ONLY.values()), option
+    assert refused == sorted(refused), options  # runnable (False) before refused (True)
+
+
+def test_the_settings_called_vllm_only_are_the_ones_fitserve_refuses() -> None:
+    """When fitserve starts running one of them, this fails: drop it from NOT_RUN_BY_FITSERVE."""
+    asked = {"quantization": {"quantization": "fp8"}, "tensor_parallel_size": {"tensor_parallel_size": 2}}
+    assert set(asked) == set(NOT_RUN_BY_FITSERVE)
+    for setting, change in asked.items():
+        with pytest.raises(ValueError, match="not supported yet"):
+            EngineArgs(**change).create_engine_config()  # type: ignore[arg-type]
+        assert NOT_RUN_BY_FITSERVE[setting].endswith("; vLLM does")
+
+
+def test_refusals_that_name_a_vllm_only_fix_say_so() -> None:
+    with pytest.raises(PlanError) as capability:
+        fit("llama-3.1-8b", "1x80@7.0", quantization="fp8", max_model_len=4096)
+    assert str(capability.value).endswith(
+        "the GPU has 7.0: use --quantization awq or gptq (4-bit) instead (fitserve does not run quantized "
+        "weights yet; vLLM does)"
+    )
+    with pytest.raises(PlanError) as host:
+        args = EngineArgs(cpu_offload_gb=8, max_model_len=4096)
+        auto_fit(model_info("llama-3.1-8b"), args, parse_assume_gpus("1x24@8.9"), host_ram_available=4 * GiB)
+    assert str(host.value).endswith(
+        "lower --cpu-offload-gb, or add --quantization to shrink the weights (fitserve does not run "
+        "quantized weights yet; vLLM does)"
+    )
+    with pytest.raises(
+        PlanError, match=r"split the model with --tensor-parallel-size instead \(fitserve does"
+    ):
+        fit("llama-3.1-8b", pipeline_parallel_size=2)
 
 
 def test_quantization_alone_is_offered_when_it_fits() -> None:
@@ -159,6 +212,7 @@ def test_quantization_alone_is_offered_when_it_fits() -> None:
     )
     assert "--tensor-parallel-size 2 (2 GPUs like this one; this plan has 1)" in message
     assert "with --cpu-offload-gb" not in message  # quantization alone fits: no combinations offered
+    assert_runnable_first(message)
 
 
 def test_explicit_settings_win_over_auto_fit() -> None:
@@ -170,7 +224,7 @@ def test_explicit_settings_win_over_auto_fit() -> None:
 
 
 def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
-    result = fit("llama-3.1-8b", "1x18.7@8.9")
+    result = fit("llama-3.1-8b", "1x18.1@8.9")
     inputs = result.plan.inputs
     assert inputs.cudagraph_capture_sizes == () and inputs.max_num_batched_tokens == 4096
     sizes, reason = choice(result, "cudagraph_capture_sizes")
@@ -184,7 +238,7 @@ def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
     with pytest.raises(PlanError):
         fit(
             "llama-3.1-8b",
-            "1x18.7@8.9",
+            "1x18.1@8.9",
             SEQS,
             max_model_len=4096,
             max_num_batched_tokens=8192,
@@ -193,7 +247,7 @@ def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
 
 
 def test_max_num_seqs_capped_by_the_kv_blocks() -> None:
-    result = fit("qwen3-0.6b", "1x2.5@8.9", max_model_len=512, max_num_batched_tokens=512)
+    result = fit("qwen3-0.6b", "1x2.0@8.9", max_model_len=512, max_num_batched_tokens=512)
     seqs, reason = choice(result, "max_num_seqs")
     blocks = result.plan.num_kv_blocks - 1
     assert seqs <= blocks < 256
@@ -202,7 +256,7 @@ def test_max_num_seqs_capped_by_the_kv_blocks() -> None:
     assert all(size <= seqs for size in result.plan.inputs.cudagraph_capture_sizes)
     # the largest such count: one more sequence would need more blocks than its plan leaves
     more = fit(
-        "qwen3-0.6b", "1x2.5@8.9", SEQS, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=seqs + 1
+        "qwen3-0.6b", "1x2.0@8.9", SEQS, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=seqs + 1
     )
     assert more.plan.num_kv_blocks - 1 < seqs + 1
 
@@ -216,13 +270,19 @@ def test_tensor_parallel_checks() -> None:
         fit("llama-3.1-8b", "4x80", tensor_parallel_size=3)
     result = fit("qwen3-8b", "2x20@8.9", tensor_parallel_size=2)
     assert result.plan.inputs.max_model_len == 40960
-    assert "planned only: fitserve's engine does not run --tensor-parallel-size 2 yet" in result.notes
+    assert result.notes == (
+        "planned only: --tensor-parallel-size 2 (fitserve does not run tensor parallel yet; vLLM does)",
+    )
 
 
 def test_unused_gpus_are_noted() -> None:
     result = fit("qwen3-8b", "2x20@8.9")
     (note,) = [n for n in result.notes if n.startswith("2 GPUs present")]
-    assert re.fullmatch(r"2 GPUs present, .* --tensor-parallel-size 2 would give [\d,]+ KV tokens", note)
+    assert re.fullmatch(
+        r"2 GPUs present, .* --tensor-parallel-size 2 would give [\d,]+ KV tokens "
+        r"\(fitserve does not run tensor parallel yet; vLLM does\)",
+        note,
+    )
 
 
 def test_cpu_plan_and_host_memory_refusal() -> None:

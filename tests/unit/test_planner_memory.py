@@ -66,18 +66,28 @@ def test_tensor_parallel_beyond_kv_heads_copies_kv_heads() -> None:
     assert sixteen.terms.weights == pytest.approx(expected, abs=16)
 
 
-def test_cpu_offload_subtracts_from_gpu_weights() -> None:
+def test_cpu_offload_moves_whole_decoder_layers_and_keeps_one_on_the_gpu() -> None:
+    # A Llama-3.1-8B decoder layer: q, o 4096x4096, k, v 4096x1024, gate, up, down 4096x14336, 2 norms.
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) * 2
     base = plan_memory(memory_inputs("llama-3.1-8b"))
     offloaded = plan_memory(memory_inputs("llama-3.1-8b", cpu_offload_gb=4))
-    assert offloaded.terms.weights == base.terms.weights - 4 * GiB
-    assert offloaded.weights_offloaded_bytes == 4 * GiB
-    assert offloaded.kv_cache_bytes - base.kv_cache_bytes == pytest.approx(4 * GiB, abs=base.block_bytes)
+    assert offloaded.offload.num_layers == 10  # 4 GiB is 9.85 layers: whole layers, rounded up
+    assert offloaded.weights_offloaded_bytes == 10 * layer
+    assert offloaded.offload.staging_bytes == layer  # the GPU buffer each offloaded layer is copied into
+    assert offloaded.terms.weights == base.terms.weights - 10 * layer + layer
+    assert offloaded.kv_cache_bytes - base.kv_cache_bytes == pytest.approx(9 * layer, abs=base.block_bytes)
 
 
-def test_offload_beyond_the_weights_is_capped_and_noted() -> None:
+def test_offload_beyond_the_decoder_layers_is_capped_and_noted() -> None:
     plan = plan_memory(memory_inputs("qwen3-0.6b", cpu_offload_gb=50))
-    assert plan.terms.weights == 0
-    assert "only 1.11 GiB can be offloaded" in plan.notes[0]
+    layer = (1024 * 2048 * 2 + 1024 * 1024 * 2 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128) * 2
+    tied_embeddings_and_final_norm = (151936 * 1024 + 1024) * 2
+    assert plan.offload.num_layers == 28
+    assert plan.terms.weights == tied_embeddings_and_final_norm + layer
+    assert plan.notes[0].startswith(
+        "cpu_offload_gb=50 is more than the 0.82 GiB of weights in the model's 28 decoder layers"
+    )
+    assert "set --cpu-offload-gb 0.82 or less; the plan offloads all 28 layers" in plan.notes[0]
 
 
 def test_fp8_kv_cache_doubles_the_tokens() -> None:

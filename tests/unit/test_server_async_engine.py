@@ -12,6 +12,7 @@ from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError, fo
 from fitserve.engine.outputs import RequestOutput
 from fitserve.engine.sampling_params import SamplingParams
 from fitserve.server.streaming import EventStreamResponse
+from tests.unit.oom_replay import OutOfMemoryReplayEngine
 from tests.unit.server_helpers import ReplayEngine, smollm2_tokenizer
 
 LONG = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
@@ -141,6 +142,29 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
         await async_engine.shutdown()
 
     run(scenario())
+
+
+def test_an_out_of_memory_output_passes_through_and_the_others_go_on() -> None:
+    engine = OutOfMemoryReplayEngine(lambda p, i: LONG, fails=lambda prompt: "Explode" in prompt)
+    seen: list[RequestOutput] = []
+
+    async def scenario() -> tuple[RequestOutput, RequestOutput, bool]:
+        async_engine = await started(engine, observers=[seen.append])
+        failing = await async_engine.add_request("r1", "Explode:", None, SamplingParams(n=2, max_tokens=50))
+        healthy = await async_engine.add_request("r2", None, prompt_ids(), SamplingParams(max_tokens=50))
+        finals = await asyncio.gather(failing.final_output(), healthy.final_output())
+        healthy_after = async_engine.is_healthy and async_engine.num_in_flight == 0
+        await async_engine.shutdown()
+        return finals[0], finals[1], healthy_after
+
+    failed, completed, healthy_after = run(scenario())
+    assert failed.finished and [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    assert failed.error is not None and failed.error.startswith("Out of GPU memory in a step of")
+    assert [len(c.token_ids) for c in failed.outputs] == [2, 2]  # what it generated before the step
+    assert completed.outputs[0].text == LONG and completed.outputs[0].finish_reason == "stop"
+    assert healthy_after and engine.failed_steps == [(["r1"], ["r2"])]
+    assert engine.aborted == []  # the engine already ended r1: nothing is aborted twice
+    assert [o.error for o in seen if o.request_id == "r1" and o.finished] == [failed.error]  # observers too
 
 
 def test_the_event_loop_keeps_running_during_steps() -> None:

@@ -19,6 +19,9 @@ class Attention(nn.Module):
 
     sliding_window: the model's window, if it has one. The backends attend over the full context, which
     equals windowed attention while every context fits in the window; a longer one is refused here.
+
+    k_scale, v_scale: this layer's float8 KV cache scales (fitserve/layers/attention/backend.py), 1.0
+    unless the checkpoint carries them (set while loading); a cache in the model dtype ignores them.
     """
 
     def __init__(
@@ -43,6 +46,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -60,13 +65,15 @@ class Attention(nn.Module):
                     f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
                 )
             backend = get_attention_backend(q.device)
-            out = backend.forward(q, k, v, context.kv_caches[self.layer_idx], metadata, self.scale)
+            kv_cache = context.kv_caches[self.layer_idx]
+            out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"scale={self.scale:.4g}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}"
+            f"scale={self.scale:.4g}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}, "
+            f"k_scale={self.k_scale:g}, v_scale={self.v_scale:g}"
         )
 
 

@@ -16,6 +16,12 @@ Calls per step (the grouping is built once per step, `_StepPlan`, and reused by 
 Invariant the caller keeps: the KV cache was allocated zeroed. Slots past a sequence's length (the rest
 of its last block, and the padded block-table entries) are masked out, but masked values still meet a
 zero probability in the matmul, so they must be finite.
+
+A float8 cache (backend.py has the convention) is written through quantize_kv; its bytes are copied as
+uint8, which every index op supports. It is read as the Triton kernels read it: the stored values are
+converted to the query dtype as they are (exact: every e4m3/e5m2 value is a bf16, fp16 and fp32 value),
+k_scale is folded into the softmax scale and v_scale multiplies the output. Rounding stored * scale to
+bf16 instead would add a relative error of up to 2**-9 to every key and value.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, quantize_kv
 from fitserve.layers.attention.metadata import AttentionMetadata
 
 # A sequence whose query is at most this many tokens joins the padded batch; a longer one runs alone.
@@ -34,13 +41,21 @@ LONG_QUERY_TILE = 512
 
 
 def write_kv_cache(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Stores k, v [T, num_kv_heads, head_dim] at their flat slots of kv_cache [2, blocks, block, kv, dim]."""
+    """Stores k, v [T, num_kv_heads, head_dim] at their flat slots of kv_cache [2, blocks, block, kv, dim].
+
+    A float8 cache stores clamp(k / k_scale) and clamp(v / v_scale); other caches ignore the scales.
+    """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    slots = kv_bytes_view(kv_cache).view(2, -1, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, kv_bytes_view(quantize_kv(k, kv_cache.dtype, k_scale)))
+    slots[1].index_copy_(0, slot_mapping, kv_bytes_view(quantize_kv(v, kv_cache.dtype, v_scale)))
 
 
 def group_sequences(query_lens: list[int]) -> list[list[int]]:
@@ -152,16 +167,24 @@ class TorchReferenceBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv_cache(kv_cache, k, v, metadata.slot_mapping)
+        write_kv_cache(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
         plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
+        fp8 = is_fp8_kv_cache(kv_cache.dtype)
+        if fp8:
+            scale = scale * k_scale  # q . (stored * k_scale) * scale, with the stored keys read exactly
         if len(plan.groups) == 1 and plan.groups[0].padded_rows is None:
-            return self._attend(q, kv_cache, plan.groups[0], scale)
-        out = torch.empty_like(q)
-        for group in plan.groups:
-            assert group.padded_rows is not None and group.valid is not None
-            result = self._attend(q.index_select(0, group.padded_rows), kv_cache, group, scale)
-            out.index_copy_(0, group.padded_rows[group.valid], result[group.valid])
+            out = self._attend(q, kv_cache, plan.groups[0], scale)
+        else:
+            out = torch.empty_like(q)
+            for group in plan.groups:
+                assert group.padded_rows is not None and group.valid is not None
+                result = self._attend(q.index_select(0, group.padded_rows), kv_cache, group, scale)
+                out.index_copy_(0, group.padded_rows[group.valid], result[group.valid])
+        if fp8 and v_scale != 1.0:
+            out = out * v_scale  # softmax(...) @ (stored * v_scale) = (softmax(...) @ stored) * v_scale
         return out
 
     def _step_plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
@@ -174,10 +197,15 @@ class TorchReferenceBackend:
         return plan
 
     def _attend(
-        self, queries: torch.Tensor, kv_cache: torch.Tensor, group: _GroupPlan, scale: float
+        self,
+        queries: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: _GroupPlan,
+        scale: float,
     ) -> torch.Tensor:
         """queries [batch * query_len, heads, head_dim] in padded layout -> the same shape, attended."""
-        keys, values = self._gather(kv_cache, group, queries.dtype)  # [batch, kv_heads, kv_len, head_dim]
+        # [batch, kv_heads, kv_len, head_dim] each
+        keys, values = self._gather(kv_cache, group, queries.dtype)
         batch, query_len, kv_len = group.batch, group.query_len, group.kv_len
         num_heads, head_dim = queries.shape[1:]
         num_kv_heads = keys.shape[1]
@@ -219,20 +247,22 @@ class TorchReferenceBackend:
     def _gather(
         self, kv_cache: torch.Tensor, group: _GroupPlan, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of each sequence through its blocks: [batch, kv_heads, kv_len, head_dim] views."""
+        """Keys and values of each sequence through its blocks: [batch, kv_heads, kv_len, head_dim] views.
+
+        A float8 cache's stored values are converted to `dtype` unscaled (forward applies the scales)."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         per_block = block_size * num_kv_heads * head_dim
         num_gathered = group.block_ids.numel()
-        buffer = self._gather_buffer(kv_cache.device, kv_cache.dtype, 2 * num_gathered * per_block)
+        source = kv_bytes_view(kv_cache)
+        buffer = self._gather_buffer(kv_cache.device, source.dtype, 2 * num_gathered * per_block)
         buffer = buffer.view(2, num_gathered, per_block)
         gathered = []
         for kind in (0, 1):
             # Per kind along dim 0: the contiguous case that index_select spreads across threads.
-            torch.index_select(
-                kv_cache[kind].view(num_blocks, per_block), 0, group.block_ids, out=buffer[kind]
-            )
-            per_token = buffer[kind].view(group.batch, group.kv_len, num_kv_heads, head_dim)
-            gathered.append(per_token.to(dtype).transpose(1, 2))
+            torch.index_select(source[kind].view(num_blocks, per_block), 0, group.block_ids, out=buffer[kind])
+            stored = buffer[kind].view(kv_cache.dtype)
+            per_token = stored.view(group.batch, group.kv_len, num_kv_heads, head_dim)
+            gathered.append(dequantize_kv(per_token, dtype, 1.0).transpose(1, 2))
         return gathered[0], gathered[1]
 
     def _gather_buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:

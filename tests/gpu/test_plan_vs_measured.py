@@ -1,0 +1,110 @@
+"""What `fitserve plan` predicts before loading against what the CUDA engine measures once loaded.
+
+For the Qwen3-0.6B and Llama-3.1-8B shapes (config.json from shared/models, dummy weights, the SmolLM2
+tokenizer, max_model_len 4096): the weights the planner counted are within 1% of what the engine's
+profiling measured (`CudaPlatform.weights_bytes`, torch's allocated bytes after loading), and the KV
+cache tokens it planned are within 3% of the blocks the engine allocated.
+
+Each model runs in its own process (this file run as a script), which plans, then loads, then prints
+the numbers as JSON: nothing of one engine is left on the GPU when the next one measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: `python tests/gpu/test_plan_vs_measured.py SHAPE UTIL`
+    sys.path.insert(0, str(REPO))
+
+from tests.paths import MODELS_DIR, SMOLLM2_TOKENIZER_DIR  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MAX_MODEL_LEN = 4096
+WEIGHTS_TOLERANCE = 0.01
+KV_TOKENS_TOLERANCE = 0.03
+RESULT_PREFIX = "PLAN_VS_MEASURED "
+
+
+def plan_then_measure(shape: str, gpu_memory_utilization: float) -> dict[str, int]:
+    """In this process: plan as `fitserve serve` does (before loading a byte), start the engine from
+    the plan's settings, and read what it measured."""
+    from fitserve.cli import parse_command
+    from fitserve.engine.llm import LLM
+    from fitserve.planner.cli_plan import plan_from_namespace
+
+    argv = [
+        "serve", str(MODELS_DIR / shape), "--load-format", "dummy", "--tokenizer", str(SMOLLM2_TOKENIZER_DIR),
+        "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", str(gpu_memory_utilization),
+    ]  # fmt: skip
+    _, _, namespace = parse_command(argv)
+    fit = plan_from_namespace(namespace)
+    plan = fit.plan
+    engine = LLM.from_engine_args(fit.engine_args).engine
+    stats = engine.get_stats()
+    return {
+        "planned_weights_bytes": plan.terms.weights,
+        "measured_weights_bytes": int(engine.executor.runner.platform.weights_bytes),
+        "planned_kv_tokens": plan.kv_cache_tokens,
+        "measured_kv_tokens": (stats.num_kv_blocks - 1) * stats.block_size,
+        "planned_max_num_batched_tokens": plan.inputs.max_num_batched_tokens,
+        "engine_max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+        "planned_max_num_seqs": plan.inputs.max_num_seqs,
+        "engine_max_num_seqs": engine.config.scheduler.max_num_seqs,
+    }
+
+
+def _run_in_subprocess(shape: str, gpu_memory_utilization: float) -> dict[str, int]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, __file__, shape, str(gpu_memory_utilization)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert done.returncode == 0 and lines, f"{shape} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    plan_lines = [line for line in done.stderr.splitlines() if "Plan vs measured" in line]
+    print("\n".join(plan_lines))  # the engine's own term-by-term log, shown with -s or on failure
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def _relative(planned: int, measured: int) -> float:
+    return abs(planned - measured) / measured
+
+
+@pytest.mark.parametrize(
+    "shape, gpu_memory_utilization",
+    [("qwen3-0.6b", 0.4), ("llama-3.1-8b", 0.9)],
+    ids=["qwen3-0.6b", "llama-8b"],
+)
+def test_planned_weights_and_kv_tokens_match_the_engine(shape: str, gpu_memory_utilization: float) -> None:
+    numbers = _run_in_subprocess(shape, gpu_memory_utilization)
+    # the engine ran with the settings the plan was made for
+    assert numbers["engine_max_num_batched_tokens"] == numbers["planned_max_num_batched_tokens"], numbers
+    assert numbers["engine_max_num_seqs"] == numbers["planned_max_num_seqs"], numbers
+    weights_off = _relative(numbers["planned_weights_bytes"], numbers["measured_weights_bytes"])
+    assert weights_off <= WEIGHTS_TOLERANCE, f"weights {weights_off:.2%} off the plan: {numbers}"
+    kv_off = _relative(numbers["planned_kv_tokens"], numbers["measured_kv_tokens"])
+    assert kv_off <= KV_TOKENS_TOLERANCE, f"KV cache tokens {kv_off:.2%} off the plan: {numbers}"
+
+
+if __name__ == "__main__":
+    result = plan_then_measure(sys.argv[1], float(sys.argv[2]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
