@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_if_exact
 from fitserve.layers.linear import default_weight_loader
 
 
@@ -17,7 +21,14 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # Called after the weight is loaded (a tied LM head prepares its CPU form there).
+        self.after_load: list[Callable[[], None]] = []
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        default_weight_loader(param, loaded_weight)
+        for callback in self.after_load:
+            callback()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
@@ -32,6 +43,9 @@ class ParallelLMHead(nn.Module):
     Tied (`tie_to` given): the head reads the embedding's matrix and owns no parameter of its own, so a
     checkpoint's `lm_head.weight` has nothing to load into and `named_parameters()` does not list it.
     The matmul runs in the model's dtype; only its result is widened to float32 for the sampler.
+
+    On the CPU, a float32 head whose loaded weights float16 holds exactly also gets a prepacked float16
+    copy that the matmul reads instead (cpu_fp16_matmul.py): same weights, half the bytes per token.
     """
 
     def __init__(
@@ -48,11 +62,22 @@ class ParallelLMHead(nn.Module):
                     f"{tuple(tie_to.weight.shape)}"
                 )
             self.weight = tie_to.weight
+            tie_to.after_load.append(self._prepare_cpu_weight)
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-            self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self._fp16_weight: Any | None = None  # prepacked float16 copy (CPU only), None when not exact
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        default_weight_loader(param, loaded_weight)
+        self._prepare_cpu_weight()
+
+    def _prepare_cpu_weight(self) -> None:
+        self._fp16_weight = pack_fp16_if_exact(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return fp16_matmul(hidden, self._fp16_weight)
         return F.linear(hidden, self.weight).to(torch.float32)
 
     def extra_repr(self) -> str:

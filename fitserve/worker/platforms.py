@@ -55,16 +55,18 @@ class CudaPlatform:
         free, total = torch.cuda.mem_get_info()
         self.baseline_used = total - free
         self.baseline_reserved = torch.cuda.memory_reserved()
+        # Tensors this process already held (e.g. another engine not yet collected) are not ours either.
+        self.baseline_allocated = torch.cuda.memory_allocated()
 
     def determine_num_blocks(self, runner: ModelRunner) -> int:
         config = runner.config
         total = torch.cuda.mem_get_info()[1]
         torch.cuda.synchronize()
-        weights = torch.cuda.memory_allocated()
+        weights = torch.cuda.memory_allocated() - self.baseline_allocated
         torch.cuda.reset_peak_memory_stats()
         scratch_bytes = runner.profile_run()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - scratch_bytes
+        peak = torch.cuda.max_memory_allocated() - scratch_bytes - self.baseline_allocated
         free_now, _ = torch.cuda.mem_get_info()
         used_since_start = (total - free_now) - self.baseline_used
         non_torch = max(0, used_since_start - (torch.cuda.memory_reserved() - self.baseline_reserved))

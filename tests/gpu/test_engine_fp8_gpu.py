@@ -3,6 +3,8 @@ the Qwen3-0.6B shape with random weights. Needs a GPU of compute capability 8.9+
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -53,11 +55,13 @@ def test_fp8_engine_doubles_the_tokens_and_stays_close(qwen3_folder) -> None:
     auto_blocks = auto_llm.engine.kv_manager.pool.num_blocks
     reference = _greedy(auto_llm, prompts, 64)
     del auto_llm
+    gc.collect()
     torch.cuda.empty_cache()
 
     fp8_eager_llm = _llm(qwen3_folder, kv_cache_dtype="fp8", enforce_eager=True)
     eager = _greedy(fp8_eager_llm, prompts, 64)
     del fp8_eager_llm
+    gc.collect()
     torch.cuda.empty_cache()
     for kwargs in ({}, {"max_num_batched_tokens": 64, "max_num_seqs": 8}):
         llm = _llm(qwen3_folder, kv_cache_dtype="fp8", **kwargs)

@@ -1,0 +1,206 @@
+"""CPU linear layers whose weights are 4-bit groups: kept as int4 and multiplied by torch's int4 kernel.
+
+A checkpoint converted from a 4-bit GGUF (Q4_1: the default SmolLM2 model) holds, in every run of 32
+weights along a row, at most 16 evenly spaced values: w = m + d * q with q in 0..15, where m is the
+group's smallest weight and m + 15 d its largest. `find_int4_groups` recovers (q, d, m) from the loaded
+matrix and checks that they reproduce every weight; only then is the matrix packed, so any other
+matrix (an fp32 or bf16 checkpoint, random test weights) is never touched.
+
+The packed weight is 0.5 byte per weight plus a bfloat16 scale and zero per group, against 4 bytes
+in float32: a decode step reads ~8x fewer weight bytes. The kernel (`torch._weight_int4pack_mm_for_cpu`)
+computes in bfloat16 (bf16 activations in, fp32 accumulation, bf16 out): the AVX-512 kernel exists
+only for bf16. Its scales and zeros are bf16 too, so a weight is reproduced within bf16 rounding of
+its group's scale and zero (the largest deviation is logged). From `DEQUANT_MIN_ROWS` rows on (long
+prefill chunks) the kernel is slower than float32 GEMM, so the weight is dequantized to float32 for
+that call and multiplied densely, in float32.
+
+Packed layout (torch's CPU int4 layout; `dequantize_transposed` reads it back, a unit test pins it): uint8
+[N, K/2] viewed as [N/64, K, 32]: byte j of row k in block b holds q[64 b + j, k] in its low nibble
+and q[64 b + 32 + j, k] in its high nibble.
+
+Set FITSERVE_CPU_INT4=0 to keep every matrix as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("fitserve")
+
+GROUP_SIZE = 32
+_BLOCK_N = 64  # output rows per block of the packed layout
+# A matrix is packed only if every weight is reproduced within this fraction of its group's largest
+# |weight|. A bf16-stored Q4 weight deviates by up to ~1/128 (bf16 rounding of the weight, its group's
+# scale and zero); a matrix that is not 4-bit groups has ~30 free values per group, each landing this
+# close to the grid with probability ~0.2, so it passes with probability ~1e-20 per group.
+_TOLERANCE = 2.0**-6
+# Rows (tokens) from which a call dequantizes to float32 and runs the dense GEMM instead of the kernel.
+DEQUANT_MIN_ROWS = 128
+ENV_SWITCH = "FITSERVE_CPU_INT4"
+
+_announced = False
+
+
+def cpu_int4_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def kernel_available() -> bool:
+    return all(
+        hasattr(torch, name)
+        for name in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+    )
+
+
+@dataclass
+class Int4Groups:
+    """w[n, g * 32 + i] = (codes[n, g * 32 + i] - 8) * scales[n, g] + zeros[n, g] (torch's convention)."""
+
+    codes: torch.Tensor  # int32 [N, K], 0..15
+    scales: torch.Tensor  # bfloat16 [N, K / 32]
+    zeros: torch.Tensor  # bfloat16 [N, K / 32]
+    max_deviation: float  # largest |dequantized - loaded| / the group's largest |weight|
+
+
+def packable_shape(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] % _BLOCK_N == 0 and weight.shape[1] % GROUP_SIZE == 0
+
+
+def find_int4_groups(weight: torch.Tensor) -> Int4Groups | None:
+    """The 4-bit groups `weight` [N, K] is made of, or None when it is not such a matrix."""
+    if not packable_shape(weight) or not weight.is_floating_point():
+        return None
+    rows, cols = weight.shape
+    groups = weight.detach().float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    low = groups.amin(dim=-1, keepdim=True)
+    high = groups.amax(dim=-1, keepdim=True)
+    step = (high - low) / 15
+    safe_step = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((groups - low) / safe_step).round_().clamp_(0, 15)
+    scales = step.to(torch.bfloat16)
+    zeros = (low + 8 * step).to(torch.bfloat16)
+    dequantized = (codes - 8) * scales.float() + zeros.float()
+    magnitude = torch.maximum(low.abs(), high.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+    deviation = float(((dequantized - groups).abs() / magnitude).max())
+    if not deviation <= _TOLERANCE:  # also refuses NaN
+        return None
+    return Int4Groups(
+        codes=codes.reshape(rows, cols).to(torch.int32),
+        scales=scales.squeeze(-1),
+        zeros=zeros.squeeze(-1),
+        max_deviation=deviation,
+    )
+
+
+def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K/2], scales_and_zeros bf16 [K/32, N, 2]) for the int4 kernel."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(groups.codes, 1)
+    scales_and_zeros = torch.stack((groups.scales, groups.zeros), dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_and_zeros
+
+
+def dequantize_transposed(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 weight, transposed: [K, N], as the kernel dequantizes it (to float32 rounding).
+
+    `out` (float32, at least K * N elements) is written and returned instead of a new tensor.
+    """
+    num_groups, out_features, _ = scales_and_zeros.shape
+    in_features = num_groups * GROUP_SIZE
+    blocks = packed.view(out_features // _BLOCK_N, in_features, _BLOCK_N // 2)
+    codes = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [N/64, K, 64]
+    numel = in_features * out_features
+    weight = torch.empty(numel) if out is None else out[:numel]
+    # One pass converts to float32 and moves to k-major order ([K, N/64, 64] is [K, N]).
+    weight.view(in_features, out_features // _BLOCK_N, _BLOCK_N).copy_(codes.permute(1, 0, 2))
+    scales = scales_and_zeros[..., 0].float().unsqueeze(1)
+    offsets = scales_and_zeros[..., 1].float().unsqueeze(1) - 8 * scales  # w = code * scale + offset
+    weight.view(num_groups, GROUP_SIZE, out_features).mul_(scales).add_(offsets)
+    return weight.view(in_features, out_features)
+
+
+class _Scratch(threading.local):
+    """One float32 buffer per thread for the dequantized weight of a long call, grown as needed and
+    reused by every layer: a fresh multi-megabyte tensor per call costs more in page faults than the
+    dequantization itself."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+
+    def get(self, numel: int) -> torch.Tensor:
+        if self.buffer.numel() < numel:
+            self.buffer = torch.empty(numel)
+        return self.buffer
+
+
+_scratch = _Scratch()
+
+
+class Int4CpuLinearMethod:
+    """Applies a layer whose `weight` is the packed int4 matrix and `scales_and_zeros` its groups'."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        raise TypeError("Int4CpuLinearMethod packs loaded weights (convert_to_int4); it creates none")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # Kept lean: it runs for every projection of every decode step.
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if flat.shape[0] < DEQUANT_MIN_ROWS:
+            out = torch._weight_int4pack_mm_for_cpu(
+                flat.to(torch.bfloat16).contiguous(), layer.weight, GROUP_SIZE, layer.scales_and_zeros
+            ).to(x.dtype)
+        else:
+            buffer = _scratch.get(layer.weight.numel() * 2)
+            weight_t = dequantize_transposed(layer.weight, layer.scales_and_zeros, out=buffer)
+            out = torch.mm(flat.float(), weight_t).to(x.dtype)
+        if layer.bias is not None:
+            out += layer.bias
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
+def convert_to_int4(layer: nn.Module) -> bool:
+    """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups.
+
+    Returns whether it did; the caller then switches the layer to `Int4CpuLinearMethod`.
+    """
+    if not (cpu_int4_enabled() and kernel_available()):
+        return False
+    groups = find_int4_groups(layer.weight)
+    if groups is None:
+        return False
+    packed, scales_and_zeros = pack(groups)
+    layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+    _announce(groups.max_deviation)
+    logger.debug(
+        "%s: %d x %d weight kept as int4 (max deviation %.2g of a group's largest weight)",
+        type(layer).__name__,
+        packed.shape[0],
+        packed.shape[1] * 2,
+        groups.max_deviation,
+    )
+    return True
+
+
+def _announce(max_deviation: float) -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    logger.info(
+        "CPU weights: matrices that are 4-bit groups of %d (a Q4_1 GGUF's, converted) stay int4 "
+        "(0.5 byte per weight + bf16 scale and zero per group; first matrix reproduced within %.2g of its "
+        "groups' largest weight), multiplied in bfloat16 (float32 from %d tokens per step); "
+        "%s=0 keeps them float",
+        GROUP_SIZE,
+        max_deviation,
+        DEQUANT_MIN_ROWS,
+        ENV_SWITCH,
+    )

