@@ -11,13 +11,9 @@ import numpy as np
 import torch
 
 
-def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list or array on the device, queued after the work already on the stream."""
-    if isinstance(values, np.ndarray):
-        tensor = torch.from_numpy(values).to(dtype)
-    else:
-        tensor = torch.tensor(values, dtype=dtype)
-    return tensor_to_device(tensor, device)
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device, queued after the work already on the stream."""
+    return tensor_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
