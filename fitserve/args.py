@@ -39,6 +39,17 @@ logger = logging.getLogger("fitserve")
 # so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
 # prompt length. CPUs get a smaller step so that decodes of a running batch are not held up for long.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+# `fitserve serve` on a GPU: short prefill chunks. A step that prefills 8,192 tokens of an 8B model takes
+# ~195 ms on an H100, stalling every stream's next token and the first token of each request behind it;
+# 1,024-token chunks keep such a step near 30 ms (docs/performance.md, "Serving: the prefill chunk").
+SERVE_MAX_NUM_BATCHED_TOKENS = {"cuda": 1024, "cpu": 2048}
+
+
+def default_max_num_batched_tokens(device: str, max_num_seqs: int, serving: bool) -> int:
+    """The step's token budget when the user set none: at least max_num_seqs (one token each)."""
+    table = SERVE_MAX_NUM_BATCHED_TOKENS if serving else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(table[device], max_num_seqs)
+
 
 DTYPES = {
     "half": torch.float16,
@@ -88,7 +99,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _flag(
         None,
         "Most tokens (prompt chunks + decodes) in one step. Chunked prefill is always on, so this may be "
-        "below --max-model-len. Default: 8192 on CUDA, 2048 on CPU (at least --max-num-seqs).",
+        "below --max-model-len. Default: 8192 on CUDA (1024 for `fitserve serve`, for short first-token "
+        "and inter-token latency), 2048 on CPU; at least --max-num-seqs.",
         type=int,
     )
     num_gpu_blocks_override: int | None = _flag(
@@ -180,7 +192,7 @@ class EngineArgs:
                 f"attention kernels take: set --block-size {MIN_CUDA_BLOCK_SIZE} (or 32, 64, 128)"
             )
         if device == "cuda":
-            _check_fp8_kv_cache_on_gpu(self.kv_cache_dtype, torch.cuda.get_device_capability())
+            check_fp8_kv_cache_on_gpu(self.kv_cache_dtype, torch.cuda.get_device_capability())
         compilation = CompilationConfig(
             enforce_eager=self.enforce_eager, cudagraph_capture_sizes=_capture_sizes(self.compilation_config)
         )
@@ -335,7 +347,7 @@ class EngineArgs:
     def _resolve_max_num_batched_tokens(self, device: str) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[device], self.max_num_seqs)
+        return default_max_num_batched_tokens(device, self.max_num_seqs, serving=False)
 
 
 # The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
@@ -387,7 +399,7 @@ def _refuse_quantized_checkpoint(hf_config: Any, model_path: str) -> None:
     )
 
 
-def _check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
+def check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
     """The Triton kernels convert to float8 e4m3 only from compute capability 8.9 (Ada, Hopper) on."""
     is_e4m3 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
     if is_e4m3 and capability < FP8_E4M3_MIN_CAPABILITY:

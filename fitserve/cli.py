@@ -105,10 +105,10 @@ def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentPa
     return top, {"serve": serve, "generate": generate, "plan": plan, "doctor": doctor}
 
 
-def apply_auto_fit(namespace: argparse.Namespace) -> None:
+def apply_auto_fit(namespace: argparse.Namespace, serving: bool) -> None:
     """Plans before loading a byte: fills the engine settings the user left unset and logs each choice
     with its reason. A model that cannot fit stops here with the fix (a PlanError, a ValueError)."""
-    result = plan_from_namespace(namespace)
+    result = plan_from_namespace(namespace, serving)
     for choice in result.choices:
         origin = "set by you" if choice.explicit else "auto-fit"
         logger.info("%s = %s (%s: %s)", choice.setting, choice.value, origin, choice.reason)
@@ -120,7 +120,7 @@ def apply_auto_fit(namespace: argparse.Namespace) -> None:
 
 
 def run_serve(namespace: argparse.Namespace) -> int:
-    apply_auto_fit(namespace)
+    apply_auto_fit(namespace, serving=True)
     try:
         from fitserve.server.api_server import run_server
     except ModuleNotFoundError as error:
@@ -148,7 +148,7 @@ def run_generate(namespace: argparse.Namespace) -> int:
     }
     overrides = {name: value for name, value in requested.items() if value is not None}
     SamplingParams(**overrides)  # refuses a bad sampling flag before the model loads
-    apply_auto_fit(namespace)
+    apply_auto_fit(namespace, serving=False)
     llm = LLM.from_engine_args(EngineArgs.from_cli(namespace))
     params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
     tokenizer = llm.get_tokenizer()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,9 +58,17 @@ class Engine:
         self.config = config
         mc = config.model
         started = time.perf_counter()
-        self.tokenizer = load_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-        self.executor = create_executor(config)
-        num_blocks = self.executor.initialize_kv_cache()
+        # The tokenizer (importing transformers: ~10 s from a cold disk) loads while the model does.
+        tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
+        tokenizer = tokenizer_loader.submit(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
+        try:
+            self.executor = create_executor(config)
+            if tokenizer.done() and tokenizer.exception() is not None:
+                raise tokenizer.exception()  # a bad tokenizer stops the start before the profiling
+            num_blocks = self.executor.initialize_kv_cache()
+            self.tokenizer = tokenizer.result()
+        finally:
+            tokenizer_loader.shutdown(wait=False, cancel_futures=True)
         self.kv_manager = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fitserve.layers.linear import default_weight_loader
@@ -15,6 +16,10 @@ class RMSNorm(nn.Module):
     the sum is taken in the activations' dtype, exactly as HF's `residual + hidden_states`. On CUDA
     both forms run as one Triton kernel (fitserve.kernels.norm); the fused one works in place, so x
     and residual must not be read again by the caller.
+
+    On the CPU, float32 activations with a float32 weight take torch's fused `F.rms_norm` (one op
+    instead of seven): for float32 it computes the same values as HF's formula, bit for bit (a unit
+    test checks it). Other dtypes keep HF's formula, whose casts F.rms_norm does not reproduce.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -24,6 +29,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(dim=-1, keepdim=True)

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ShardId = int | str
+# kernels/skinny_gemm.MAX_ROWS, repeated so that this module imports without Triton (CPU builds).
+SKINNY_MAX_ROWS = 16
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -36,6 +38,17 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
         )
     with torch.no_grad():
         param.copy_(loaded_weight)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): a decode step's few rows on the GPU stream the weight through fitserve's
+    skinny GEMM kernel (faster than cuBLAS there, kernels/skinny_gemm.py); everything else is F.linear."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
+        from fitserve.kernels.skinny_gemm import skinny_gemm, worth_it
+
+        if worth_it(x, weight):
+            return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _set_weight_loader(param: nn.Parameter, loader: object) -> None:
@@ -65,7 +78,7 @@ class UnquantizedLinearMethod:
             layer.register_parameter("bias", None)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return dense_linear(x, layer.weight, layer.bias)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """On the CPU: a weight of 4-bit groups is packed as int4 and the layer applies it as such; a

@@ -132,7 +132,10 @@ class RotaryEmbedding(nn.Module):
         if positions.is_cuda:
             return StepRope(positions=positions, cos_sin_cache=self._cos_sin_cache(positions.device))
         cos, sin = self(positions, dtype)
-        return StepRope(cos=cos, sin=sin)
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin_first_half | sin_second_half], bit for bit
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return StepRope(cos=cos.unsqueeze(1), sin=signed_sin.unsqueeze(1))
 
     def _cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         """float32 [max_positions, head_dim]: cos of each angle pair, then sin (the kernel's layout)."""
@@ -162,7 +165,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 @dataclass
 class StepRope:
-    """One step's rotary inputs: (positions, cos_sin_cache) for the CUDA kernel, or (cos, sin) tables."""
+    """One step's rotary inputs: (positions, cos_sin_cache) for the CUDA kernel, or, elsewhere, tables
+    `cos` [T, 1, D] and `sin` [T, 1, D] with the first half of each row negated (see `rotate`)."""
 
     positions: torch.Tensor | None = None
     cos_sin_cache: torch.Tensor | None = None
@@ -175,4 +179,11 @@ class StepRope:
             from fitserve.kernels.rotary import rotary_embedding
 
             return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
-        return apply_rotary_emb(q, self.cos, self.sin), apply_rotary_emb(k, self.cos, self.sin)
+        return self.rotate(q), self.rotate(k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (any heads: q's, k's, or both side by side) -> a new rotated tensor, with the
+        table form only. Equals HF's `x * cos + rotate_half(x) * sin` bit for bit: rotate_half(x) is x
+        rolled by half a head with its first half negated, and the negation moved onto sin is exact."""
+        assert self.cos is not None and self.sin is not None, "rotate() needs the table form (not CUDA)"
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.sin

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_if_exact
-from fitserve.layers.linear import default_weight_loader
+from fitserve.layers.linear import default_weight_loader, dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -78,7 +78,7 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return fp16_matmul(hidden, self._fp16_weight)
-        return F.linear(hidden, self.weight).to(torch.float32)
+        return dense_linear(hidden, self.weight).to(torch.float32)
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}, tied={self.tied}"

@@ -69,6 +69,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """forward, calling the sublayers' forward directly (see DecoderLayer.forward_cpu)."""
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+
 
 class DecoderAttention(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
@@ -104,6 +108,19 @@ class DecoderAttention(nn.Module):
         q, k = rope.apply(q, k)
         return self.o_proj(self.attn(q, k, v))
 
+    def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """forward with rope tables (the CPU), calling the sublayers' forward directly (see
+        DecoderLayer.forward_cpu). Without q/k norms, q and k sit side by side in the qkv output, so one
+        rotation covers both sets of heads: the same values as rotating each, in fewer ops."""
+        if self.q_norm is not None:
+            return self.forward(hidden, rope)
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
+        qk = rope.rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj.forward(self.attn.forward(q, k, qkv[:, qk_size:]))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
@@ -117,6 +134,8 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes the previous layer's (mlp output, residual stream); returns this layer's."""
+        if rope.cos is not None:
+            return self.forward_cpu(hidden, residual, rope)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -125,6 +144,22 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_cpu(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with rope tables (the CPU path). A CPU decode step is bound by per-call overheads, not
+        arithmetic, and nn.Module.__call__ is one of them (~1 ms of a ~21 ms SmolLM2 step at batch 1), so
+        the sublayers' forward is called directly; none of them carries hooks (--cpu-offload-gb hooks
+        whole decoder layers, which are still called as modules)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm.forward(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward_cpu(hidden, rope)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward_cpu(hidden), residual
 
 
 class DecoderModel(nn.Module):

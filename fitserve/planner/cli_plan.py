@@ -80,14 +80,15 @@ def run_plan(namespace: argparse.Namespace) -> int:
     return 0
 
 
-def plan_from_namespace(namespace: argparse.Namespace) -> FitResult:
+def plan_from_namespace(namespace: argparse.Namespace, serving: bool = True) -> FitResult:
+    """The plan for these flags: for `fitserve serve` (and `plan`, `doctor`), or offline generation."""
     from fitserve.planner.model_info import inspect_model
 
     args = EngineArgs.from_cli(namespace)
     args.check_ranges()
     devices, host_ram = planning_devices(args.device, getattr(namespace, "assume_gpus", None))
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
-    return auto_fit(model, args, devices, explicit_engine_fields(namespace), host_ram)
+    return auto_fit(model, args, devices, explicit_engine_fields(namespace), host_ram, serving)
 
 
 def run_doctor(namespace: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fitserve.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from fitserve.args import EngineArgs, check_fp8_kv_cache_on_gpu, default_max_num_batched_tokens
 from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
@@ -74,14 +74,22 @@ def auto_fit(
     devices: Sequence[DeviceSpec],
     explicit: frozenset[str] = frozenset(),
     host_ram_available: int | None = None,
+    serving: bool = True,
 ) -> FitResult:
-    """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix."""
+    """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix. `serving`: plan
+    for `fitserve serve` (its defaults), else for offline generation (`fitserve generate`, LLM)."""
     used = check_devices(args, devices, model.shape)
     device = min(used, key=lambda d: (d.total_bytes, d.free_bytes))
     on_gpu = device.kind == "cuda"
     choices: list[Choice] = []
     dtype = _choose_dtype(args, model, used, choices)
     check_quantization(args.quantization, model, used)
+    for gpu in used:
+        if gpu.kind == "cuda" and gpu.capability is not None:
+            try:
+                check_fp8_kv_cache_on_gpu(args.kv_cache_dtype, gpu.capability)
+            except ValueError as error:
+                raise PlanError("kv_cache_dtype", f"{gpu.label()}: {error}") from None
     utilization = (
         _choose_utilization(args, used, explicit, choices) if on_gpu else args.gpu_memory_utilization
     )
@@ -91,8 +99,8 @@ def auto_fit(
             f"max_model_len={args.max_model_len} is above the model's own limit {model.max_model_len}: "
             f"set --max-model-len {model.max_model_len} or less",
         )
-    batched = args.max_num_batched_tokens or max(
-        DEFAULT_MAX_NUM_BATCHED_TOKENS[device.kind], args.max_num_seqs
+    batched = args.max_num_batched_tokens or default_max_num_batched_tokens(
+        device.kind, args.max_num_seqs, serving
     )
     inputs = MemoryInputs(
         shape=model.shape,
@@ -133,7 +141,7 @@ def auto_fit(
         )
     plan = plan_memory(inputs)
     check_host_memory(plan, host_ram_available)
-    choices += _late_choices(plan, args, explicit, shrink_reasons, length_reason, seqs_reason)
+    choices += _late_choices(plan, args, explicit, shrink_reasons, length_reason, seqs_reason, serving)
     return FitResult(
         plan=plan,
         model=model,
@@ -279,6 +287,7 @@ def _late_choices(
     shrink_reasons: dict[str, str],
     length_reason: str,
     seqs_reason: str,
+    serving: bool,
 ) -> list[Choice]:
     inputs = plan.inputs
     choices = [
@@ -288,7 +297,10 @@ def _late_choices(
     if args.max_num_batched_tokens is not None:
         choices.append(Choice("max_num_batched_tokens", inputs.max_num_batched_tokens, "set by you", True))
     else:
-        default = shrink_reasons.get("max_num_batched_tokens", "default: the token budget of one step")
+        default = "default: the token budget of one step"
+        if serving and inputs.on_gpu:
+            default = "default for serving: short prefill chunks keep first and next tokens coming"
+        default = shrink_reasons.get("max_num_batched_tokens", default)
         choices.append(Choice("max_num_batched_tokens", inputs.max_num_batched_tokens, default))
     if inputs.on_gpu:
         sizes = inputs.cudagraph_capture_sizes

@@ -17,7 +17,7 @@ from fitserve.planner.model_shape import ModelShape
 
 class PlanError(ValueError):
     """The model cannot run as asked. `kind` names the check: weights, kv_cache,
-    gpu_memory_utilization, devices, dtype, quantization, max_model_len, host_memory."""
+    gpu_memory_utilization, devices, dtype, quantization, kv_cache_dtype, max_model_len, host_memory."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

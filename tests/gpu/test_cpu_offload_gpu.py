@@ -126,7 +126,6 @@ def _run(cpu_offload_gb: float, enforce_eager: bool) -> dict[str, Any]:
     from fitserve.planner.memory import plan_memory
 
     _free_gpu()
-    held_before = torch.cuda.memory_allocated()
     llm = LLM(
         str(SHAPE),
         tokenizer=str(SMOLLM2_TOKENIZER_DIR),
@@ -146,8 +145,9 @@ def _run(cpu_offload_gb: float, enforce_eager: bool) -> dict[str, Any]:
     result = {
         "graphs": runner.graph_runner is not None,
         "tokens": [o.outputs[0].token_ids for o in outputs],
-        # the engine measures memory_allocated() after loading: anything held before is not its own
-        "weights": runner.platform.weights_bytes - held_before,
+        # memory_allocated() after loading less what the process held before the engine started (e.g.
+        # cuBLAS's workspace, allocated on a process's first GEMM and kept)
+        "weights": runner.platform.weights_bytes,
         "gpu_params": _gpu_bytes(runner.model.parameters()),
         "plan": plan_memory(inputs_from_engine_config(llm.engine.config, gpu_device_spec(0))),
         "offload": None

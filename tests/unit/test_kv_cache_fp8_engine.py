@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from fitserve import LLM, SamplingParams
 from fitserve.arg_parser import FlexibleArgumentParser
-from fitserve.args import EngineArgs, _check_fp8_kv_cache_on_gpu, add_engine_args
+from fitserve.args import EngineArgs, add_engine_args, check_fp8_kv_cache_on_gpu
 from fitserve.models.loader import load_model
 from fitserve.planner.engine_plan import inputs_from_engine_config
 from fitserve.planner.fit_errors import planned_only_notes
@@ -75,14 +75,14 @@ def test_the_help_and_the_plan_no_longer_call_fp8_unsupported() -> None:
 
 
 def test_e4m3_needs_compute_capability_8_9_on_cuda() -> None:
-    _check_fp8_kv_cache_on_gpu("fp8", (9, 0))
-    _check_fp8_kv_cache_on_gpu("fp8_e4m3", (8, 9))
-    _check_fp8_kv_cache_on_gpu("fp8_e5m2", (8, 0))
-    _check_fp8_kv_cache_on_gpu("auto", (7, 0))
+    check_fp8_kv_cache_on_gpu("fp8", (9, 0))
+    check_fp8_kv_cache_on_gpu("fp8_e4m3", (8, 9))
+    check_fp8_kv_cache_on_gpu("fp8_e5m2", (8, 0))
+    check_fp8_kv_cache_on_gpu("auto", (7, 0))
     with pytest.raises(
         ValueError, match=r"needs compute capability 8.9, this GPU has 8.0: set --kv-cache-dtype "
     ):
-        _check_fp8_kv_cache_on_gpu("fp8", (8, 0))
+        check_fp8_kv_cache_on_gpu("fp8", (8, 0))
 
 
 # ---- KV sizing --------------------------------------------------------------------------------------

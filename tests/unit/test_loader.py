@@ -278,3 +278,15 @@ def test_hub_id_is_served_from_the_local_hf_cache(
     resolved = resolve_model("some-org/tiny-llama")
     assert Path(resolved.model_path) == repo / "snapshots" / commit
     assert resolved.source.startswith("Hugging Face model some-org/tiny-llama")
+
+
+def test_a_folder_without_tokenizer_files_stops_the_engine_start(
+    tiny_llama: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The tokenizer loads on a thread beside the model; its error still stops the start, naming it."""
+    from fitserve import LLM
+
+    folder, _ = tiny_llama
+    (tmp_path / "notes.txt").write_text("no tokenizer here")
+    with pytest.raises(ValueError, match=r"tokenizer folder .* has none of .*\(it holds: notes.txt\)"):
+        LLM(str(folder), tokenizer=str(tmp_path), device="cpu", num_gpu_blocks_override=8)

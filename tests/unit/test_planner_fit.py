@@ -16,8 +16,12 @@ from tests.unit.planner_helpers import H100, model_info
 SEQS = frozenset({"max_num_seqs"})  # max_num_seqs set explicitly (its default value)
 
 
-def fit(name: str, gpus: str = H100, explicit: frozenset[str] = frozenset(), **args: object) -> FitResult:
-    return auto_fit(model_info(name), EngineArgs(**args), parse_assume_gpus(gpus), explicit)  # type: ignore[arg-type]
+def fit(
+    name: str, gpus: str = H100, explicit: frozenset[str] = frozenset(), serving: bool = False, **args: object
+) -> FitResult:
+    """The plan for offline generation (the 8,192-token step on a GPU), or for `fitserve serve`."""
+    engine_args = EngineArgs(**args)  # type: ignore[arg-type]
+    return auto_fit(model_info(name), engine_args, parse_assume_gpus(gpus), explicit, serving=serving)
 
 
 def choice(result: FitResult, setting: str) -> tuple[object, str]:
@@ -300,6 +304,25 @@ def test_cpu_plan_and_host_memory_refusal() -> None:
     )
 
 
+def test_serving_plans_short_prefill_chunks_on_a_gpu_only() -> None:
+    served = fit("llama-3.1-8b", max_model_len=4096, serving=True)
+    assert served.engine_args.max_num_batched_tokens == 1024
+    value, reason = choice(served, "max_num_batched_tokens")
+    assert value == 1024 and reason.startswith("default for serving")
+    # the smaller step leaves more memory to the KV cache than the offline default
+    assert served.plan.kv_cache_tokens > fit("llama-3.1-8b", max_model_len=4096).plan.kv_cache_tokens
+    # never below max_num_seqs (one token each), and an explicit value wins
+    many_seqs = fit("llama-3.1-8b", max_model_len=4096, max_num_seqs=2048, serving=True)
+    assert many_seqs.engine_args.max_num_batched_tokens == 2048
+    explicit = fit(
+        "llama-3.1-8b", H100, frozenset({"max_num_batched_tokens"}), True, max_num_batched_tokens=8192
+    )
+    assert choice(explicit, "max_num_batched_tokens") == (8192, "set by you")
+    cpu = DeviceSpec("cpu", 0, "CPU (2 cores, 16.0 GiB RAM)", 16 * GiB, 12 * GiB)
+    on_cpu = auto_fit(model_info("qwen3-0.6b"), EngineArgs(device="cpu"), [cpu], serving=True)
+    assert on_cpu.engine_args.max_num_batched_tokens == 2048
+
+
 def test_filled_engine_args_carry_every_choice() -> None:
     result = fit("llama-3.1-8b", max_model_len=4096)
     args = result.engine_args
@@ -308,3 +331,12 @@ def test_filled_engine_args_carry_every_choice() -> None:
         "cudagraph_capture_sizes": list(result.plan.inputs.cudagraph_capture_sizes)
     }
     assert dataclasses.replace(args) == args
+
+
+def test_fp8_e4m3_kv_cache_is_refused_below_sm_8_9_and_e5m2_is_offered() -> None:
+    with pytest.raises(PlanError) as error:
+        fit("llama-3.1-8b", "1x24@8.6", kv_cache_dtype="fp8")
+    assert error.value.kind == "kv_cache_dtype"
+    assert "needs compute capability 8.9, this GPU has 8.6: set --kv-cache-dtype fp8_e5m2" in str(error.value)
+    assert fit("llama-3.1-8b", "1x24@8.6", kv_cache_dtype="fp8_e5m2").plan.kv_cache_tokens > 0
+    assert fit("llama-3.1-8b", "1x24@8.9", kv_cache_dtype="fp8").plan.kv_cache_tokens > 0

@@ -11,7 +11,8 @@ from fitserve.layers.attention.metadata import get_forward_context
 
 
 class Attention(nn.Module):
-    """q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim].
+    """q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]; q, k
+    and v may also come as [T, heads, head_dim].
 
     Reads the step's metadata and this layer's cache (`kv_caches[layer_idx]`) from the forward context.
     With no metadata (a profiling run before the KV cache exists) the T tokens attend causally as one
@@ -51,9 +52,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if q.dim() != 3:  # (a reshape to the shape a tensor has already still costs a call)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        if k.dim() != 3:
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if v.dim() != 3:
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         context = get_forward_context()
         metadata = context.attn_metadata
         if metadata is None:

@@ -1,0 +1,77 @@
+"""The decode steps' skinny GEMM kernel against F.linear in float32, and when linear layers use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from fitserve.kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_gemm, worth_it  # noqa: E402
+from fitserve.layers.linear import SKINNY_MAX_ROWS, dense_linear  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features", "with_bias"),
+    [(1, 4096, 4096, False), (7, 6144, 4096, True), (16, 4100, 2064, False), (3, 14336, 8192, True)],
+)
+def test_matches_float32_linear(
+    dtype: torch.dtype, rows: int, out_features: int, in_features: int, with_bias: bool
+) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, in_features, device="cuda", generator=generator).to(dtype)
+    weight = (0.02 * torch.randn(out_features, in_features, device="cuda", generator=generator)).to(dtype)
+    bias = torch.randn(out_features, device="cuda", generator=generator).to(dtype) if with_bias else None
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = skinny_gemm(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    # float32 accumulation: only the final rounding to 16 bits differs from the float32 result
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    atol = tolerance * expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=atol)
+
+
+def test_every_swept_tile_gives_the_same_result() -> None:
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    expected = skinny_gemm(x, weight).float()
+    for config in (SkinnyGemmConfig(16, 256, 4, 3), SkinnyGemmConfig(64, 128, 8, 5)):
+        out = skinny_gemm(x, weight, config=config).float()
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_captured_in_a_cuda_graph() -> None:
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    eager = skinny_gemm(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_gemm(x, weight)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, skinny_gemm(x, weight))
+    assert not torch.equal(captured, eager)
+
+
+def test_linear_layers_use_it_for_large_weights_and_few_rows_only() -> None:
+    assert SKINNY_MAX_ROWS == MAX_ROWS
+    big = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.empty(1024, 2048, device="cuda", dtype=torch.bfloat16)  # Qwen3-0.6B's o_proj: cuBLAS
+    assert worth_it(torch.empty(MAX_ROWS, 4096, device="cuda", dtype=torch.bfloat16), big)
+    assert not worth_it(torch.empty(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16), big)
+    assert not worth_it(torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16), small)
+    assert not worth_it(torch.empty(1, 4096, device="cuda", dtype=torch.float32), big.float())
+    x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(dense_linear(x, big.normal_()), F.linear(x, big))
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x \(17, 4096\).*use torch.nn.functional.linear"):
+        skinny_gemm(x, torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
