@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 from common import MODELS, copy_bandwidth_bytes_per_s, save  # noqa: I001
 
-from fitserve.kernels.skinny_gemm import SkinnyGemmConfig, default_config, skinny_gemm
+from fitserve.kernels.skinny_gemm import DEFAULT_CONFIG, SkinnyGemmConfig, skinny_gemm
 
 ROWS = (1, 4, 8, 16)  # the rows skinny_gemm takes (MAX_ROWS)
 L2_BYTES_TO_BEAT = 256 << 20  # rotate through at least this many weight bytes
@@ -65,13 +65,12 @@ def time_us(call, weights: list[torch.Tensor]) -> float:
     return start.elapsed_time(end) * 1000 / (repeats * CALLS_PER_GRAPH)
 
 
-def sweep(rows: int, quick: bool) -> list[SkinnyGemmConfig]:
+def sweep(quick: bool) -> list[SkinnyGemmConfig]:
     if quick:
         return []
-    block_ks = (128, 256, 512)
     return [
         SkinnyGemmConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-        for bn, bk, w, s in itertools.product((16, 32, 64), block_ks, (4, 8), (3, 5))
+        for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
     ]
 
 
@@ -100,9 +99,9 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library("cublaslt")
                 entry["cublaslt_us"] = time_us(lambda w, x=x: F.linear(x, w), weights)
                 torch.backends.cuda.preferred_blas_library("cublas")
-                default = default_config(rows, out_features, in_features)
+                default = DEFAULT_CONFIG
                 timed = {}
-                for config in [default, *sweep(rows, args.quick)]:
+                for config in [default, *sweep(args.quick)]:
                     if config in timed:
                         continue
                     try:

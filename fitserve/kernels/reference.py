@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, quantize_kv
+from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view
 from fitserve.layers.attention.metadata import AttentionMetadata
+from fitserve.layers.attention.torch_reference import write_kv_cache
 
 
 def reshape_and_cache_reference(
@@ -26,12 +27,9 @@ def reshape_and_cache_reference(
 
     Token t goes to flat slot slot_mapping[t]; a negative slot (padding) writes nothing.
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_bytes_view(kv_cache).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    flat[0][slots] = kv_bytes_view(quantize_kv(key[valid], kv_cache.dtype, k_scale))
-    flat[1][slots] = kv_bytes_view(quantize_kv(value[valid], kv_cache.dtype, v_scale))
+    write_kv_cache(kv_cache, key[valid], value[valid], slots, k_scale, v_scale)
 
 
 def gather_sequence_kv(
