@@ -121,7 +121,15 @@ def weight_formats(llm) -> dict:
     head_format = (
         "float16 (exact copy)" if getattr(head, "_fp16_weight", None) is not None else str(head.weight.dtype)
     )
-    return {"linear_methods": dict(linears), "lm_head": head_format}
+    fp16_copies = sum(getattr(m, "fp16_weight", None) is not None for m in model.modules())
+    from fitserve.layers.cpu_int4_linear import FP16_MIN_ROWS
+
+    return {
+        "linear_methods": dict(linears),
+        "int4_layers_with_fp16_copy": fp16_copies,
+        "fp16_copy_from_rows": FP16_MIN_ROWS,
+        "lm_head": head_format,
+    }
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Output tok/s and its fraction of the copy-bandwidth roofline (weight bytes read once per token),
 bandwidth measured in the same run. vLLM 0.26.0: 152.5 tok/s, 81% of the roofline.
-  python benchmarks/gpu/single8b.py
+  python benchmarks/gpu/single8b.py [--no-pdl]
 """
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch kernels without programmatic dependent launch (to compare)",
+    )
     args = parser.parse_args()
+    if args.no_pdl:
+        from fitserve.kernels import dependent_launch
+
+        dependent_launch.ENABLED = False
     llm = LLM(str(MODELS / "llama-3.1-8b"), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
     rng = random.Random(0)
@@ -37,7 +46,7 @@ def main() -> None:
     bandwidth = copy_bandwidth_bytes_per_s()
     roofline = bandwidth / weight_bytes
     save(
-        "single8b",
+        "single8b_no_pdl" if args.no_pdl else "single8b",
         {
             "tok_per_s": round(tok_per_s, 1),
             "seconds_per_request": [round(t, 4) for t in times],

@@ -9,11 +9,16 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, intermediate_size, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, intermediate_size, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate_size
@@ -37,6 +42,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     grid = (num_rows, triton.cdiv(intermediate_size, BLOCK))
     _silu_and_mul_kernel[grid](
-        x, out, intermediate_size, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4
+        x,
+        out,
+        intermediate_size,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=BLOCK,
+        num_warps=4,
+        **pdl_kwargs(x.device),
     )
     return out

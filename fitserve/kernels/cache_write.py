@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import kv_cache_scales
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.layers.attention.backend import is_fp8_kv_cache
 
 
@@ -38,7 +39,9 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8_MAX: tl.constexpr,  # 0.0: the cache is in the model dtype, stored as is
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token (CUDA-graph batch padding): nothing to write
@@ -113,4 +116,5 @@ def reshape_and_cache(
         BLOCK_D=triton.next_power_of_2(head_dim),
         FP8_MAX=fp8_max,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl_kwargs(key.device),
     )

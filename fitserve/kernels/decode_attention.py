@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 
 MAX_PARTITIONS = 64
 SMALL_PARTITION_BLOCK = 8
@@ -129,7 +130,9 @@ def _decode_partition_kernel(
     WRITE_DIRECT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     PARTITION_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
@@ -232,7 +235,9 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     PARTITION_BLOCK: tl.constexpr,
     TILE_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -386,6 +391,7 @@ def paged_decode_attention(
         PARTITION_BLOCK=partition_block,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_kwargs(q.device),
     )
     if not write_direct and not fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -402,5 +408,6 @@ def paged_decode_attention(
             PARTITION_BLOCK=partition_block,
             TILE_N=config.tile_tokens,
             num_warps=4,
+            **pdl_kwargs(q.device),
         )
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -27,7 +29,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -81,6 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         HAS_RESIDUAL=False,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **pdl_kwargs(x.device),
     )
     return out
 
@@ -121,5 +126,6 @@ def fused_add_rms_norm(
         HAS_RESIDUAL=True,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **pdl_kwargs(x.device),
     )
     return x, residual

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+
 
 @triton.jit
 def _rotate_heads(
@@ -51,7 +53,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
@@ -120,5 +124,6 @@ def rotary_embedding(
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
+        **pdl_kwargs(q.device),
     )
     return q, k

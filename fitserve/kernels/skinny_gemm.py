@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+
 # Rows of x this kernel takes (one tensor-core tile of x).
 MAX_ROWS = 16
 # Smallest weight worth it: enough programs to fill the GPU, and enough bytes that streaming dominates.
@@ -57,7 +59,9 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -136,5 +140,6 @@ def skinny_gemm(
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
     )
     return y

@@ -7,7 +7,9 @@ import torch
 from fitserve.kernels.cache_write import reshape_and_cache
 from fitserve.kernels.decode_attention import paged_decode_attention
 from fitserve.kernels.prefill_attention import paged_prefill_attention
+from fitserve.kernels.rotary_cache_write import can_fuse, rotary_cache_write
 from fitserve.layers.attention.metadata import AttentionMetadata
+from fitserve.layers.rotary_embedding import StepRope
 
 
 class TritonAttentionBackend:
@@ -19,9 +21,15 @@ class TritonAttentionBackend:
     prefill, prefix-cache hits and mixed prefill/decode batches alike. A float8 cache is written and
     read with the layer's k_scale / v_scale (runtime floats, baked into a captured graph: they are
     fixed once the weights are loaded).
+
+    Given the step's rotary inputs (`rope`), it rotates q and k itself, in the same kernel as the cache
+    write (rotary_cache_write.py): one launch instead of two per layer.
     """
 
     name = "triton"
+
+    def fuses_rotary(self, head_dim: int, rope: StepRope) -> bool:
+        return rope.cos_sin_cache is not None and can_fuse(head_dim, rope.cos_sin_cache)
 
     def forward(
         self,
@@ -33,8 +41,15 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: StepRope | None = None,
     ) -> torch.Tensor:
-        reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        if rope is not None:
+            assert rope.positions is not None and rope.cos_sin_cache is not None
+            rotary_cache_write(
+                rope.positions, q, k, v, rope.cos_sin_cache, kv_cache, metadata.slot_mapping, k_scale, v_scale
+            )
+        else:
+            reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1:
             return paged_decode_attention(
                 q,

@@ -10,9 +10,17 @@ The packed weight is 0.5 byte per weight plus a bfloat16 scale and zero per grou
 in float32: a decode step reads ~8x fewer weight bytes. The kernel (`torch._weight_int4pack_mm_for_cpu`)
 computes in bfloat16 (bf16 activations in, fp32 accumulation, bf16 out): the AVX-512 kernel exists
 only for bf16. Its scales and zeros are bf16 too, so a weight is reproduced within bf16 rounding of
-its group's scale and zero (the largest deviation is logged). From `DEQUANT_MIN_ROWS` rows on (long
-prefill chunks) the kernel is slower than float32 GEMM, so the weight is dequantized to float32 for
-that call and multiplied densely, in float32.
+its group's scale and zero (the largest deviation is logged). Without the float16 copy below, from
+`DEQUANT_MIN_ROWS` rows on (long prefill chunks) the kernel is slower than float32 GEMM, so the
+weight is dequantized to float32 for that call and multiplied densely, in float32.
+
+From `FP16_MIN_ROWS` rows on (a decode step of 9 or more sequences, prefill chunks) the kernel's cost
+grows with the rows (it dequantizes the weights again for every 4 rows), so each packed layer also keeps
+a float16 copy of its loaded weight, prepacked for fbgemm's fp16 GEMM (float32 activations in and out,
+float32 compute), and such calls multiply that instead. float16 rounds each loaded weight by at most
+2^-11 of its magnitude, far less than the int4 form's bf16 scales (see above); the copy costs 2 bytes per
+weight on top of the int4 form's ~0.6 (212 MB for SmolLM2-135M). FITSERVE_CPU_INT4_FP16=0 keeps no copy
+(then long calls dequantize to float32 as before, and short ones stay on the kernel).
 
 Packed layout (torch's CPU int4 layout; `dequantize_transposed` reads it back, a unit test pins it): uint8
 [N, K/2] viewed as [N/64, K, 32]: byte j of row k in block b holds q[64 b + j, k] in its low nibble
@@ -27,6 +35,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,12 +52,22 @@ _TOLERANCE = 2.0**-6
 # Rows (tokens) from which a call dequantizes to float32 and runs the dense GEMM instead of the kernel.
 DEQUANT_MIN_ROWS = 128
 ENV_SWITCH = "FITSERVE_CPU_INT4"
+# Rows from which a call multiplies the layer's float16 copy (fbgemm) instead of running the int4 kernel.
+# Measured on the 2-core AVX-512 machine, SmolLM2-135M's 120 projections, 2 threads (int4 -> fp16 copy):
+# 8 rows 25 -> 25 ms, 9 rows 29 -> 26, 10 rows 36 -> 29, 16 rows 44 -> 36, 64 rows 166 -> 95; 128 rows:
+# 334 ms dequantizing to float32 -> 176 (fastest of 3-4 rounds each).
+FP16_MIN_ROWS = 9
+FP16_ENV_SWITCH = "FITSERVE_CPU_INT4_FP16"
 
 _announced = False
 
 
 def cpu_int4_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fp16_copy_enabled() -> bool:
+    return os.environ.get(FP16_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def kernel_available() -> bool:
@@ -152,7 +171,11 @@ class Int4CpuLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # Kept lean: it runs for every projection of every decode step.
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if flat.shape[0] < DEQUANT_MIN_ROWS:
+        rows = flat.shape[0]
+        if rows >= FP16_MIN_ROWS and layer.fp16_weight is not None:
+            out = torch.ops.quantized.linear_dynamic_fp16(flat.float().contiguous(), layer.fp16_weight)
+            out = out.to(x.dtype)
+        elif rows < DEQUANT_MIN_ROWS:
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16).contiguous(), layer.weight, GROUP_SIZE, layer.scales_and_zeros
             ).to(x.dtype)
@@ -165,6 +188,17 @@ class Int4CpuLinearMethod:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
+def pack_fp16_copy(weight: torch.Tensor) -> Any | None:
+    """`weight` [N, K] rounded to float16 and prepacked for fbgemm's fp16 GEMM; None when switched off
+    (FITSERVE_CPU_INT4_FP16=0) or fbgemm is not available."""
+    if not fp16_copy_enabled() or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    try:
+        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
 def convert_to_int4(layer: nn.Module) -> bool:
     """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups.
 
@@ -175,10 +209,12 @@ def convert_to_int4(layer: nn.Module) -> bool:
     groups = find_int4_groups(layer.weight)
     if groups is None:
         return False
+    fp16_weight = pack_fp16_copy(layer.weight)  # from the loaded values, before they are replaced
     packed, scales_and_zeros = pack(groups)
     layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.fp16_weight = fp16_weight
     layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
-    _announce(groups.max_deviation)
+    _announce(groups.max_deviation, fp16_weight is not None)
     logger.debug(
         "%s: %d x %d weight kept as int4 (max deviation %.2g of a group's largest weight)",
         type(layer).__name__,
@@ -189,7 +225,7 @@ def convert_to_int4(layer: nn.Module) -> bool:
     return True
 
 
-def _announce(max_deviation: float) -> None:
+def _announce(max_deviation: float, fp16_copy: bool) -> None:
     global _announced
     if _announced:
         return
@@ -197,10 +233,12 @@ def _announce(max_deviation: float) -> None:
     logger.info(
         "CPU weights: matrices that are 4-bit groups of %d (a Q4_1 GGUF's, converted) stay int4 "
         "(0.5 byte per weight + bf16 scale and zero per group; first matrix reproduced within %.2g of its "
-        "groups' largest weight), multiplied in bfloat16 (float32 from %d tokens per step); "
-        "%s=0 keeps them float",
+        "groups' largest weight), multiplied in bfloat16 (%s); %s=0 keeps them float",
         GROUP_SIZE,
         max_deviation,
-        DEQUANT_MIN_ROWS,
+        f"from {FP16_MIN_ROWS} tokens per step, a float16 copy of each (2 bytes per weight more) in "
+        f"float32; {FP16_ENV_SWITCH}=0 keeps no copy"
+        if fp16_copy
+        else f"float32 from {DEQUANT_MIN_ROWS} tokens per step",
         ENV_SWITCH,
     )

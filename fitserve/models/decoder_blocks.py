@@ -95,18 +95,19 @@ class DecoderAttention(nn.Module):
             sliding_window=sliding_window,
         )
 
-    def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
-        )
+    def attend(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """The qkv projection's output -> attention's output (before o_proj)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rope.apply(q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.attn(q, k, v, rope)  # rotated there, with the cache write where the backend can
+
+    def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        return self.o_proj(self.attend(self.qkv_proj(hidden), rope))
 
     def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         """forward with rope tables (the CPU), calling the sublayers' forward directly (see

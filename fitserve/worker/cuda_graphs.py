@@ -7,14 +7,27 @@ context is one token, and their outputs are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger("fitserve")
+
+
+@contextlib.contextmanager
+def _keep_cache(first: bool) -> Iterator[None]:
+    """Inside: torch.cuda.empty_cache does nothing, unless this is the first capture."""
+    if first:
+        yield
+        return
+    with mock.patch.object(torch.cuda, "empty_cache", lambda: None):
+        yield
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -80,7 +93,10 @@ class CudaGraphRunner:
             self._forward(batch)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # torch.cuda.graph empties the allocator's cache before every capture: the first time frees
+            # what profiling left, later times only hand the warm-up's blocks back to the driver, to be
+            # allocated again right after.
+            with _keep_cache(first=self.pool is None), torch.cuda.graph(graph, pool=self.pool):
                 out = self._forward(batch)
                 self.hidden[:batch].copy_(out)
             if self.pool is None:

@@ -27,4 +27,8 @@ def test_default_model_weight_formats_on_cpu(default_model_cache: DefaultModelCa
     )
     assert methods == {Int4CpuLinearMethod.__name__: 4 * model.config.num_hidden_layers}
     assert model.lm_head.tied and model.lm_head._fp16_weight is not None
+    # every int4 layer keeps a float16 copy of its loaded weight for calls of many rows
+    int4_layers = [m for m in model.modules() if hasattr(m, "scales_and_zeros")]
+    assert len(int4_layers) == 4 * model.config.num_hidden_layers
+    assert all(m.fp16_weight is not None for m in int4_layers)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup table is untouched

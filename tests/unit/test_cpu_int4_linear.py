@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from fitserve.layers import cpu_int4_linear
 from fitserve.layers.cpu_int4_linear import (
     DEQUANT_MIN_ROWS,
+    FP16_MIN_ROWS,
     Int4CpuLinearMethod,
     dequantize_transposed,
     find_int4_groups,
@@ -87,15 +88,18 @@ def test_packed_layer_runs_int4_once_every_shard_is_loaded() -> None:
     assert layer.weight.dtype == torch.uint8
     dense = torch.cat([gate, up])
     packed_weight = dequantize_transposed(layer.weight, layer.scales_and_zeros).t()
-    for rows in (1, 5, DEQUANT_MIN_ROWS + 3):
+    assert layer.fp16_weight is not None
+    for rows in (1, 5, FP16_MIN_ROWS - 1, FP16_MIN_ROWS, DEQUANT_MIN_ROWS + 3):
         x = torch.randn(rows, 64)
         with torch.inference_mode():
             got = layer(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 192)
-        # The kernel multiplies in bfloat16; a long call dequantizes and multiplies in float32.
-        want = F.linear(x, packed_weight)
-        tolerance = 1e-2 if rows < DEQUANT_MIN_ROWS else 1e-5
-        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
+        if rows < FP16_MIN_ROWS:  # the kernel multiplies the packed weights in bfloat16
+            want = F.linear(x, packed_weight)
+            torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=0)
+        else:  # the float16 copy of the loaded weights, in float32
+            want = F.linear(x, dense.half().float())
+            torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
         want = F.linear(x, dense)  # the loaded weights: the packed ones differ by bf16 scale rounding
         torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
     for param in (loaded_param, layer.weight):
@@ -114,6 +118,44 @@ def test_qkv_layer_with_bias_keeps_the_bias() -> None:
     x = torch.randn(3, 64)
     want = F.linear(x, torch.cat(list(shards.values())), bias)
     torch.testing.assert_close(layer(x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+def test_many_rows_use_the_float16_copy_and_few_rows_the_kernel() -> None:
+    """Which form a call multiplies, told apart by the values: the fp16 copy's results follow the loaded
+    weights (float16 rounding only), the kernel's the bf16 scales and activations."""
+    layer = RowParallelLinear(64, 128, bias=False)
+    weight = q4_matrix(128, 64, seed=7)
+    layer.weight_loader(layer.weight, weight)
+    assert isinstance(layer.linear_method, Int4CpuLinearMethod)
+    x = torch.randn(FP16_MIN_ROWS + 6, 64)
+    with torch.inference_mode():
+        many = layer(x)
+        few = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    exact = F.linear(x, weight.double().half().double().float())
+    fp16_error = (many - exact).abs().max().item()
+    kernel_error = (few - exact).abs().max().item()
+    assert fp16_error <= 1e-5 * exact.abs().max().item()
+    assert kernel_error > 10 * fp16_error  # bf16 activations and scales: the kernel ran
+    # a batch of rows matches the same rows' product with the fp16 weights however the batch is split
+    with torch.inference_mode():
+        halves = torch.cat([layer(x[:FP16_MIN_ROWS]), layer(x[FP16_MIN_ROWS:])])
+    torch.testing.assert_close(halves[:FP16_MIN_ROWS], many[:FP16_MIN_ROWS], atol=1e-6, rtol=1e-6)
+
+
+def test_fp16_copy_switch_off_keeps_the_kernel_and_the_dequantized_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(cpu_int4_linear.FP16_ENV_SWITCH, "0")
+    layer = RowParallelLinear(64, 64, bias=False)
+    layer.weight_loader(layer.weight, q4_matrix(64, 64, seed=8))
+    assert isinstance(layer.linear_method, Int4CpuLinearMethod) and layer.fp16_weight is None
+    packed_weight = dequantize_transposed(layer.weight, layer.scales_and_zeros).t()
+    for rows, tolerance in ((FP16_MIN_ROWS + 2, 1e-2), (DEQUANT_MIN_ROWS, 1e-5)):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got = layer(x)
+        want = F.linear(x, packed_weight)
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
 
 
 def test_float32_weights_keep_their_values_in_a_transposed_layout() -> None:

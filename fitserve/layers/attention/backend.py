@@ -8,11 +8,14 @@ e5m2), a read gives stored * scale. A cache in the model dtype stores x as is an
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fitserve.layers.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from fitserve.layers.rotary_embedding import StepRope
 
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -24,10 +27,14 @@ class AttentionBackend(Protocol):
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
     Query row j of sequence i sits at position seq_lens[i] - query_len_i + j and attends causally to
     every cached and new token at or before it. k_scale, v_scale: the layer's float8 cache scales
-    (see the module docstring); host floats, fixed once the weights are loaded.
+    (see the module docstring); host floats, fixed once the weights are loaded. rope: the step's
+    rotary inputs, given only when `fuses_rotary` said yes: q and k arrive unrotated and the backend
+    rotates them (q in place, k as it is written to the cache).
     """
 
     name: str
+
+    def fuses_rotary(self, head_dim: int, rope: StepRope) -> bool: ...
 
     def forward(
         self,
@@ -39,6 +46,7 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: StepRope | None = None,
     ) -> torch.Tensor: ...
 
 

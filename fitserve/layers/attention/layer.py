@@ -8,6 +8,7 @@ from torch import nn
 
 from fitserve.layers.attention import get_attention_backend
 from fitserve.layers.attention.metadata import get_forward_context
+from fitserve.layers.rotary_embedding import StepRope
 
 
 class Attention(nn.Module):
@@ -50,7 +51,11 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: StepRope | None = None
+    ) -> torch.Tensor:
+        """rope: the step's rotary inputs, when q and k are not rotated yet. A backend that can rotates
+        them with its cache write (one kernel); otherwise they are rotated here first."""
         num_tokens = q.shape[0]
         if q.dim() != 3:  # (a reshape to the shape a tensor has already still costs a call)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -60,6 +65,10 @@ class Attention(nn.Module):
             v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         context = get_forward_context()
         metadata = context.attn_metadata
+        backend = get_attention_backend(q.device) if metadata is not None else None
+        if rope is not None and not (backend is not None and backend.fuses_rotary(self.head_dim, rope)):
+            q, k = rope.apply(q, k)
+            rope = None
         if metadata is None:
             out = _causal_attention_no_cache(q, k, v, self.scale)
         else:
@@ -68,9 +77,9 @@ class Attention(nn.Module):
                     f"a context of {metadata.max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding "
                     f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
                 )
-            backend = get_attention_backend(q.device)
+            assert backend is not None
             kv_cache = context.kv_caches[self.layer_idx]
-            out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale)
+            out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

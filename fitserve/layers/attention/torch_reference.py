@@ -30,6 +30,7 @@ bf16 instead would add a relative error of up to 2**-9 to every key and value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ from fitserve.layers.attention.paged_decode import (
     decode_attention,
     plan_decode_gather,
 )
+
+if TYPE_CHECKING:
+    from fitserve.layers.rotary_embedding import StepRope
 
 # A sequence whose query is at most this many tokens joins the padded batch; a longer one runs alone.
 BATCHED_QUERY_LEN_LIMIT = 16
@@ -173,6 +177,9 @@ class TorchReferenceBackend:
         # cannot be reused by a later step's object) and the plan.
         self._planned: tuple[AttentionMetadata, _StepPlan] | None = None
 
+    def fuses_rotary(self, head_dim: int, rope: StepRope) -> bool:
+        return False  # the model rotates q and k (StepRope.rotate) before calling forward
+
     def forward(
         self,
         q: torch.Tensor,
@@ -183,7 +190,9 @@ class TorchReferenceBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: StepRope | None = None,
     ) -> torch.Tensor:
+        assert rope is None, "this backend does not rotate (fuses_rotary is False)"
         plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
         if plan.is_decode_only and kv_cache.dtype == q.dtype:
             gather = self._decode_gather(plan, kv_cache, metadata.slot_mapping)

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels, on Hopper (SM 9.0) and newer.
+
+A decode step of an 8B model at batch 1 is ~350 kernels in a CUDA graph; between two of them the GPU
+idles while the next grid is launched and its first loads are in flight (~0.7 us each, 0.26 ms a
+step). With PDL a kernel may be launched while the one before it is still finishing: its programs
+become resident early and wait at `wait_for_previous_kernel` (griddepcontrol.wait) until the previous
+grid has completed and its writes are visible. Each kernel also signals at its start that the next
+one may launch (griddepcontrol.launch_dependents), so the launch of the next overlaps this one's run.
+
+Correctness rests on one rule: every kernel launched with PDL calls `wait_for_previous_kernel` at its
+very start, before any program can read or write memory or exit. Completion then stays transitive (a
+kernel cannot finish before the one before it did), and kernels that are not launched with PDL
+(cuBLAS, torch's own) are ordered by the stream as always. Below SM 9.0 the instructions do not exist:
+kernels compile without them and launch as usual.
+
+Measured (H100, single8b): 167.3 -> 171.6 tok/s. Loading the skinny GEMM's first weight chunk before
+the wait (weights are never written) measured slower (166.1), and was left out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Off switch for comparisons (tests, benchmarks); on by default where the GPU supports it.
+ENABLED = True
+
+
+@functools.cache
+def _device_supports(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_kwargs(device: torch.device) -> dict[str, bool]:
+    """The launch arguments of a kernel that takes USE_PDL: {"USE_PDL": ..., "launch_pdl": ...}."""
+    use = ENABLED and device.type == "cuda"
+    if use:
+        use = _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+    return {"USE_PDL": use, "launch_pdl": use}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """First statement of a PDL kernel: wait until the previous grid is done, then let the next one
+    launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,178 @@
+"""Rotary embedding and the KV cache write in one kernel: q rotates in place, the rotated k and v go
+straight into the paged cache.
+
+The attention kernels read every key from the cache, so the rotated k never has to exist outside it:
+one program per token loads its cos/sin row once, rotates q's heads in place and stores k's rotated
+heads and v's heads at the token's slot (float8 as cache_write.py stores it). A negative slot
+(CUDA-graph padding) writes nothing to the cache. The rotary dims must cover the whole head.
+
+Reference: fitserve.kernels.reference.rotary_embedding_reference, then reshape_and_cache_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fitserve.kernels.attention_inputs import kv_cache_scales
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.rotary import _rotate_heads
+from fitserve.layers.attention.backend import is_fp8_kv_cache
+
+
+@triton.jit
+def _store_cache_heads(dst, values, inv_scale, mask, FP8_MAX: tl.constexpr):
+    if FP8_MAX > 0.0:
+        values = tl.minimum(tl.maximum(values.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    tl.store(dst, values.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_cache_write_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    k_inv_scale,
+    v_inv_scale,
+    num_q_heads,
+    num_kv_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cos_sin,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0.0: the cache is in the model dtype, stored as is
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    half_cols = tl.arange(0, BLOCK_HALF)
+    half_mask = half_cols < HALF
+    cos_row = cos_sin_ptr + position * stride_cos_sin
+    cos = tl.load(cos_row + half_cols, mask=half_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_row + HALF + half_cols, mask=half_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * stride_q_tok,
+        stride_q_head,
+        num_q_heads,
+        cos,
+        sin,
+        half_cols,
+        half_mask,
+        HALF,
+        BLOCK_HQ,
+    )
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_HK)
+        mask = (heads[:, None] < num_kv_heads) & half_mask[None, :]
+        first = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + half_cols[None, :]
+        k1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+        k2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+        dst = dst + heads[:, None] * stride_cache_head + half_cols[None, :]
+        # rounded to the model dtype first, as the separate rotary kernel stores k before the write
+        rotated1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        rotated2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(k_ptr.dtype.element_ty)
+        _store_cache_heads(dst, rotated1, k_inv_scale, mask, FP8_MAX)
+        _store_cache_heads(dst + HALF, rotated2, k_inv_scale, mask, FP8_MAX)
+        v_first = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + half_cols[None, :]
+        v1 = tl.load(v_first, mask=mask, other=0.0)
+        v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
+        _store_cache_heads(dst + stride_cache_kv, v1, v_inv_scale, mask, FP8_MAX)
+        _store_cache_heads(dst + stride_cache_kv + HALF, v2, v_inv_scale, mask, FP8_MAX)
+
+
+def can_fuse(head_dim: int, cos_sin_cache: torch.Tensor) -> bool:
+    """True when the rotary dims cover the whole head (the fused kernel writes no pass-through dims)."""
+    return cos_sin_cache.shape[1] == head_dim
+
+
+def rotary_cache_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Rotates q [T, Hq, D] in place and writes rotated k and v [T, Hkv, D] into kv_cache
+    [2, num_blocks, block_size, Hkv, D] at slot_mapping (k itself is left as it was). Returns q.
+
+    positions [T] index cos_sin_cache [max_position, D] (cos then sin halves, as rotary.py takes it).
+    Reads no host data: CUDA-graph safe."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if q.dim() != 3 or q.shape[0] != num_tokens or q.shape[2] != head_dim or v.shape != k.shape:
+        raise ValueError(
+            f"rotary_cache_write takes q [T, Hq, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not can_fuse(head_dim, cos_sin_cache):
+        raise ValueError(
+            f"rotary dims {cos_sin_cache.shape[1]} do not cover head_dim {head_dim}: rotate with "
+            "rotary_embedding and write with reshape_and_cache"
+        )
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match keys {tuple(k.shape)}: expected "
+            f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+        )
+    if any(t.stride(-1) != 1 for t in (q, k, v, kv_cache, cos_sin_cache)):
+        raise ValueError("q, k, v, kv_cache and cos_sin_cache need a contiguous last dimension")
+    if num_tokens == 0:
+        return q
+    k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
+    half = head_dim // 2
+    _rotary_cache_write_kernel[(num_tokens,)](
+        positions,
+        q,
+        k,
+        v,
+        cos_sin_cache,
+        kv_cache,
+        slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        q.shape[1],
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=kv_cache.shape[2],
+        FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if is_fp8_kv_cache(kv_cache.dtype) else 0.0,
+        num_warps=4,
+        **pdl_kwargs(q.device),
+    )
+    return q
