@@ -15,6 +15,8 @@ def figures(name: str) -> dict:
 def main() -> None:
     nano, equal, single, startup = (figures(n) for n in ("nano", "equal", "single8b", "startup8b"))
     cold = figures("startup8b_cold")  # run with an empty TRITON_CACHE_DIR: every kernel compiles
+    # the same two runs with transformers 5.23 first on PYTHONPATH (docs/performance.md, "Startup")
+    new_tf, new_tf_cold = figures("startup8b_transformers_5_23"), figures("startup8b_cold_transformers_5_23")
     summary = {
         "nano_out_tok_per_s": nano.get("figures", {}).get("out_tok_per_s"),
         "equal_out_tok_per_s": equal.get("figures", {}).get("out_tok_per_s"),
@@ -22,6 +24,10 @@ def main() -> None:
         "single8b_roofline_frac": single.get("figures", {}).get("roofline_frac"),
         "startup_8b_s": startup.get("figures", {}).get("process_start_to_first_token_s"),
         "startup_8b_cold_triton_cache_s": cold.get("figures", {}).get("process_start_to_first_token_s"),
+        "startup_8b_s_transformers_5_23": new_tf.get("figures", {}).get("process_start_to_first_token_s"),
+        "startup_8b_cold_triton_cache_s_transformers_5_23": new_tf_cold.get("figures", {}).get(
+            "process_start_to_first_token_s"
+        ),
         "nano_out_tok_per_s_kv_fp8": figures("nano_kv_fp8").get("figures", {}).get("out_tok_per_s"),
         "equal_out_tok_per_s_kv_fp8": figures("equal_kv_fp8").get("figures", {}).get("out_tok_per_s"),
         "kv_tokens_8b": startup.get("figures", {}).get("kv_cache_tokens"),

@@ -30,6 +30,9 @@ def machine() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    import transformers  # its import time is part of every startup (the tokenizer, the config)
+
+    info["transformers"] = transformers.__version__
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = props.name

@@ -5,7 +5,7 @@ times 50 steps: wall time per step, the host time of each phase of Engine.step (
 prepare + launch it, then while it runs: wait for step N's tokens, update the scheduler, detokenize),
 and the summed CUDA kernel time per step from torch.profiler. Host phases below the kernel time are
 hidden behind the device.
-  python benchmarks/gpu/step_profile.py [--batch 256]
+  python benchmarks/gpu/step_profile.py [--batch 256] [--model qwen3-0.6b] [--input-len 512]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens of every request")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", default=None, help="also save a Chrome trace (CPU + CUDA) of 6 steps here")
     args = parser.parse_args()
@@ -39,7 +40,7 @@ def main() -> None:
         temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
     )
     for i in range(args.batch):
-        engine.add_request(str(i), None, [rng.randint(0, 10000) for _ in range(512)], params)
+        engine.add_request(str(i), None, [rng.randint(0, 10000) for _ in range(args.input_len)], params)
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     for _ in range(5):
@@ -93,6 +94,7 @@ def main() -> None:
         f"step_profile_{args.model}_b{args.batch}",
         {
             "batch": args.batch,
+            "input_len": args.input_len,
             "steps": STEPS,
             "wall_ms_per_step": round(wall / STEPS * 1e3, 3),
             "gpu_kernel_ms_per_step": round(kernel_us / STEPS / 1e3, 3),

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitserve.layers.cpu_fp16_matmul import fp16_linear_op
+
 logger = logging.getLogger("fitserve")
 
 GROUP_SIZE = 32
@@ -169,12 +171,17 @@ class Int4CpuLinearMethod:
         raise TypeError("Int4CpuLinearMethod packs loaded weights (convert_to_int4); it creates none")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # Kept lean: it runs for every projection of every decode step.
+        # Kept lean: it runs for every projection of every decode step (a call that changes nothing, like
+        # .to() to the dtype a tensor has, still costs ~1-2 us, and there are 120 projections a step).
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
+        fp32 = flat.dtype == torch.float32
         if rows >= FP16_MIN_ROWS and layer.fp16_weight is not None:
-            out = torch.ops.quantized.linear_dynamic_fp16(flat.float().contiguous(), layer.fp16_weight)
-            out = out.to(x.dtype)
+            if not (fp32 and flat.is_contiguous()):
+                flat = flat.float().contiguous()
+            out = fp16_linear_op()(flat, layer.fp16_weight)
+            if not fp32:
+                out = out.to(x.dtype)
         elif rows < DEQUANT_MIN_ROWS:
             out = torch._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16).contiguous(), layer.weight, GROUP_SIZE, layer.scales_and_zeros
@@ -211,6 +218,8 @@ def convert_to_int4(layer: nn.Module) -> bool:
         return False
     fp16_weight = pack_fp16_copy(layer.weight)  # from the loaded values, before they are replaced
     packed, scales_and_zeros = pack(groups)
+    # Memory outside parameters and buffers, for the loading log (ModelRunner counts it).
+    layer.packed_copy_bytes = layer.weight.numel() * 2 if fp16_weight is not None else 0
     layer.weight = nn.Parameter(packed, requires_grad=False)
     layer.fp16_weight = fp16_weight
     layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)

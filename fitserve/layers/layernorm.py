@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fitserve.layers.cpu_rms_norm import cpu_rms_norm
 from fitserve.layers.linear import default_weight_loader
 
 
@@ -17,9 +17,9 @@ class RMSNorm(nn.Module):
     both forms run as one Triton kernel (fitserve.kernels.norm); the fused one works in place, so x
     and residual must not be read again by the caller.
 
-    On the CPU, float32 activations with a float32 weight take torch's fused `F.rms_norm` (one op
-    instead of seven): for float32 it computes the same values as HF's formula, bit for bit (a unit
-    test checks it). Other dtypes keep HF's formula, whose casts F.rms_norm does not reproduce.
+    On the CPU, float32 activations with a float32 weight take `cpu_rms_norm` (the kernels of torch's
+    `F.rms_norm` in fewer calls): for float32 it computes the same values as HF's formula, bit for bit
+    (a unit test checks it). Other dtypes keep HF's formula, whose casts F.rms_norm does not reproduce.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return cpu_rms_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         variance = x32.pow(2).mean(dim=-1, keepdim=True)

@@ -74,6 +74,8 @@ class ParallelLMHead(nn.Module):
 
     def _prepare_cpu_weight(self) -> None:
         self._fp16_weight = pack_fp16_if_exact(self.weight)
+        # Memory outside parameters and buffers, for the loading log (ModelRunner counts it).
+        self.packed_copy_bytes = self.weight.numel() * 2 if self._fp16_weight is not None else 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":

@@ -39,6 +39,18 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+def loaded_model_bytes(model: torch.nn.Module) -> int:
+    """Bytes a loaded model holds: each storage behind its parameters and buffers once (tied weights,
+    CPU-offload views of one buffer), plus the prepacked copies CPU layers keep outside them
+    (`packed_copy_bytes`: the float16 copies of int4 layers and of the LM head)."""
+    storages: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    packed = sum(getattr(module, "packed_copy_bytes", 0) for module in model.modules())
+    return sum(storages.values()) + packed
+
+
 class LaunchedStep:
     """A step queued on the device. result() waits for it and returns its tokens.
 
@@ -74,7 +86,7 @@ class ModelRunner:
         self.platform = make_platform(self.device)
         started = time.perf_counter()
         self.model = load_model(config.model, self.device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = loaded_model_bytes(self.model)
         logger.info(
             "Model loading took %.2f GiB and %.1f seconds", weight_bytes / GiB, time.perf_counter() - started
         )

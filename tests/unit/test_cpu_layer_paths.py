@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fitserve.layers.attention.metadata import forward_context
+from fitserve.layers.cpu_rms_norm import cpu_rms_norm
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, apply_rotary_emb
 from fitserve.models.decoder_blocks import DecoderLayer
@@ -84,3 +85,15 @@ def test_decoder_layer_cpu_path_equals_module_path(architecture: str, overrides:
             want = module_path(layer, hidden, residual, rope)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             hidden, residual = got
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (3, 9, 64)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_cpu_rms_norm_equals_torch_rms_norm(shape: tuple[int, ...], eps: float) -> None:
+    torch.manual_seed(len(shape))
+    x = torch.randn(shape) * 3
+    weight = torch.randn(shape[-1])
+    expected = torch.nn.functional.rms_norm(x, (shape[-1],), weight, eps)
+    assert torch.equal(cpu_rms_norm(x, weight, eps), expected)
+    with torch.inference_mode():  # the constants were made outside inference mode: usable in both
+        assert torch.equal(cpu_rms_norm(x, weight, eps), expected)
