@@ -123,13 +123,18 @@ def weight_formats(llm) -> dict:
     )
     fp16_copies = sum(getattr(m, "fp16_weight", None) is not None for m in model.modules())
     from fitserve.layers.cpu_int4_linear import FP16_MIN_ROWS
+    from fitserve.layers.cpu_kernels.library import load_cpu_kernels
 
-    return {
+    kernels = load_cpu_kernels()
+    formats = {
         "linear_methods": dict(linears),
+        "cpu_kernels": "not built here" if kernels is None else f"built ({kernels.path.name})",
         "int4_layers_with_fp16_copy": fp16_copies,
-        "fp16_copy_from_rows": FP16_MIN_ROWS,
         "lm_head": head_format,
     }
+    if fp16_copies:
+        formats["fp16_copy_from_rows"] = FP16_MIN_ROWS
+    return formats
 
 
 def main() -> None:

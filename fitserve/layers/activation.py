@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim (each half d wide) -> silu(gate) * up, [..., d]."""
@@ -15,5 +17,8 @@ class SiluAndMul(nn.Module):
             from fitserve.kernels.activation import silu_and_mul
 
             return silu_and_mul(x)
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.elementwise.silu_and_mul_supports(x):
+            return kernels.elementwise.silu_and_mul(x)  # one C call (cpu_kernels/elementwise.c)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fitserve.layers.cpu_fp16_matmul import fp16_linear_op
+from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS as KERNEL_BLOCK_COLUMNS
 
 logger = logging.getLogger("fitserve")
 
@@ -81,21 +82,29 @@ def kernel_available() -> bool:
 
 @dataclass
 class Int4Groups:
-    """w[n, g * 32 + i] = (codes[n, g * 32 + i] - 8) * scales[n, g] + zeros[n, g] (torch's convention)."""
+    """w[n, g * 32 + i] = codes[n, g * 32 + i] * step[n, g] + low[n, g], as recovered (float32)."""
 
     codes: torch.Tensor  # int32 [N, K], 0..15
-    scales: torch.Tensor  # bfloat16 [N, K / 32]
-    zeros: torch.Tensor  # bfloat16 [N, K / 32]
-    max_deviation: float  # largest |dequantized - loaded| / the group's largest |weight|
+    step: torch.Tensor  # float32 [N, K / 32]
+    low: torch.Tensor  # float32 [N, K / 32]
+    max_deviation: float  # largest |stored form - loaded| / the group's largest |weight|
+
+    def torch_scales_and_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 (scales, zeros) in torch's convention: w = (code - 8) * scale + zero."""
+        return self.step.to(torch.bfloat16), (self.low + 8 * self.step).to(torch.bfloat16)
 
 
-def packable_shape(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.shape[0] % _BLOCK_N == 0 and weight.shape[1] % GROUP_SIZE == 0
+def packable_shape(weight: torch.Tensor, stored_as: str = "torch") -> bool:
+    rows_multiple = _BLOCK_N if stored_as == "torch" else KERNEL_BLOCK_COLUMNS
+    return weight.dim() == 2 and weight.shape[0] % rows_multiple == 0 and weight.shape[1] % GROUP_SIZE == 0
 
 
-def find_int4_groups(weight: torch.Tensor) -> Int4Groups | None:
-    """The 4-bit groups `weight` [N, K] is made of, or None when it is not such a matrix."""
-    if not packable_shape(weight) or not weight.is_floating_point():
+def find_int4_groups(weight: torch.Tensor, stored_as: str = "torch") -> Int4Groups | None:
+    """The 4-bit groups `weight` [N, K] is made of, or None when it is not such a matrix.
+
+    stored_as: the form whose rounding the check covers: "torch" (bf16 scale and zero, for torch's
+    kernel) or "kernel" (float16 step and minimum, for fitserve's C kernel, int4_gemm.c)."""
+    if not packable_shape(weight, stored_as) or not weight.is_floating_point():
         return None
     rows, cols = weight.shape
     groups = weight.detach().float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
@@ -104,25 +113,26 @@ def find_int4_groups(weight: torch.Tensor) -> Int4Groups | None:
     step = (high - low) / 15
     safe_step = torch.where(step > 0, step, torch.ones_like(step))
     codes = ((groups - low) / safe_step).round_().clamp_(0, 15)
-    scales = step.to(torch.bfloat16)
-    zeros = (low + 8 * step).to(torch.bfloat16)
-    dequantized = (codes - 8) * scales.float() + zeros.float()
+    found = Int4Groups(codes=codes, step=step.squeeze(-1), low=low.squeeze(-1), max_deviation=0.0)
+    if stored_as == "torch":
+        scales, zeros = found.torch_scales_and_zeros()
+        dequantized = (codes - 8) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)
+    else:
+        dequantized = codes * step.half().float() + low.half().float()
     magnitude = torch.maximum(low.abs(), high.abs()).clamp_min(torch.finfo(torch.float32).tiny)
     deviation = float(((dequantized - groups).abs() / magnitude).max())
     if not deviation <= _TOLERANCE:  # also refuses NaN
         return None
-    return Int4Groups(
-        codes=codes.reshape(rows, cols).to(torch.int32),
-        scales=scales.squeeze(-1),
-        zeros=zeros.squeeze(-1),
-        max_deviation=deviation,
-    )
+    found.codes = codes.reshape(rows, cols).to(torch.int32)
+    found.max_deviation = deviation
+    return found
 
 
 def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K/2], scales_and_zeros bf16 [K/32, N, 2]) for the int4 kernel."""
+    """(packed uint8 [N, K/2], scales_and_zeros bf16 [K/32, N, 2]) for torch's int4 kernel."""
     packed = torch._convert_weight_to_int4pack_for_cpu(groups.codes, 1)
-    scales_and_zeros = torch.stack((groups.scales, groups.zeros), dim=-1).transpose(0, 1).contiguous()
+    scales, zeros = groups.torch_scales_and_zeros()
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
     return packed, scales_and_zeros
 
 
@@ -206,16 +216,22 @@ def pack_fp16_copy(weight: torch.Tensor) -> Any | None:
         return None
 
 
-def convert_to_int4(layer: nn.Module) -> bool:
-    """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups.
+def convert_to_int4(layer: nn.Module) -> Any | None:
+    """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups, for
+    fitserve's C kernel where it builds on this machine (cpu_int4_kernel_linear.py), else for torch's.
 
-    Returns whether it did; the caller then switches the layer to `Int4CpuLinearMethod`.
+    Returns the linear method the layer now needs, or None when the weight was left as it is.
     """
-    if not (cpu_int4_enabled() and kernel_available()):
-        return False
+    if not cpu_int4_enabled():
+        return None
+    from fitserve.layers.cpu_int4_kernel_linear import convert_for_kernel
+
+    method = convert_for_kernel(layer)
+    if method is not None or not kernel_available():
+        return method
     groups = find_int4_groups(layer.weight)
     if groups is None:
-        return False
+        return None
     fp16_weight = pack_fp16_copy(layer.weight)  # from the loaded values, before they are replaced
     packed, scales_and_zeros = pack(groups)
     # Memory outside parameters and buffers, for the loading log (ModelRunner counts it).
@@ -231,7 +247,7 @@ def convert_to_int4(layer: nn.Module) -> bool:
         packed.shape[1] * 2,
         groups.max_deviation,
     )
-    return True
+    return Int4CpuLinearMethod()
 
 
 def _announce(max_deviation: float, fp16_copy: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fitserve.layers.cpu_kernels.library import load_cpu_kernels
 from fitserve.layers.cpu_rms_norm import cpu_rms_norm
 from fitserve.layers.linear import default_weight_loader
 
@@ -17,9 +18,12 @@ class RMSNorm(nn.Module):
     both forms run as one Triton kernel (fitserve.kernels.norm); the fused one works in place, so x
     and residual must not be read again by the caller.
 
-    On the CPU, float32 activations with a float32 weight take `cpu_rms_norm` (the kernels of torch's
-    `F.rms_norm` in fewer calls): for float32 it computes the same values as HF's formula, bit for bit
-    (a unit test checks it). Other dtypes keep HF's formula, whose casts F.rms_norm does not reproduce.
+    On the CPU, contiguous float32 rows take fitserve's C kernel where it builds (cpu_kernels/elementwise.c:
+    the add and the norm in one call, in place like CUDA's; HF's formula with the squares summed in
+    another order), else
+    `cpu_rms_norm` (the kernels of torch's `F.rms_norm` in fewer calls): for float32 it computes the same
+    values as HF's formula, bit for bit (a unit test checks it). Other dtypes keep HF's formula, whose
+    casts F.rms_norm does not reproduce.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -45,6 +49,11 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.elementwise.rms_norm_supports(x, residual, self.weight):
+            if residual is None:
+                return kernels.elementwise.rms_norm(x, self.weight, self.eps)
+            return kernels.elementwise.add_rms_norm_(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -87,10 +87,11 @@ class UnquantizedLinearMethod:
         decode steps) on 2 threads, and no slower for 1 or hundreds."""
         if not _owns_cpu_storage(layer.weight):
             return
-        from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod, convert_to_int4
+        from fitserve.layers.cpu_int4_linear import convert_to_int4
 
-        if convert_to_int4(layer):
-            layer.linear_method = Int4CpuLinearMethod()
+        int4_method = convert_to_int4(layer)
+        if int4_method is not None:
+            layer.linear_method = int4_method
         elif layer.weight.dtype == torch.float32 and layer.weight.dim() == 2:
             layer.weight.data = layer.weight.data.t().contiguous().t()
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -180,6 +182,16 @@ class StepRope:
 
             return rotary_embedding(self.positions, q, k, self.cos_sin_cache)
         return self.rotate(q), self.rotate(k)
+
+    def rotate_(self, x: torch.Tensor) -> torch.Tensor:
+        """rotate(x), written over x when fitserve's C rotary kernel takes it (float32 on a CPU it builds
+        on: one call instead of four operations, the same values bit for bit); else a new tensor. For
+        a caller that owns x and reads only the result."""
+        assert self.cos is not None and self.sin is not None, "rotate_() needs the table form (not CUDA)"
+        kernels = load_cpu_kernels()
+        if kernels is not None and kernels.elementwise.rotary_supports(x, self.cos, self.sin):
+            return kernels.elementwise.rotary_(x, self.cos, self.sin)
+        return self.rotate(x)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (any heads: q's, k's, or both side by side) -> a new rotated tensor, with the

@@ -118,7 +118,9 @@ class DecoderAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
-        qk = rope.rotate(qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = rope.rotate_(
+            qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj.forward(self.attn.forward(q, k, qkv[:, qk_size:]))
 

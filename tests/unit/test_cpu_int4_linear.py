@@ -1,5 +1,8 @@
-"""CPU weight formats of linear layers: 4-bit-group matrices packed as int4, float32 ones re-laid out,
-everything else left as loaded."""
+"""CPU weight formats of linear layers: 4-bit-group matrices packed as int4 for torch's kernel, float32
+ones re-laid out, everything else left as loaded.
+
+fitserve's C int4 kernel, preferred where it builds, is off here (FITSERVE_CPU_KERNELS=0);
+tests/unit/test_cpu_int4_kernel.py covers it."""
 
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ from fitserve.layers.linear import (
 pytestmark = pytest.mark.skipif(not cpu_int4_linear.kernel_available(), reason="no CPU int4 kernel")
 
 
+@pytest.fixture(autouse=True)
+def torch_int4_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FITSERVE_CPU_KERNELS", "0")
+
+
 def q4_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     """A float32 matrix as a Q4_1 GGUF dequantizes: per 32 weights, min + step * code, code 0..15,
     with codes 0 and 15 present in every group (llama.cpp's quantizer puts them there)."""
@@ -46,8 +54,9 @@ def test_recovers_and_packs_q4_groups() -> None:
     assert packed.dtype == torch.uint8 and packed.shape == (128, 48)
     assert scales_and_zeros.shape == (3, 128, 2) and scales_and_zeros.dtype == torch.bfloat16
     # The layout read back: the dequantized weight is the codes through the (bf16) scales and zeros.
-    expected = (groups.codes.float() - 8) * groups.scales.float().repeat_interleave(32, 1)
-    expected += groups.zeros.float().repeat_interleave(32, 1)
+    scales, zeros = groups.torch_scales_and_zeros()
+    expected = (groups.codes.float() - 8) * scales.float().repeat_interleave(32, 1)
+    expected += zeros.float().repeat_interleave(32, 1)
     torch.testing.assert_close(dequantize_transposed(packed, scales_and_zeros).t(), expected)
     torch.testing.assert_close(expected, weight, atol=2**-8 * weight.abs().max().item(), rtol=0)
 

@@ -1,4 +1,7 @@
-"""The torch backend's decode-only path (paged_decode.py) against its general path, bit for bit."""
+"""The torch backend's decode-only path (paged_decode.py) against its general path, bit for bit.
+
+fitserve's C decode attention, which takes float32 decode steps on CPUs it builds on, is off here
+(FITSERVE_CPU_KERNELS=0); tests/unit/test_cpu_decode_attention.py checks it against the same paths."""
 
 from __future__ import annotations
 
@@ -11,6 +14,11 @@ from fitserve.layers.attention.torch_reference import TorchReferenceBackend
 from tests.unit.model_helpers import ChunkSpec, build_attention_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 40
+
+
+@pytest.fixture(autouse=True)
+def torch_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FITSERVE_CPU_KERNELS", "0")
 
 
 def decode_step(

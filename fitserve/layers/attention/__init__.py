@@ -21,7 +21,7 @@ _backends: dict[str, AttentionBackend] = {}
 
 
 def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    device_type = torch.device(device).type
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     backend = _backends.get(device_type)
     if backend is not None:
         return backend

@@ -42,6 +42,8 @@ from fitserve.layers.attention.paged_decode import (
     decode_attention,
     plan_decode_gather,
 )
+from fitserve.layers.cpu_kernels.decode_attention import BoundDecodeAttention
+from fitserve.layers.cpu_kernels.library import load_cpu_kernels
 
 if TYPE_CHECKING:
     from fitserve.layers.rotary_embedding import StepRope
@@ -120,6 +122,8 @@ class _StepPlan:
     block_size: int
     groups: list[_GroupPlan]
     decode_gather: DecodeGather | None = None  # built by the first layer that takes the decode path
+    # the C decode attention bound to this step (False: not usable), by the first layer that asks
+    decode_kernel: BoundDecodeAttention | bool | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -195,6 +199,12 @@ class TorchReferenceBackend:
         assert rope is None, "this backend does not rotate (fuses_rotary is False)"
         plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
         if plan.is_decode_only and kv_cache.dtype == q.dtype:
+            if plan.decode_kernel is None:
+                plan.decode_kernel = self._bind_decode_kernel(q, k, v, kv_cache, metadata) or False
+            if plan.decode_kernel:
+                out = plan.decode_kernel(q, k, v, kv_cache, scale)
+                if out is not None:
+                    return out
             gather = self._decode_gather(plan, kv_cache, metadata.slot_mapping)
             return decode_attention(q, k, v, kv_cache, gather, scale)
         write_kv_cache(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
@@ -212,6 +222,22 @@ class TorchReferenceBackend:
         if fp8 and v_scale != 1.0:
             out = out * v_scale  # softmax(...) @ (stored * v_scale) = (softmax(...) @ stored) * v_scale
         return out
+
+    @staticmethod
+    def _bind_decode_kernel(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> BoundDecodeAttention | None:
+        """fitserve's C decode attention for this step, when it is built here and takes these tensors (a
+        float32 CPU cache): one call per layer instead of paged_decode.py's ~10 torch operations. Bound
+        once per step (every layer's cache and q share their shapes) by the first layer."""
+        if q.is_cuda:
+            return None
+        kernels = load_cpu_kernels()
+        if kernels is None or not kernels.decode_attention.supports(q, k, v, kv_cache):
+            return None
+        return kernels.decode_attention.bind(
+            metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, q.shape, kv_cache.shape
+        )
 
     def _decode_gather(
         self, plan: _StepPlan, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
