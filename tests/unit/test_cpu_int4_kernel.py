@@ -14,8 +14,8 @@ from fitserve.layers.cpu_int4_kernel_linear import Int4KernelCpuLinearMethod
 from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod, kernel_available
 from fitserve.layers.cpu_kernels import library
 from fitserve.layers.cpu_kernels.int4_layout import pack_for_kernel, unpack_from_kernel
-from fitserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tests.unit.test_cpu_int4_linear import q4_matrix
+from fitserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tests.unit.test_cpu_int4_linear import q4_matrix, q4_qkv_layer_with_bias
 
 KERNELS = library.load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C kernels do not build on this machine")
@@ -107,12 +107,7 @@ def test_q4_layers_pack_for_the_kernel_and_match_their_loaded_weights() -> None:
 
 @needs_kernels
 def test_qkv_layer_bias_and_three_dimensional_input() -> None:
-    layer = QKVParallelLinear(64, head_dim=32, num_heads=2, num_kv_heads=1, bias=True)
-    shards = {"q": q4_matrix(64, 64, seed=4), "k": q4_matrix(32, 64, seed=5), "v": q4_matrix(32, 64, seed=6)}
-    for shard_id, tensor in shards.items():
-        layer.weight_loader(layer.weight, tensor, shard_id)
-    bias = torch.randn(128)
-    layer.weight_loader(layer.bias, bias)
+    layer, _, bias = q4_qkv_layer_with_bias()
     assert isinstance(layer.linear_method, Int4KernelCpuLinearMethod)
     x = torch.randn(2, 3, 64)
     with torch.inference_mode():

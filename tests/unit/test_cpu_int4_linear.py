@@ -116,13 +116,19 @@ def test_packed_layer_runs_int4_once_every_shard_is_loaded() -> None:
             layer.weight_loader(param, gate, 0)
 
 
-def test_qkv_layer_with_bias_keeps_the_bias() -> None:
+def q4_qkv_layer_with_bias() -> tuple[QKVParallelLinear, dict[str, torch.Tensor], torch.Tensor]:
+    """A qkv layer loaded with Q4 shards, then a bias: (layer, shards, bias)."""
     layer = QKVParallelLinear(64, head_dim=32, num_heads=2, num_kv_heads=1, bias=True)
     shards = {"q": q4_matrix(64, 64, seed=4), "k": q4_matrix(32, 64, seed=5), "v": q4_matrix(32, 64, seed=6)}
     for shard_id, tensor in shards.items():
         layer.weight_loader(layer.weight, tensor, shard_id)
     bias = torch.randn(128)
     layer.weight_loader(layer.bias, bias)
+    return layer, shards, bias
+
+
+def test_qkv_layer_with_bias_keeps_the_bias() -> None:
+    layer, shards, bias = q4_qkv_layer_with_bias()
     assert isinstance(layer.linear_method, Int4CpuLinearMethod)
     x = torch.randn(3, 64)
     want = F.linear(x, torch.cat(list(shards.values())), bias)
