@@ -197,6 +197,12 @@ class TorchReferenceBackend:
         rope: StepRope | None = None,
     ) -> torch.Tensor:
         assert rope is None, "this backend does not rotate (fuses_rotary is False)"
+        planned = self._planned
+        if planned is not None and planned[0] is metadata and planned[1].decode_kernel:
+            # the step's C decode attention is bound (by its first layer): straight to it
+            out = planned[1].decode_kernel(q, k, v, kv_cache, scale)
+            if out is not None:
+                return out
         plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
         if plan.is_decode_only and kv_cache.dtype == q.dtype:
             if plan.decode_kernel is None:

@@ -126,9 +126,10 @@ class BoundDecodeAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
-        """The layer's attention output [B, H, D], or None when its tensors are not shaped as bound (the
-        caller then takes another path)."""
-        if q.shape != self.q_shape or kv_cache.shape != self.cache_shape:
+        """The layer's attention output [B, H, D], or None when its tensors are not shaped as bound or
+        its cache is not float32 (the caller then takes another path). q, k and v: as `supports` takes
+        them (every layer of a model hands them alike)."""
+        if q.shape != self.q_shape or kv_cache.shape != self.cache_shape or kv_cache.dtype != torch.float32:
             return None
         out = torch.empty(self.q_shape)
         status = self._function(
