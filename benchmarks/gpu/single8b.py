@@ -2,7 +2,7 @@
 
 Output tok/s and its fraction of the copy-bandwidth roofline (weight bytes read once per token),
 bandwidth measured in the same run. vLLM 0.26.0: 152.5 tok/s, 81% of the roofline.
-  python benchmarks/gpu/single8b.py [--no-pdl]
+  python benchmarks/gpu/single8b.py [--no-pdl] [--prefetch-row-bytes N]
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, save  # noqa: 
 from fitserve import LLM, SamplingParams
 
 
+def prefetch_row_bytes() -> int:
+    from fitserve.kernels import skinny_gemm
+
+    return skinny_gemm.PREFETCH_ROW_BYTES
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=3)
@@ -25,7 +31,17 @@ def main() -> None:
         action="store_true",
         help="launch kernels without programmatic dependent launch (to compare)",
     )
+    parser.add_argument(
+        "--prefetch-row-bytes",
+        type=int,
+        default=None,
+        help="bytes of each weight row the skinny GEMM prefetches into L2 before its wait (0: none)",
+    )
     args = parser.parse_args()
+    if args.prefetch_row_bytes is not None:
+        from fitserve.kernels import skinny_gemm
+
+        skinny_gemm.PREFETCH_ROW_BYTES = args.prefetch_row_bytes
     if args.no_pdl:
         from fitserve.kernels import dependent_launch
 
@@ -54,6 +70,7 @@ def main() -> None:
             "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
             "roofline_tok_per_s": round(roofline, 1),
             "roofline_frac": round(tok_per_s / roofline, 3),
+            "skinny_gemm_prefetch_row_bytes": prefetch_row_bytes(),
         },
         args.out,
     )

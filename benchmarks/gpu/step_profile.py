@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens of every request")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--top", type=int, default=8, help="kernels to list, by time")
     parser.add_argument("--trace", default=None, help="also save a Chrome trace (CPU + CUDA) of 6 steps here")
     args = parser.parse_args()
     llm = LLM(str(MODELS / args.model), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
@@ -87,7 +88,7 @@ def main() -> None:
             torch.cuda.synchronize()
         traced.export_chrome_trace(args.trace)
     kernel_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:8]
+    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[: args.top]
     for request_id in list(engine.output_processor.parents):
         engine.abort_request([request_id])
     save(

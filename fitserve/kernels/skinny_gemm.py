@@ -26,12 +26,18 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
 
 # Rows of x this kernel takes (one tensor-core tile of x).
 MAX_ROWS = 16
 # Smallest weight worth it: enough programs to fill the GPU, and enough bytes that streaming dominates.
 MIN_OUT_FEATURES = 4096
 MIN_IN_FEATURES = 2048
+# Bytes at the head of each of a program's weight rows that it asks the L2 to fetch before waiting for
+# the previous kernel (programmatic dependent launch only; 0 turns it off). kernels/l2_prefetch.py.
+PREFETCH_ROW_BYTES = 2048
+# Prefetch instructions per weight row: with BLOCK_N = 32 and 4 warps, one per thread.
+PREFETCH_PIECES = 4
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,14 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH_BYTES: tl.constexpr,
+    PREFETCH_PIECES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
+    if USE_PDL and PREFETCH_BYTES > 0:  # weights are never written: safe before the wait
+        prefetch_row_heads(w_ptr, pid, N, K, stride_wn, BLOCK_N, PREFETCH_BYTES, PREFETCH_PIECES)
+    wait_for_previous_kernel(USE_PDL)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -81,7 +91,9 @@ def _skinny_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    # Rounded to x's dtype first: a float32 y holds exactly what a 16-bit y would, widened.
+    out = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+    tl.store(y, out, mask=m_mask[:, None] & n_mask[None, :])
 
 
 # The tile that was fastest or within 2% of it for every Llama-3.1-8B weight at 1 to 16 rows.
@@ -112,8 +124,11 @@ def skinny_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyGemmConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> y [M, N] in x's dtype."""
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> y [M, N] in x's dtype, or in
+    out_dtype (torch.float32: the x-dtype result widened, as the LM head's logits are, without a
+    separate conversion kernel)."""
     if not supports(x, weight):
         raise ValueError(
             f"skinny_gemm takes CUDA float16/bfloat16 x [M <= {MAX_ROWS}, K] and weight [N, K] with "
@@ -123,7 +138,7 @@ def skinny_gemm(
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config = config or DEFAULT_CONFIG
-    y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, out_features), dtype=out_dtype or x.dtype, device=x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     _skinny_gemm_kernel[grid](
         x,
@@ -141,6 +156,8 @@ def skinny_gemm(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
+        PREFETCH_BYTES=row_head_bytes(weight, PREFETCH_ROW_BYTES, PREFETCH_PIECES),
+        PREFETCH_PIECES=PREFETCH_PIECES,
         num_warps=config.num_warps,
         **pdl_kwargs(x.device),
     )

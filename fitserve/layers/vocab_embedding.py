@@ -80,7 +80,7 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return fp16_matmul(hidden, self._fp16_weight)
-        return dense_linear(hidden, self.weight).to(torch.float32)
+        return dense_linear(hidden, self.weight, out_dtype=torch.float32)
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}, tied={self.tied}"

@@ -30,6 +30,14 @@ def _keep_cache(first: bool) -> Iterator[None]:
         yield
 
 
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's ladder: 1, 2, 4, then every 8 up to 512, capped by max_num_seqs."""
     sizes = [1, 2, 4] + list(range(8, 513, 8))
@@ -66,6 +74,8 @@ class CudaGraphRunner:
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # One Triton launch copies a step's inputs in (kernels/graph_inputs.py); False: torch copies.
+        self.fused_inputs = device.type == "cuda" and _has_triton()
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -117,19 +127,59 @@ class CudaGraphRunner:
         raise ValueError(f"batch {batch} exceeds the largest captured size {self.max_batch}")
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """Copies the step's inputs in and replays the graph of its padded size. input_ids holds -1
+        where a token is still in flight; fill = (rows, indices into last_sampled, last_sampled) writes
+        those in."""
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
+        sources = (input_ids, positions, metadata.slot_mapping, metadata.seq_lens, metadata.block_tables)
+        self.copy_inputs(sources, size, fill)
+        self.graphs[size].replay()
+        return self.hidden[:batch]
+
+    def copy_inputs(
+        self,
+        sources: tuple[torch.Tensor, ...],
+        size: int,
+        fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """A step's inputs into the static buffers (rows past the batch up to `size` padded)."""
+        if self.fused_inputs:
+            from fitserve.kernels.graph_inputs import stage_decode_inputs
+
+            stage_decode_inputs(sources, self.static_inputs(), size, fill)
+        else:
+            self.copy_inputs_torch(sources, size, fill)
+
+    def static_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The buffers the graphs read: token ids, positions, slots, seq_lens, block tables."""
+        return (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
+
+    def copy_inputs_torch(
+        self,
+        sources: tuple[torch.Tensor, ...],
+        size: int,
+        fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """What kernels/graph_inputs.stage_decode_inputs does in one launch, as torch copies (its
+        reference, and the path without Triton)."""
+        input_ids, positions, slot_mapping, seq_lens, block_tables = sources
+        batch, width = block_tables.shape
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
+        if fill is not None:
+            rows, indices, last_sampled = fill
+            self.input_ids[rows] = last_sampled[indices]
         self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(metadata.slot_mapping, non_blocking=True)
-        self.seq_lens[:batch].copy_(metadata.seq_lens, non_blocking=True)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(metadata.block_tables, non_blocking=True)
+        self.slot_mapping[:batch].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:batch, :width].copy_(block_tables, non_blocking=True)
         if size > batch:
             self.slot_mapping[batch:size].zero_()
             self.seq_lens[batch:size].fill_(1)
             self.block_tables[batch:size].zero_()
-        self.graphs[size].replay()
-        return self.hidden[:batch]

@@ -76,6 +76,8 @@ class StepInputs:
     sample_items: list[ScheduledRequest]
     # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
     prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
+    # Tokens still in flight (-1 in input_ids): (rows, their indices among the last step's sampled ids)
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -137,6 +139,21 @@ class ModelRunner:
             num_tokens / mc.max_model_len,
         )
         self.graph_runner = self.platform.make_graph_runner(self)
+        if self.device.type == "cuda":
+            self._warm_up_decode_tail()
+
+    @torch.inference_mode()
+    def _warm_up_decode_tail(self) -> None:
+        """Runs once what a batch-1 decode step runs around its graph (the input copy, the LM head for
+        one row, greedy sampling), so their kernels compile at startup, not at the first request."""
+        if self.graph_runner is not None:
+            sources = tuple(buffer[:1] for buffer in self.graph_runner.static_inputs())
+            self.graph_runner.copy_inputs(sources, 1)
+        hidden = torch.zeros(
+            (1, self.config.model.hf_config.hidden_size), dtype=self.config.model.dtype, device=self.device
+        )
+        logits = self.model.compute_logits(hidden)
+        self.sampler(logits, [SamplingRow(SamplingParams(temperature=0.0), [0], [], None, frozenset())])
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -200,9 +217,15 @@ class ModelRunner:
             return LaunchedStep(lambda: output)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         meta = inputs.metadata
+        fill = None
+        if inputs.fill is not None:
+            fill = (*inputs.fill, self._last_sampled)
         if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
-            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, meta)
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, meta, fill)
         else:
+            if fill is not None:
+                rows, indices, last_sampled = fill
+                inputs.input_ids[rows] = last_sampled[indices]
             with forward_context(meta, self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if inputs.prompt_logprob_rows:
@@ -288,7 +311,7 @@ class ModelRunner:
                 input_ids.extend(known[start : start + n])
             else:  # the last token is in flight: only ever one (see Scheduler)
                 input_ids.extend(known[start:])
-                input_ids.append(0)
+                input_ids.append(-1)  # written on the device from the last step's sampled ids
                 placeholder_rows.append(len(input_ids) - 1)
                 placeholder_sources.append(self._in_flight_index(request.request_id))
             table_rows.append(row_of_request(request.request_id, table))
@@ -323,8 +346,6 @@ class ModelRunner:
         (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = self.staging.upload(
             arrays
         )
-        if placeholder_rows:
-            ids[fill_rows] = self._last_sampled[fill_sources]
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts,
@@ -342,6 +363,7 @@ class ModelRunner:
             sample_rows=None if all_rows else rows,
             sample_items=sample_items,
             prompt_logprob_rows=prompt_rows,
+            fill=(fill_rows, fill_sources) if placeholder_rows else None,
         )
 
     def _in_flight_index(self, request_id: str) -> int:

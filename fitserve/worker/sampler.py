@@ -4,7 +4,7 @@ Order of operations, per row, all as tensor ops over the batch (no Python loop o
   1. logprobs are taken from the raw logits (log_softmax of the unprocessed logits, vLLM's default);
   2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
   3. min_tokens: eos and stop_token_ids get -inf while fewer than min_tokens tokens were generated;
-  4. greedy rows (temperature < 1e-5) take torch.argmax of these logits (ties: the lowest id);
+  4. greedy rows (temperature < 1e-5) take the argmax of these logits (ties: the lowest id);
   5. random rows: divide by temperature, then top_k, top_p, min_p, softmax, and draw with the
      exponential race argmax(probs / q), q ~ Exp(1). A row with its own generator draws its q from that
      generator alone, so its token depends only on its logits and its generator, never on other rows;
@@ -78,20 +78,22 @@ class Sampler:
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows: "
                 "pass logits [num_rows, vocab_size], one row per SamplingRow"
             )
-        processed = logits.to(torch.float32, copy=True)
+        greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
+        random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
+        # The caller's logits stay as they are: a copy where anything below edits them in place.
+        edits = bool(random) or any(_edits_logits(row) for row in rows)
+        processed = logits.to(torch.float32, copy=edits)
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
 
-        greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
-        random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
         if not random:
-            sampled = processed.argmax(dim=-1)
+            sampled = argmax_rows(processed)
         elif not greedy:
             sampled = _sample_random(processed, rows)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             greedy_idx = _index_tensor(greedy, logits.device)
-            sampled[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+            sampled[greedy_idx] = argmax_rows(processed[greedy_idx])
             random_idx = _index_tensor(random, logits.device)
             sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
 
@@ -285,7 +287,24 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             race[j].exponential_(generator=row.generator)
     # An Exp(1) draw of exactly 0 would give inf (or nan for a masked token); keep it positive.
     race.clamp_(min=torch.finfo(race.dtype).tiny)
-    return probs.div_(race).argmax(dim=-1)
+    return argmax_rows(probs.div_(race))
+
+
+def _edits_logits(row: SamplingRow) -> bool:
+    """True when penalties or min_tokens change this row's logits before sampling."""
+    return row.needs_token_history or row.num_generated < row.params.min_tokens
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, vocab] -> each row's argmax (the lowest index on ties), int64 [rows]: on CUDA through
+    fitserve's two-launch kernel (kernels/argmax.py; torch's one-pass reduction took 27 us for one row
+    of 128,256), elsewhere torch.argmax."""
+    if x.is_cuda:
+        from fitserve.kernels import argmax
+
+        if argmax.supports(x):
+            return argmax.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:

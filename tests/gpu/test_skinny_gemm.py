@@ -75,3 +75,34 @@ def test_refuses_what_it_cannot_take() -> None:
     x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"x \(17, 4096\).*use torch.nn.functional.linear"):
         skinny_gemm(x, torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))
+
+
+def test_row_head_prefetch_off_and_on_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fitserve.kernels import skinny_gemm as module
+
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    with_prefetch = skinny_gemm(x, weight)
+    monkeypatch.setattr(module, "PREFETCH_ROW_BYTES", 0)
+    assert torch.equal(skinny_gemm(x, weight), with_prefetch)
+
+
+def test_float32_output_is_the_16_bit_result_widened() -> None:
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    wide = skinny_gemm(x, weight, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, skinny_gemm(x, weight).float())
+    assert torch.equal(dense_linear(x, weight, out_dtype=torch.float32), wide)
+    many = torch.randn(MAX_ROWS + 3, 4096, device="cuda", dtype=torch.bfloat16)  # the F.linear path
+    assert torch.equal(dense_linear(many, weight, out_dtype=torch.float32), F.linear(many, weight).float())
+
+
+def test_row_head_sizes_that_cannot_be_prefetched_turn_it_off() -> None:
+    from fitserve.kernels.l2_prefetch import row_head_bytes
+
+    weight = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    assert row_head_bytes(weight, 2048, 4) == 2048
+    assert row_head_bytes(weight, 40, 4) == 0  # 10-byte pieces
+    assert row_head_bytes(weight[:, :512], 2048, 4) == 0  # rows shorter than the head
+    assert row_head_bytes(torch.empty(64, 4104, device="cuda", dtype=torch.bfloat16)[:, 4:], 2048, 4) == 0

@@ -62,6 +62,22 @@ def test_greedy_does_not_change_the_callers_logits() -> None:
 @pytest.mark.parametrize(
     "params",
     [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=4),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
+    ],
+    ids=["greedy", "greedy min_tokens", "random filters"],
+)
+def test_no_path_changes_the_callers_logits(params: SamplingParams) -> None:
+    logits = random_logits(3, seed=5)
+    before = logits.clone()
+    sampler(logits, [row(params, output=[1], eos=frozenset({int(before[0].argmax())})) for _ in range(3)])
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
         SamplingParams(temperature=1.0, top_k=1),
         SamplingParams(temperature=2.0, top_p=1e-6),
         SamplingParams(temperature=1.0, min_p=1.0),
