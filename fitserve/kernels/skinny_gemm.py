@@ -12,7 +12,9 @@ used for (`worth_it`: N >= 4096 gives >= 128 programs); smaller ones stay on cuB
 Measured on an H100 (benchmarks/gpu/skinny_gemm.py), Llama-3.1-8B shapes, batch 1, fraction of the copy
 bandwidth cuBLAS -> this kernel: qkv 0.81 -> 0.84, o 0.72 -> 0.79, gate_up 0.96 -> 0.98, down 0.90 ->
 0.94, lm_head 0.93 -> 1.03 (a pure read outruns a copy). At 32 and 64 rows the two are within ~3%, so
-only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias).
+only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias, and one
+with float32 output for the LM head). Before waiting for the previous kernel, each program asks the
+L2 for the head of its weight rows (kernels/l2_prefetch.py).
 
 Reference: torch.nn.functional.linear.
 """
