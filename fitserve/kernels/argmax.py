@@ -1,4 +1,4 @@
-"""Row-wise argmax over the vocabulary (greedy sampling, and the exponential race of random sampling).
+"""Row-wise argmax over the vocabulary: greedy sampling, and random sampling as a race.
 
 torch.argmax reduces a row of logits in one pass: for one row of 128,256 float32 logits (the
 Llama-3.1-8B vocabulary) it took 27 us on an H100, ~0.5% of a batch-1 decode step, for 0.5 MB. Here
@@ -6,7 +6,13 @@ each row is split into CHUNK-wide pieces, one program each keeps its piece's (ma
 second launch picks, per row, the piece with the largest max (the first such piece). Ties go to the
 lowest index, as torch.argmax's do; a row of -inf gives index 0.
 
-Reference: torch.argmax(x, dim=-1).
+`race_rows` samples each row from softmax(x) in the same two launches: argmax over x - log(q) with q
+~ Exp(1) drawn per element inside the kernel (Philox, from a seed read on the device), the exponential
+race the sampler runs in torch as softmax, a tensor of Exp(1) draws, a division and an argmax: about
+ten passes over [rows, vocab] float32 instead of one read.
+
+Reference: torch.argmax(x, dim=-1); for race_rows, torch.multinomial(torch.softmax(x, -1), 1) in
+distribution.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ def _chunk_argmax_kernel(
     x_ptr,
     part_max_ptr,
     part_index_ptr,
+    seed_ptr,
+    scale_ptr,
     width,
     stride_row,
     num_chunks,
     CHUNK: tl.constexpr,
+    RACE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -36,6 +46,13 @@ def _chunk_argmax_kernel(
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     values = tl.load(x_ptr + row * stride_row + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
+    if HAS_SCALE:  # a row's 1 / temperature (-inf stays -inf)
+        values = values * tl.load(scale_ptr + row)
+    if RACE:
+        # x - log(q), q = -log(u) ~ Exp(1): u = 0 gives q = inf and drops the token, as a draw of
+        # probability 0 should; -inf logits stay -inf.
+        uniform = tl.rand(tl.load(seed_ptr), row * width + cols)
+        values = values - tl.log(-tl.log(uniform))
     best, where = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(part_max_ptr + row * num_chunks + chunk, best)
     tl.store(part_index_ptr + row * num_chunks + chunk, chunk * CHUNK + where)
@@ -68,6 +85,18 @@ def supports(x: torch.Tensor) -> bool:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, width] -> int64 [rows]: each row's index of its largest value (the first on ties)."""
+    return _argmax(x, None)
+
+
+def race_rows(x: torch.Tensor, seed: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, width] of logits (-inf for excluded tokens) -> int64 [rows], row r's token drawn with
+    probability softmax(x[r] * scale[r]) (scale: float32 [rows], 1 / temperature; None: 1). seed: an
+    int64 tensor of one element on x's device (read there, so drawing it from torch's generator needs
+    no host sync). x is only read."""
+    return _argmax(x, seed, scale)
+
+
+def _argmax(x: torch.Tensor, seed: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     if not supports(x):
         raise ValueError(
             f"argmax_rows takes a CUDA float tensor [rows, width] with contiguous rows; got "
@@ -80,7 +109,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     launch = pdl_kwargs(x.device)
     _chunk_argmax_kernel[(rows, num_chunks)](
-        x, part_max, part_index, width, x.stride(0), num_chunks, CHUNK=CHUNK, num_warps=8, **launch
+        x,
+        part_max,
+        part_index,
+        seed if seed is not None else part_index,
+        scale if scale is not None else part_max,
+        width,
+        x.stride(0),
+        num_chunks,
+        CHUNK=CHUNK,
+        RACE=seed is not None,
+        HAS_SCALE=scale is not None,
+        num_warps=8,
+        **launch,
     )
     block_chunks = max(16, triton.next_power_of_2(num_chunks))
     _pick_chunk_kernel[(rows,)](

@@ -8,7 +8,9 @@ Order of operations, per row, all as tensor ops over the batch (no Python loop o
   5. random rows: divide by temperature, then top_k, top_p, min_p, softmax, and draw with the
      exponential race argmax(probs / q), q ~ Exp(1). A row with its own generator draws its q from that
      generator alone, so its token depends only on its logits and its generator, never on other rows;
-     rows without one share a single draw.
+     rows without one share a single draw. On CUDA, when no row has its own generator, the race runs
+     in one kernel as argmax(logits / temperature - log q) (the same distribution, kernels/argmax.py),
+     reading the logits once when no filter is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -81,7 +84,9 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
         random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
         # The caller's logits stay as they are: a copy where anything below edits them in place.
-        edits = bool(random) or any(_edits_logits(row) for row in rows)
+        random_rows = [rows[i] for i in random]
+        edits = bool(random) and not _race_reads_only(logits, random_rows)
+        edits = edits or any(_edits_logits(row) for row in rows)
         processed = logits.to(torch.float32, copy=edits)
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
@@ -264,14 +269,42 @@ def mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[Sampling
         ] = -torch.inf
 
 
+def _race_kernel(logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
+    """fitserve's one-read exponential race (kernels/argmax.py) when it can take these random rows:
+    on CUDA, and no row draws from its own generator; else None."""
+    if not logits.is_cuda or any(row.generator is not None for row in rows):
+        return None
+    from fitserve.kernels import argmax
+
+    return argmax if argmax.supports(logits) else None
+
+
+def _has_filters(row: SamplingRow) -> bool:
+    p = row.params
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _race_reads_only(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """True when _sample_random leaves these rows' logits as they are (the race kernel, no filters)."""
+    return not any(_has_filters(row) for row in rows) and _race_kernel(logits, rows) is not None
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits [R, V] (after penalties) of random rows -> sampled ids [R]; modifies logits."""
+    """logits [R, V] (after penalties) of random rows -> sampled ids [R]; may modify logits."""
     device = logits.device
     temperature = _row_floats([row.params.temperature for row in rows], device)
+    race = _race_kernel(logits, rows)
+    if race is not None:
+        # the race below in one read of the logits, its draws from a seed of torch's generator
+        seed = torch.randint(0, 2**62, (1,), device=device)
+        if not any(_has_filters(row) for row in rows):
+            return race.race_rows(logits, seed, scale=temperature.reciprocal())
     logits.div_(temperature.unsqueeze(1))
     _apply_top_k(logits, [row.params.top_k for row in rows])
     _apply_top_p(logits, [row.params.top_p for row in rows])
     _apply_min_p(logits, [row.params.min_p for row in rows])
+    if race is not None:
+        return race.race_rows(logits, seed)
     probs = torch.softmax(logits, dim=-1)
 
     race = torch.empty_like(probs)

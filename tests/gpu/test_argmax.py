@@ -51,3 +51,62 @@ def test_the_sampler_greedy_choice_on_cuda_is_torch_argmax() -> None:
     logits[2, [10, 70000]] = 100.0
     rows = [SamplingRow(SamplingParams(temperature=0.0), [0], []) for _ in range(6)]
     assert Sampler()(logits, rows).sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_race_rows_samples_the_softmax_distribution() -> None:
+    from fitserve.kernels.argmax import race_rows
+
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0, 0.0, 0.0], device="cuda")
+    logits = probs.log().expand(40000, -1).contiguous()  # log(0) = -inf: never drawn
+    seed = torch.randint(0, 2**62, (1,), device="cuda")
+    counts = torch.bincount(race_rows(logits, seed), minlength=8).float() / logits.shape[0]
+    torch.testing.assert_close(counts, probs, atol=0.012, rtol=0.0)
+    assert torch.equal(race_rows(logits, seed), race_rows(logits, seed))  # the seed decides
+    assert not torch.equal(race_rows(logits, seed), race_rows(logits, seed + 1))
+
+
+def test_race_rows_across_chunks_and_in_the_sampler() -> None:
+    from fitserve.kernels.argmax import race_rows
+
+    width = 3 * CHUNK + 5
+    logits = torch.full((20000, width), float("-inf"), device="cuda")
+    hot = [3, CHUNK + 11, 3 * CHUNK + 4]  # three chunks, the last one partial
+    logits[:, hot] = torch.tensor([0.0, 0.0, 1.0], device="cuda")
+    drawn = race_rows(logits, torch.tensor([7], device="cuda"))
+    assert set(drawn.unique().tolist()) == set(hot)
+    share = (drawn == hot[2]).float().mean().item()
+    expected = torch.softmax(torch.tensor([0.0, 0.0, 1.0]), 0)[2].item()
+    assert abs(share - expected) < 0.02
+
+    rows = [SamplingRow(SamplingParams(temperature=0.7), [0], []) for _ in range(64)]
+    row_logits = torch.full((64, width), float("-inf"), device="cuda")
+    row_logits[:, hot] = 1.0
+    torch.manual_seed(1)
+    first = Sampler()(row_logits, rows).sampled_token_ids
+    torch.manual_seed(1)
+    assert Sampler()(row_logits, rows).sampled_token_ids == first  # torch's seed decides
+    assert set(first) <= set(hot) and len(set(first)) > 1
+
+
+def test_race_rows_scales_each_row_by_its_inverse_temperature() -> None:
+    from fitserve.kernels.argmax import race_rows
+
+    probs = torch.tensor([0.64, 0.16, 0.16, 0.04], device="cuda")
+    logits = probs.log().expand(40000, -1).contiguous()
+    scale = torch.full((40000,), 0.5, device="cuda")  # temperature 2: probabilities ~ sqrt(p)
+    counts = torch.bincount(race_rows(logits, torch.tensor([3], device="cuda"), scale), minlength=4)
+    expected = probs.sqrt() / probs.sqrt().sum()
+    torch.testing.assert_close(counts.float() / 40000, expected, atol=0.012, rtol=0.0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9, top_k=50)],
+    ids=["race only", "filters"],
+)
+def test_random_sampling_on_cuda_leaves_the_callers_logits(params: SamplingParams) -> None:
+    logits = torch.randn(8, 5000, device="cuda")
+    before = logits.clone()
+    Sampler()(logits, [SamplingRow(params, [0], []) for _ in range(8)])
+    assert torch.equal(logits, before)
