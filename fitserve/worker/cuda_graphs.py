@@ -30,14 +30,6 @@ def _keep_cache(first: bool) -> Iterator[None]:
         yield
 
 
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's ladder: 1, 2, 4, then every 8 up to 512, capped by max_num_seqs."""
     sizes = [1, 2, 4] + list(range(8, 513, 8))
@@ -74,8 +66,6 @@ class CudaGraphRunner:
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        # One Triton launch copies a step's inputs in (kernels/graph_inputs.py); False: torch copies.
-        self.fused_inputs = device.type == "cuda" and _has_triton()
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -149,13 +139,12 @@ class CudaGraphRunner:
         size: int,
         fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """A step's inputs into the static buffers (rows past the batch up to `size` padded)."""
-        if self.fused_inputs:
-            from fitserve.kernels.graph_inputs import stage_decode_inputs
+        """A step's inputs into the static buffers (rows past the batch up to `size` padded), in one
+        Triton launch (kernels/graph_inputs.py; CUDA graphs exist only on CUDA, where the attention
+        kernels need Triton anyway)."""
+        from fitserve.kernels.graph_inputs import stage_decode_inputs
 
-            stage_decode_inputs(sources, self.static_inputs(), size, fill)
-        else:
-            self.copy_inputs_torch(sources, size, fill)
+        stage_decode_inputs(sources, self.static_inputs(), size, fill)
 
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
         """The buffers the graphs read: token ids, positions, slots, seq_lens, block tables."""
@@ -167,8 +156,8 @@ class CudaGraphRunner:
         size: int,
         fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """What kernels/graph_inputs.stage_decode_inputs does in one launch, as torch copies (its
-        reference, and the path without Triton)."""
+        """What kernels/graph_inputs.stage_decode_inputs does in one launch, as torch copies: its
+        reference in the tests."""
         input_ids, positions, slot_mapping, seq_lens, block_tables = sources
         batch, width = block_tables.shape
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)

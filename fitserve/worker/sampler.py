@@ -83,9 +83,12 @@ class Sampler:
             )
         greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
         random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
-        # The caller's logits stay as they are: a copy where anything below edits them in place.
         random_rows = [rows[i] for i in random]
-        edits = bool(random) and not _race_reads_only(logits, random_rows)
+        race_kernel = _race_kernel(logits, random_rows) if random else None
+        filtered = any(_has_filters(row) for row in random_rows)
+        # The caller's logits stay as they are: a copy where anything below edits them in place (the
+        # race kernel without filters only reads them).
+        edits = bool(random) and (race_kernel is None or filtered)
         edits = edits or any(_edits_logits(row) for row in rows)
         processed = logits.to(torch.float32, copy=edits)
         apply_penalties(processed, rows)
@@ -94,13 +97,13 @@ class Sampler:
         if not random:
             sampled = argmax_rows(processed)
         elif not greedy:
-            sampled = _sample_random(processed, rows)
+            sampled = _sample_random(processed, rows, race_kernel, filtered)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             greedy_idx = _index_tensor(greedy, logits.device)
             sampled[greedy_idx] = argmax_rows(processed[greedy_idx])
             random_idx = _index_tensor(random, logits.device)
-            sampled[random_idx] = _sample_random(processed[random_idx], [rows[i] for i in random])
+            sampled[random_idx] = _sample_random(processed[random_idx], random_rows, race_kernel, filtered)
 
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprob_tensors = None
@@ -284,27 +287,25 @@ def _has_filters(row: SamplingRow) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _race_reads_only(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-    """True when _sample_random leaves these rows' logits as they are (the race kernel, no filters)."""
-    return not any(_has_filters(row) for row in rows) and _race_kernel(logits, rows) is not None
-
-
-def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits [R, V] (after penalties) of random rows -> sampled ids [R]; may modify logits."""
+def _sample_random(
+    logits: torch.Tensor, rows: list[SamplingRow], race_kernel: Any, filtered: bool
+) -> torch.Tensor:
+    """logits [R, V] (after penalties) of random rows -> sampled ids [R]. race_kernel: _race_kernel's
+    answer for these rows; filtered: any row asks for top_k, top_p or min_p. Modifies logits unless
+    the race kernel runs without filters."""
     device = logits.device
     temperature = _row_floats([row.params.temperature for row in rows], device)
-    race = _race_kernel(logits, rows)
-    if race is not None:
+    if race_kernel is not None:
         # the race below in one read of the logits, its draws from a seed of torch's generator
         seed = torch.randint(0, 2**62, (1,), device=device)
-        if not any(_has_filters(row) for row in rows):
-            return race.race_rows(logits, seed, scale=temperature.reciprocal())
+        if not filtered:
+            return race_kernel.race_rows(logits, seed, scale=temperature.reciprocal())
     logits.div_(temperature.unsqueeze(1))
     _apply_top_k(logits, [row.params.top_k for row in rows])
     _apply_top_p(logits, [row.params.top_p for row in rows])
     _apply_min_p(logits, [row.params.min_p for row in rows])
-    if race is not None:
-        return race.race_rows(logits, seed)
+    if race_kernel is not None:
+        return race_kernel.race_rows(logits, seed)
     probs = torch.softmax(logits, dim=-1)
 
     race = torch.empty_like(probs)
