@@ -89,7 +89,10 @@ def stage_decode_inputs(
             f"of {ids_dst.shape[0]} rows x {tables_dst.shape[1]} blocks"
         )
     if tables.stride(1) != 1 or tables_dst.stride(1) != 1:
-        raise ValueError("block tables must have contiguous rows")
+        raise ValueError(
+            f"block tables must have contiguous rows (column stride 1); got strides {tables.stride()} and "
+            f"{tables_dst.stride()}: pass .contiguous() tables"
+        )
     fill_rows, fill_sources, last_sampled = fill if fill is not None else (ids, ids, ids)
     num_fills = fill_rows.shape[0] if fill is not None else 0
     _stage_decode_inputs_kernel[(padded_size,)](

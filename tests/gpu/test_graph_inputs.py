@@ -65,3 +65,11 @@ def test_refuses_a_batch_larger_than_the_buffers() -> None:
     )
     with pytest.raises(ValueError, match=r"17 rows x 4 blocks padded to 17 does not fit .* 16 rows x 300"):
         stage_decode_inputs(sources, runner.static_inputs(), 17)
+
+
+def test_refuses_block_tables_whose_rows_are_not_contiguous() -> None:
+    runner = _runner()
+    tables = torch.zeros((4, 2), dtype=torch.int32, device="cuda").t()  # [2, 4], column stride 2
+    sources = tuple(torch.zeros(2, dtype=torch.long, device="cuda") for _ in range(4)) + (tables,)
+    with pytest.raises(ValueError, match=r"got strides \(1, 2\).*\.contiguous\(\)"):
+        stage_decode_inputs(sources, runner.static_inputs(), 2)
