@@ -262,6 +262,29 @@ def main() -> None:
     decode += bench_decode(
         "batch 32, ctx 2048, Qwen3-0.6B", [2048] * 32, 16, 8, 128, [(default, None), (default, 2)]
     )
+    sequences_first = replace(default, heads_first=False)
+    grid_orders = [(sequences_first, None), (default, None), (sequences_first, 2), (default, 2), (default, 4)]
+    decode += bench_decode(
+        "nano_decode, grid order: batch 256, ctx ~1000", nano_lens, 16, 8, 128, grid_orders[:2]
+    )
+    mixed = [rng.randint(200, 2048) for _ in range(256)]
+    decode += bench_decode(
+        "nano mixed: batch 256, ctx in [200, 2048], Qwen3-0.6B", mixed, 16, 8, 128, grid_orders
+    )
+    decode += bench_decode(
+        "nano mixed: batch 64, ctx in [200, 2048], Qwen3-0.6B", mixed[:64], 16, 8, 128, grid_orders
+    )
+    decode += bench_decode(
+        "serve c32: batch 32, ctx 1536, Llama-3.1-8B", [1536] * 32, 32, 8, 128, grid_orders
+    )
+    decode += bench_decode(
+        "batch 1, ctx 1536, Llama-3.1-8B, grid order",
+        [1536],
+        32,
+        8,
+        128,
+        [(sequences_first, None), (default, None)],
+    )
     for row in decode:
         row["fraction_of_copy_bandwidth"] = round(row["kv_read_gbs"] / copy_gbs, 3)
     prefill = bench_prefill("prefill: 16 x 1024 fresh prompts, Qwen3-0.6B", [1024] * 16, 16, 8, 128)
@@ -286,6 +309,7 @@ def main() -> None:
         print(
             f"{row['case'][:44]:44s} tile={config['tile_tokens']:3d} warps={config['num_warps']} "
             f"stages={config['num_stages']} fused={config['fused_reduce']:d} "
+            f"heads1st={config['heads_first']:d} "
             f"parts={row['num_partitions']:2d} graph {row['us_graph']:7.1f} us "
             f"{row['kv_read_gbs']:6.0f} GB/s ({row['fraction_of_copy_bandwidth']:.0%}) "
             f"eager {row['us_eager']:7.1f} us err={row['relative_error_vs_reference']:.1e} {row['kernel_us']}"

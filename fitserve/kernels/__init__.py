@@ -11,6 +11,7 @@ this package's Triton modules on a CPU-only machine):
 | `prefill_attention` | `paged_prefill_attention` (varlen, causal) | `paged_attention_reference` |
 | `norm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_reference`, `fused_add_rms_norm_reference` |
 | `rotary` | `rotary_embedding` (neox, in place) | `rotary_embedding_reference` |
+| `rotary_cache_write` | `rotary_cache_write` (+ q/k RMSNorm) | `rotary_embedding_reference`, then the write |
 | `activation` | `silu_and_mul` | `silu_and_mul_reference` |
 | `triton_attention` | `TritonAttentionBackend` | the attention backend protocol |
 | `skinny_gemm` | `skinny_gemm` (1 to 16 rows; `l2_prefetch` asks for its weight rows early) | `F.linear` |

@@ -45,6 +45,12 @@ class DecodeLaunchConfig:
     # the launch but merges partition by partition in one program. H100, graph replay, Llama-8B shape:
     # batch 1 ctx 384 11.1 us fused vs 11.4 us with the reduce kernel; batch 1 ctx 4096 31 us vs 19 us.
     fused_reduce: bool = False
+    # Grid order: the KV heads of one sequence as neighbouring programs (program_id 0) instead of the
+    # sequences of one KV head. Neighbouring programs run at the same time, and a cache block holds
+    # every head of a token side by side, so with heads first they read whole rows of a block together.
+    # H100, CUDA graph, Qwen3-0.6B shape, batch 256 with contexts in [200, 2048]: 408 us against 415;
+    # batch 256 at ~1000: 361.5 against 363.3; Llama-8B batch 32 at 1536: 85.8 against 86.1.
+    heads_first: bool = True
 
 
 DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
@@ -130,13 +136,20 @@ def _decode_partition_kernel(
     WRITE_DIRECT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     PARTITION_BLOCK: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     partition = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * QUERIES_PER_KV
+    num_q_heads = num_kv_heads * QUERIES_PER_KV
 
     seq_len = tl.load(seq_lens_ptr + seq)
     part_size = _partition_size(seq_len, num_partitions, TILE_N)
@@ -202,7 +215,7 @@ def _decode_partition_kernel(
         if FUSED_REDUCE:
             # every thread's partial stores happen before the release; the last arrival acquires them all
             tl.debug_barrier()
-            counter = counters_ptr + seq64 * tl.num_programs(1) + kv_head
+            counter = counters_ptr + seq64 * num_kv_heads + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             num_used = tl.cdiv(seq_len, part_size)
             if arrived == num_used - 1:
@@ -358,7 +371,8 @@ def paged_decode_attention(
         )
     counters = _arrival_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else part_max
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
-    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
+    grid = (num_kv_heads, num_seqs) if config.heads_first else (num_seqs, num_kv_heads)
+    _decode_partition_kernel[(*grid, num_partitions)](
         q,
         kv_cache,
         block_tables,
@@ -389,6 +403,7 @@ def paged_decode_attention(
         WRITE_DIRECT=write_direct,
         FUSED_REDUCE=fused_reduce,
         PARTITION_BLOCK=partition_block,
+        HEADS_FIRST=config.heads_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q.device),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fitserve.kernels.cache_write import reshape_and_cache
@@ -10,6 +12,9 @@ from fitserve.kernels.prefill_attention import paged_prefill_attention
 from fitserve.kernels.rotary_cache_write import can_fuse, rotary_cache_write
 from fitserve.layers.attention.metadata import AttentionMetadata
 from fitserve.layers.rotary_embedding import StepRope
+
+if TYPE_CHECKING:
+    from fitserve.layers.attention.backend import QKNorm
 
 
 class TritonAttentionBackend:
@@ -23,7 +28,8 @@ class TritonAttentionBackend:
     fixed once the weights are loaded).
 
     Given the step's rotary inputs (`rope`), it rotates q and k itself, in the same kernel as the cache
-    write (rotary_cache_write.py): one launch instead of two per layer.
+    write (rotary_cache_write.py): one launch instead of two per layer; Qwen3's q and k norms (`qk_norm`)
+    run in that kernel too, instead of two more.
     """
 
     name = "triton"
@@ -42,13 +48,28 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         if rope is not None:
             assert rope.positions is not None and rope.cos_sin_cache is not None
+            norms = None
+            if qk_norm is not None:
+                q_norm, k_norm = qk_norm
+                norms = (q_norm.weight, q_norm.eps, k_norm.weight, k_norm.eps)
             rotary_cache_write(
-                rope.positions, q, k, v, rope.cos_sin_cache, kv_cache, metadata.slot_mapping, k_scale, v_scale
+                rope.positions,
+                q,
+                k,
+                v,
+                rope.cos_sin_cache,
+                kv_cache,
+                metadata.slot_mapping,
+                k_scale,
+                v_scale,
+                norms,
             )
         else:
+            assert qk_norm is None, "q/k norms are fused only with the rotation"
             reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if metadata.max_query_len == 1:
             return paged_decode_attention(

@@ -101,10 +101,9 @@ class DecoderAttention(nn.Module):
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        return self.attn(q, k, v, rope)  # rotated there, with the cache write where the backend can
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        # normalised and rotated there, in the cache write's kernel where the backend can
+        return self.attn(q, k, v, rope, qk_norm)
 
     def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(hidden), rope))

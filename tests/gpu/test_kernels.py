@@ -118,6 +118,8 @@ def test_decode_attention_matches_reference(
         DecodeLaunchConfig(64, 4, 4),
         DecodeLaunchConfig(32, 4, 2, fused_reduce=True),
         DecodeLaunchConfig(128, 4, 3, fused_reduce=True),
+        DecodeLaunchConfig(64, 4, 2, heads_first=False),
+        DecodeLaunchConfig(64, 4, 2, fused_reduce=True, heads_first=False),
     ],
 )
 def test_decode_launch_configs_match_reference(config: DecodeLaunchConfig) -> None:
@@ -146,7 +148,7 @@ def test_decode_attention_fp16() -> None:
     assert_attention_close(paged_decode_attention(q, kv_cache, block_tables, seq_lens_gpu, 0.1), expected)
 
 
-@pytest.mark.parametrize("config", [FUSED, TWO_KERNELS])
+@pytest.mark.parametrize("config", [FUSED, TWO_KERNELS, DecodeLaunchConfig(heads_first=False)])
 def test_decode_padded_rows_get_zeros(config: DecodeLaunchConfig) -> None:
     seq_lens = [700, 0, 12, 0]  # rows 1 and 3 are CUDA-graph batch padding
     kv_cache, block_tables = make_paged_cache([700, 1, 12, 1], 8, 128, 16, torch.bfloat16)

@@ -12,9 +12,11 @@ if not torch.cuda.is_available():
 
 from fitserve.kernels import reference  # noqa: E402
 from fitserve.kernels.cache_write import reshape_and_cache  # noqa: E402
+from fitserve.kernels.norm import rms_norm  # noqa: E402
 from fitserve.kernels.rotary import rotary_embedding  # noqa: E402
 from fitserve.kernels.rotary_cache_write import rotary_cache_write  # noqa: E402
 from fitserve.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
+from fitserve.layers.attention.backend import dequantize_kv  # noqa: E402
 from fitserve.layers.rotary_embedding import StepRope  # noqa: E402
 from tests.gpu.test_kernels import DEVICE  # noqa: E402
 from tests.gpu.test_kernels_fp8 import E4M3, E5M2  # noqa: E402
@@ -72,6 +74,51 @@ def test_equals_rotary_then_cache_write(
     torch.testing.assert_close(q, reference_q, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, E4M3])
+@pytest.mark.parametrize("num_tokens,q_heads,kv_heads,head_dim", [(1, 16, 8, 128), (300, 14, 2, 64)])
+def test_fused_qk_norm_equals_norms_then_rotary_then_cache_write(
+    cache_dtype: torch.dtype, num_tokens: int, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Qwen3's per-head q/k RMSNorm inside the kernel, against the rms_norm kernel on each, then the rest."""
+    qkv, q, k, v = _packed_qkv(num_tokens, q_heads, kv_heads, head_dim)
+    q_weight = (torch.rand(head_dim, device=DEVICE) + 0.5).bfloat16()
+    k_weight = (torch.rand(head_dim, device=DEVICE) + 0.5).bfloat16()
+    eps = 1e-6
+    cos_sin = _cos_sin_cache(head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(40 * 16)[:num_tokens].to(DEVICE)
+    cache = torch.zeros(2, 40, 16, kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+    expected_cache = cache.clone()
+    scales = (0.37, 2.5) if cache_dtype != torch.bfloat16 else (1.0, 1.0)
+    normed_q, normed_k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    reference_q, reference_k = reference.rotary_embedding_reference(
+        positions,
+        reference.rms_norm_reference(q, q_weight, eps),
+        reference.rms_norm_reference(k, k_weight, eps),
+        cos_sin,
+    )
+    rotary_embedding(positions, normed_q, normed_k, cos_sin)
+    reshape_and_cache(normed_k, v, expected_cache, slots, *scales)
+
+    rotary_cache_write(
+        positions, q, k, v, cos_sin, cache, slots, *scales, qk_norm=(q_weight, eps, k_weight, eps)
+    )
+    # the variance sums in another order than rms_norm's: a bf16 rounding may land one step apart
+    torch.testing.assert_close(q, normed_q, atol=2e-2, rtol=2e-2)
+    assert (q == normed_q).float().mean() > 0.99
+    torch.testing.assert_close(q, reference_q, atol=3e-2, rtol=3e-2)
+    written = dequantize_kv(cache, torch.float32, 1.0)
+    expected = dequantize_kv(expected_cache, torch.float32, 1.0)
+    # one rounding step apart at most (float8 e4m3: 2^-3 of the value)
+    step = 2e-2 if cache_dtype == torch.bfloat16 else 0.15
+    torch.testing.assert_close(written, expected, atol=step, rtol=step)
+    assert (cache.view(torch.uint8) == expected_cache.view(torch.uint8)).float().mean() > 0.99
+    keys = written[0].flatten(0, 1)[slots.long()] * scales[0]
+    torch.testing.assert_close(
+        keys, reference_k.float(), atol=0.1 if cache_dtype == E4M3 else 3e-2, rtol=0.07
+    )
+
+
 def test_refuses_partial_rotary_and_mismatched_cache() -> None:
     _, q, k, v = _packed_qkv(3, 8, 8, 128)
     positions = torch.arange(3, device=DEVICE)
@@ -81,6 +128,11 @@ def test_refuses_partial_rotary_and_mismatched_cache() -> None:
         rotary_cache_write(positions, q, k, v, _cos_sin_cache(64), cache, slots)
     with pytest.raises(ValueError, match=r"expected \[2, num_blocks, block_size, 8, 128\]"):
         rotary_cache_write(positions, q, k, v, _cos_sin_cache(128), cache[:, :, :, :4], slots)
+    weight = torch.ones(128, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(64,\) and \(128,\) must both be \[head_dim\] = \[128\]"):
+        rotary_cache_write(
+            positions, q, k, v, _cos_sin_cache(128), cache, slots, qk_norm=(weight[:64], 1e-6, weight, 1e-6)
+        )
 
 
 def test_backend_fuses_full_rotary_only_and_attends_the_same() -> None:

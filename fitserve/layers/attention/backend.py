@@ -15,7 +15,11 @@ import torch
 from fitserve.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
+    from fitserve.layers.layernorm import RMSNorm
     from fitserve.layers.rotary_embedding import StepRope
+
+    # Qwen3's per-head RMSNorm of q and of k, applied before the rotation
+    QKNorm = tuple[RMSNorm, RMSNorm]
 
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -29,7 +33,8 @@ class AttentionBackend(Protocol):
     every cached and new token at or before it. k_scale, v_scale: the layer's float8 cache scales
     (see the module docstring); host floats, fixed once the weights are loaded. rope: the step's
     rotary inputs, given only when `fuses_rotary` said yes: q and k arrive unrotated and the backend
-    rotates them (q in place, k as it is written to the cache).
+    rotates them (q in place, k as it is written to the cache). qk_norm: the layer's (q_norm, k_norm),
+    given only with rope: q and k arrive unnormalised too, and the backend normalises each head first.
     """
 
     name: str
@@ -47,6 +52,7 @@ class AttentionBackend(Protocol):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor: ...
 
 

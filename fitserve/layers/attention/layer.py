@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from fitserve.layers.attention import get_attention_backend
 from fitserve.layers.attention.metadata import get_forward_context
 from fitserve.layers.rotary_embedding import StepRope
+
+if TYPE_CHECKING:
+    from fitserve.layers.attention.backend import QKNorm
 
 
 class Attention(nn.Module):
@@ -52,10 +57,17 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: StepRope | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         """rope: the step's rotary inputs, when q and k are not rotated yet. A backend that can rotates
-        them with its cache write (one kernel); otherwise they are rotated here first."""
+        them with its cache write (one kernel); otherwise they are rotated here first. qk_norm: the
+        (q_norm, k_norm) to apply to each head before the rotation (Qwen3), in that same kernel when the
+        backend rotates."""
         num_tokens = q.shape[0]
         if q.dim() != 3:  # (a reshape to the shape a tensor has already still costs a call)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -66,9 +78,13 @@ class Attention(nn.Module):
         context = get_forward_context()
         metadata = context.attn_metadata
         backend = get_attention_backend(q.device) if metadata is not None else None
-        if rope is not None and not (backend is not None and backend.fuses_rotary(self.head_dim, rope)):
-            q, k = rope.apply(q, k)
-            rope = None
+        if rope is None or not (backend is not None and backend.fuses_rotary(self.head_dim, rope)):
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
+                qk_norm = None
+            if rope is not None:
+                q, k = rope.apply(q, k)
+                rope = None
         if metadata is None:
             out = _causal_attention_no_cache(q, k, v, self.scale)
         else:
@@ -79,7 +95,9 @@ class Attention(nn.Module):
                 )
             assert backend is not None
             kv_cache = context.kv_caches[self.layer_idx]
-            out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope)
+            out = backend.forward(
+                q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope, qk_norm
+            )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

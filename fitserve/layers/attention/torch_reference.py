@@ -46,6 +46,7 @@ from fitserve.layers.cpu_kernels.decode_attention import BoundDecodeAttention
 from fitserve.layers.cpu_kernels.library import load_cpu_kernels
 
 if TYPE_CHECKING:
+    from fitserve.layers.attention.backend import QKNorm
     from fitserve.layers.rotary_embedding import StepRope
 
 # A sequence whose query is at most this many tokens joins the padded batch; a longer one runs alone.
@@ -195,8 +196,9 @@ class TorchReferenceBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
-        assert rope is None, "this backend does not rotate (fuses_rotary is False)"
+        assert rope is None and qk_norm is None, "this backend does not rotate (fuses_rotary is False)"
         planned = self._planned
         if planned is not None and planned[0] is metadata and planned[1].decode_kernel:
             # the step's C decode attention is bound (by its first layer): straight to it
