@@ -225,13 +225,42 @@ def bench_prefill(
     return rows
 
 
+MID_BATCH_SWEEP = [
+    DecodeLaunchConfig(64, 4, 2),
+    DecodeLaunchConfig(64, 4, 3),
+    DecodeLaunchConfig(64, 4, 4),
+    DecodeLaunchConfig(64, 8, 3),
+    DecodeLaunchConfig(128, 8, 3),
+    DecodeLaunchConfig(32, 4, 4),
+]
+
+
+def bench_mid_batches(rng: random.Random) -> list[dict[str, Any]]:
+    """Launch configs at the batch sizes where nano's batch shrinks and serving runs (32 to 128 rows)."""
+    rows = []
+    fused = DecodeLaunchConfig(fused_reduce=True)
+    sweep = [(config, None) for config in MID_BATCH_SWEEP]
+    sweep += [(fused, 2), (fused, 3), (fused, 4), (DecodeLaunchConfig(32, 4, 3, fused_reduce=True), 4)]
+    mixed = [rng.randint(200, 2048) for _ in range(128)]
+    rows += bench_decode("mid: batch 128, ctx in [200, 2048], Qwen3-0.6B", mixed, 16, 8, 128, sweep)
+    rows += bench_decode("mid: batch 64, ctx in [200, 2048], Qwen3-0.6B", mixed[:64], 16, 8, 128, sweep)
+    rows += bench_decode("mid: batch 32, ctx 1536, Llama-3.1-8B", [1536] * 32, 32, 8, 128, sweep)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--mid-batches", action="store_true", help="only the launch-config sweep at 32 to 128 sequences"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
     copy_gbs = copy_bandwidth_gbs()
+    if args.mid_batches:
+        report(bench_mid_batches(rng), [], copy_gbs, args.output)
+        return
     default = DEFAULT_DECODE_CONFIG
     fused = replace(default, fused_reduce=True)
     config_sweep = [(config, None) for config in DECODE_SWEEP]
@@ -285,9 +314,13 @@ def main() -> None:
         128,
         [(sequences_first, None), (default, None)],
     )
+    prefill = bench_prefill("prefill: 16 x 1024 fresh prompts, Qwen3-0.6B", [1024] * 16, 16, 8, 128)
+    report(decode, prefill, copy_gbs, args.output)
+
+
+def report(decode: list[dict], prefill: list[dict], copy_gbs: float, output: Path | None) -> None:
     for row in decode:
         row["fraction_of_copy_bandwidth"] = round(row["kv_read_gbs"] / copy_gbs, 3)
-    prefill = bench_prefill("prefill: 16 x 1024 fresh prompts, Qwen3-0.6B", [1024] * 16, 16, 8, 128)
     result = {
         "gpu": torch.cuda.get_device_name(DEVICE),
         "torch": torch.__version__,
@@ -299,9 +332,9 @@ def main() -> None:
         "prefill": prefill,
     }
     text = json.dumps(result, indent=2)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
     print(text)
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s")
     for row in decode:
