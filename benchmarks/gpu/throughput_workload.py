@@ -21,6 +21,12 @@ def main() -> None:
     parser.add_argument("workload", choices=["nano", "equal"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the step's token budget (default: the engine's)",
+    )
     args = parser.parse_args()
     workload = named_workload(args.workload)
     llm = LLM(
@@ -29,6 +35,7 @@ def main() -> None:
         load_format="dummy",
         max_model_len=workload.max_model_len or 4096,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     params = [
@@ -45,10 +52,13 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     name = args.workload if args.kv_cache_dtype == "auto" else f"{args.workload}_kv_{args.kv_cache_dtype}"
+    if args.max_num_batched_tokens:
+        name += f"_batched_{args.max_num_batched_tokens}"
     save(
         name,
         {
             "kv_cache_dtype": args.kv_cache_dtype,
+            "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
             "requests": len(outputs),
             "prompt_tokens": workload.num_prompt_tokens,
             "output_tokens": output_tokens,
