@@ -71,3 +71,18 @@ def save(workload: str, figures: dict, out: str | None = None) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def replay_ms(graph, repeats: int) -> float:
+    """Mean milliseconds of one replay of a captured CUDA graph, after one untimed replay."""
+    import torch
+
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats

@@ -18,7 +18,7 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-from common import MODELS, copy_bandwidth_bytes_per_s, save  # noqa: I001
+from common import MODELS, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
 
 from fitserve.kernels.skinny_gemm import DEFAULT_CONFIG, SkinnyGemmConfig, skinny_gemm
 
@@ -53,16 +53,7 @@ def time_us(call, weights: list[torch.Tensor]) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS_PER_GRAPH):
             call(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    repeats = 10
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (repeats * CALLS_PER_GRAPH)
+    return replay_ms(graph, 10) * 1000 / CALLS_PER_GRAPH
 
 
 def sweep(quick: bool) -> list[SkinnyGemmConfig]:

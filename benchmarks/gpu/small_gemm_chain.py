@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import copy_bandwidth_bytes_per_s, save  # noqa: I001
+from common import copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
 from skinny_gemm import shapes
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
@@ -36,37 +36,6 @@ TILES = [
     (128, 64, 64, 8, 3),
     (64, 128, 64, 4, 3),
 ]
-
-
-@triton.jit
-def _gemm_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    stride_x,
-    stride_w,
-    stride_out,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(USE_PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rows[:, None] * stride_x + (k + ks)[None, :], mask=rows[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_w + (k + ks)[None, :], mask=cols[:, None] < N, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(
-        out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask
-    )
 
 
 @triton.jit
@@ -88,8 +57,9 @@ def _gemm_split_k_kernel(
     SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Each program sums K / SPLIT_K of the products into a float32 partial; the last of a tile's
-    SPLIT_K programs to arrive (an atomic counter it resets) adds the partials in split order."""
+    """out = x @ w.T. With SPLIT_K > 1 each program sums K / SPLIT_K of the products into a float32
+    partial, and the last of a tile's SPLIT_K programs to arrive (an atomic counter it resets) adds the
+    partials in split order."""
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,6 +71,11 @@ def _gemm_split_k_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_x + (k + ks)[None, :], mask=rows[:, None] < M, other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + (k + ks)[None, :], mask=cols[:, None] < N, other=0.0)
         acc += tl.dot(x, tl.trans(w))
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    out_mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        return
     tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     num_tiles = tl.num_programs(0) * tl.num_programs(1)
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -113,12 +88,7 @@ def _gemm_split_k_kernel(
         for part in range(SPLIT_K):
             block = part_ptr + (part * num_tiles + tile) * (BLOCK_M * BLOCK_N) + offsets
             total += tl.load(block, cache_modifier=".cg")
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(
-            out_ptr + rows[:, None] * stride_out + cols[None, :],
-            total.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 _WORKSPACE: dict[str, torch.Tensor] = {}
@@ -132,13 +102,6 @@ def triton_linear(
     n = w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    if split_k == 1:
-        _gemm_kernel[grid](
-            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-            **pdl_kwargs(x.device),
-        )  # fmt: skip
-        return out
     if "counters" not in _WORKSPACE:
         _WORKSPACE["counters"] = torch.zeros(1 << 16, dtype=torch.int32, device=x.device)
         _WORKSPACE["partials"] = torch.empty(64 << 20, dtype=torch.uint8, device=x.device).view(torch.float32)
@@ -174,17 +137,7 @@ def graph_ms(run) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    repeats = 20
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return replay_ms(graph, 20)
 
 
 def main() -> None:
