@@ -14,7 +14,6 @@ call's wall time is charged to the step launched by the call before it.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -26,13 +25,6 @@ from fitserve.bench.workloads import named_workload
 from fitserve.engine.sampling_params import RequestOutputKind
 
 DECODE_BUCKETS = [(1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256)]
-
-
-def kv_bytes_per_token(model_dir, kv_cache_dtype: str) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    element = 1 if kv_cache_dtype == "fp8" else 2
-    return config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * element
 
 
 def step_record(scheduler_output) -> dict:
@@ -126,7 +118,8 @@ def main() -> None:
     for record, wall in zip(launched, walls[1:], strict=False):
         record["wall_s"] = wall
     steps = [r for r in launched if "wall_s" in r]
-    kv_bytes = kv_bytes_per_token(model_dir, args.kv_cache_dtype)
+    runner = engine.executor.runner  # the engine's own figure, in the cache's actual dtype
+    kv_bytes = runner.kv_bytes_per_block() // runner.block_size
     output_tokens = sum(r.max_tokens for r in requests)
     save(
         f"step_timeline_{args.workload}"
