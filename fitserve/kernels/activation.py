@@ -10,10 +10,13 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv
 
 BLOCK = 1024
 
 
+@fast_launch
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, intermediate_size, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
@@ -40,7 +43,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, intermediate_size), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    grid = (num_rows, triton.cdiv(intermediate_size, BLOCK))
+    grid = (num_rows, cdiv(intermediate_size, BLOCK))
     _silu_and_mul_kernel[grid](
         x,
         out,

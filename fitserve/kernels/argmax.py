@@ -22,10 +22,13 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 CHUNK = 4096
 
 
+@fast_launch
 @triton.jit
 def _chunk_argmax_kernel(
     x_ptr,
@@ -58,6 +61,7 @@ def _chunk_argmax_kernel(
     tl.store(part_index_ptr + row * num_chunks + chunk, chunk * CHUNK + where)
 
 
+@fast_launch
 @triton.jit
 def _pick_chunk_kernel(
     part_max_ptr, part_index_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr
@@ -103,7 +107,7 @@ def _argmax(x: torch.Tensor, seed: torch.Tensor | None, scale: torch.Tensor | No
             f"{tuple(x.shape)} {x.dtype} on {x.device}: use torch.argmax"
         )
     rows, width = x.shape
-    num_chunks = triton.cdiv(width, CHUNK)
+    num_chunks = cdiv(width, CHUNK)
     part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
     part_index = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
@@ -123,7 +127,7 @@ def _argmax(x: torch.Tensor, seed: torch.Tensor | None, scale: torch.Tensor | No
         num_warps=8,
         **launch,
     )
-    block_chunks = max(16, triton.next_power_of_2(num_chunks))
+    block_chunks = max(16, next_power_of_2(num_chunks))
     _pick_chunk_kernel[(rows,)](
         part_max, part_index, out, num_chunks, BLOCK_CHUNKS=block_chunks, num_warps=1, **launch
     )

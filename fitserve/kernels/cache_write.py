@@ -14,9 +14,12 @@ import triton.language as tl
 
 from fitserve.kernels.attention_inputs import kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import next_power_of_2
 from fitserve.layers.attention.backend import is_fp8_kv_cache
 
 
+@fast_launch
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
@@ -112,8 +115,8 @@ def reshape_and_cache(
         kv_cache.stride(2),
         kv_cache.stride(3),
         BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         FP8_MAX=fp8_max,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
         **pdl_kwargs(key.device),

@@ -30,6 +30,8 @@ import triton.language as tl
 
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 MAX_PARTITIONS = 64
 SMALL_PARTITION_BLOCK = 8
@@ -104,6 +106,7 @@ def _merge_partitions(
 
 # Values that change with the batch size are not specialized on (Triton would compile one variant per
 # divisibility class): each compile costs ~0.5 s at startup, and the block-table stride varies per step.
+@fast_launch
 @triton.jit(do_not_specialize=["num_partitions", "stride_bt_seq"])
 def _decode_partition_kernel(
     q_ptr,
@@ -234,6 +237,7 @@ def _decode_partition_kernel(
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_partitions"])
 def _decode_reduce_kernel(
     out_ptr,
@@ -314,8 +318,8 @@ def choose_num_partitions(
     programs = num_seqs * num_kv_heads
     if programs >= sm_count:
         return 1
-    wanted = triton.cdiv(4 * sm_count, programs)
-    useful = max(1, triton.cdiv(max_context_len, tile_tokens))
+    wanted = cdiv(4 * sm_count, programs)
+    useful = max(1, cdiv(max_context_len, tile_tokens))
     return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 
@@ -356,8 +360,8 @@ def paged_decode_attention(
         num_partitions = choose_num_partitions(
             num_seqs, num_kv_heads, max_context_len, _sm_count(q.device.index or 0), config.tile_tokens
         )
-    block_d = triton.next_power_of_2(head_dim)
-    block_g = max(16, triton.next_power_of_2(queries_per_kv))
+    block_d = next_power_of_2(head_dim)
+    block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1
     fused_reduce = config.fused_reduce and not write_direct

@@ -19,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.fast_launch import fast_launch
+
 BLOCK_COLUMNS = 128
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["batch", "width", "num_fills"])
 def _stage_decode_inputs_kernel(
     ids_src,

@@ -12,8 +12,11 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import next_power_of_2
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -69,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     num_rows = x.numel() // hidden_size
     if num_rows == 0:
         return out
-    block = triton.next_power_of_2(hidden_size)
+    block = next_power_of_2(hidden_size)
     _rms_norm_kernel[(num_rows,)](
         x,
         x,
@@ -110,7 +113,7 @@ def fused_add_rms_norm(
     num_rows, hidden_size = x.shape
     if num_rows == 0:
         return x, residual
-    block = triton.next_power_of_2(hidden_size)
+    block = next_power_of_2(hidden_size)
     _rms_norm_kernel[(num_rows,)](
         x,
         residual,

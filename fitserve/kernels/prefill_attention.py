@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PrefillLaunchConfig:
 DEFAULT_PREFILL_CONFIG = PrefillLaunchConfig()
 
 
+@fast_launch
 @triton.jit
 def _prefill_kernel(
     q_ptr,
@@ -159,11 +162,11 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m = max(config.block_m, triton.next_power_of_2(queries_per_kv))
+    block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, block_q))
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q,

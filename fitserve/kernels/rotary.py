@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import next_power_of_2
 
 
 @triton.jit
@@ -36,6 +38,7 @@ def _rotate_heads(
     tl.store(second, (x2 * cos[None, :] + x1 * sin[None, :]).to(base_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _rotary_kernel(
     positions_ptr,
@@ -120,9 +123,9 @@ def rotary_embedding(
         k.stride(1),
         cos_sin_cache.stride(0),
         HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(k.shape[1]),
         num_warps=4,
         **pdl_kwargs(q.device),
     )

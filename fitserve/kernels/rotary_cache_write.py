@@ -22,6 +22,8 @@ import triton.language as tl
 
 from fitserve.kernels.attention_inputs import kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import next_power_of_2
 from fitserve.layers.attention.backend import is_fp8_kv_cache
 
 
@@ -53,6 +55,7 @@ def _load_heads(
     return x1, x2
 
 
+@fast_launch
 @triton.jit
 def _rotary_cache_write_kernel(
     positions_ptr,
@@ -204,9 +207,9 @@ def rotary_cache_write(
         kv_cache.stride(2),
         kv_cache.stride(3),
         HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=next_power_of_2(q.shape[1]),
+        BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if is_fp8_kv_cache(kv_cache.dtype) else 0.0,
         QK_NORM=qk_norm is not None,

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv
 from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
 
 # Rows of x this kernel takes (one tensor-core tile of x).
@@ -52,6 +54,7 @@ class SkinnyGemmConfig:
 
 # The row count changes with the batch: specializing on it (1, a multiple of 16, other) would compile
 # three variants at startup (~0.5 s each) for no measurable gain.
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
@@ -141,7 +144,7 @@ def skinny_gemm(
     out_features = weight.shape[0]
     config = config or DEFAULT_CONFIG
     y = torch.empty((rows, out_features), dtype=out_dtype or x.dtype, device=x.device)
-    grid = (triton.cdiv(out_features, config.block_n),)
+    grid = (cdiv(out_features, config.block_n),)
     _skinny_gemm_kernel[grid](
         x,
         weight,
