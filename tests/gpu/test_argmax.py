@@ -110,3 +110,29 @@ def test_random_sampling_on_cuda_leaves_the_callers_logits(params: SamplingParam
     before = logits.clone()
     Sampler()(logits, [SamplingRow(params, [0], []) for _ in range(8)])
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_bf16_logits_sample_as_their_float32_values(temperature: float) -> None:
+    """The LM head hands the sampler bf16 logits past 16 rows on CUDA: the tokens must be the ones
+    the float32 conversion gave (greedy exactly, random for the same torch seed)."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(40, 151936, device="cuda", generator=generator) * 4).to(torch.bfloat16)
+    rows = [SamplingRow(SamplingParams(temperature=temperature), [0], []) for _ in range(40)]
+    torch.manual_seed(5)
+    from_bf16 = Sampler()(logits, rows).sampled_token_ids
+    torch.manual_seed(5)
+    from_float32 = Sampler()(logits.float(), rows).sampled_token_ids
+    assert from_bf16 == from_float32
+
+
+def test_lm_head_widens_only_where_the_skinny_gemm_writes_float32() -> None:
+    from fitserve.layers.vocab_embedding import ParallelLMHead
+
+    head = ParallelLMHead(32000, 4096).to(device="cuda", dtype=torch.bfloat16)
+    head.weight.normal_(std=0.02)
+    hidden = torch.randn(17, 4096, device="cuda", dtype=torch.bfloat16)
+    assert head(hidden[:16]).dtype == torch.float32
+    wide = head(hidden)
+    assert wide.dtype == torch.bfloat16
+    torch.testing.assert_close(head(hidden[:16]), wide[:16].float(), rtol=1e-2, atol=1e-2)
