@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_if_exact
-from fitserve.layers.linear import SKINNY_MAX_ROWS, default_weight_loader, dense_linear
+from fitserve.layers.linear import default_weight_loader, dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,14 +38,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """hidden [N, hidden] -> logits [N, vocab] in float32 (or the model dtype, below).
+    """hidden [N, hidden] -> logits [N, vocab]: float32 on the CPU, the model dtype on CUDA (below).
 
     Tied (`tie_to` given): the head reads the embedding's matrix and owns no parameter of its own, so a
     checkpoint's `lm_head.weight` has nothing to load into and `named_parameters()` does not list it.
-    The matmul runs in the model's dtype; only its result is widened to float32 for the sampler. On
-    CUDA past the skinny GEMM's rows (it writes float32 at no cost) the logits stay in the model dtype:
-    widening 256 rows of Qwen3's 151,936 logits took 121 us a decode step on an H100, and the sampler
-    widens only what it edits (its argmax and race kernels read bf16 as the same float32 values).
+    The matmul runs in the model's dtype. On the CPU its result is widened to float32 for the sampler;
+    on CUDA the logits stay in the model dtype: widening 256 rows of Qwen3's 151,936 logits took 121 us
+    of a 7 ms decode step on an H100, and the sampler widens only what it edits (its argmax and race
+    kernels read bf16 as the same float32 values, so the tokens are the ones float32 logits give).
 
     On the CPU, a float32 head whose loaded weights float16 holds exactly also gets a prepacked float16
     copy that the matmul reads instead (cpu_fp16_matmul.py): same weights, half the bytes per token.
@@ -83,8 +83,8 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return fp16_matmul(hidden, self._fp16_weight)
-        if hidden.is_cuda and hidden.shape[0] > SKINNY_MAX_ROWS:
-            return F.linear(hidden, self.weight)  # the model dtype: see the class docstring
+        if hidden.is_cuda:
+            return dense_linear(hidden, self.weight)  # the model dtype: see the class docstring
         return dense_linear(hidden, self.weight, out_dtype=torch.float32)
 
     def extra_repr(self) -> str:

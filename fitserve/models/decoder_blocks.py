@@ -192,7 +192,7 @@ class DecoderForCausalLM(nn.Module):
     """Base of the family classes: a family sets `decoder_spec(config)` and nothing else.
 
     `model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
-    `compute_logits(hidden [N, hidden]) -> [N, vocab]` (float32; the model dtype on CUDA past 16 rows);
+    `compute_logits(hidden [N, hidden]) -> [N, vocab]` (float32 on the CPU, the model dtype on CUDA);
     `load_weights((hf_name, tensor), ...) -> names of the parameters now fully loaded`.
     """
 

@@ -145,7 +145,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_decode_tail(self) -> None:
         """Runs once what a batch-1 decode step runs around its graph (the input copy, the LM head for
-        one row, greedy sampling), so their kernels compile at startup, not at the first request."""
+        one row, greedy sampling and sampling at a temperature), so their kernels compile at startup,
+        not at the first request."""
         if self.graph_runner is not None:
             sources = tuple(buffer[:1] for buffer in self.graph_runner.static_inputs())
             self.graph_runner.copy_inputs(sources, 1)
@@ -153,7 +154,9 @@ class ModelRunner:
             (1, self.config.model.hf_config.hidden_size), dtype=self.config.model.dtype, device=self.device
         )
         logits = self.model.compute_logits(hidden)
-        self.sampler(logits, [SamplingRow(SamplingParams(temperature=0.0), [0], [], None, frozenset())])
+        for temperature in (0.0, 1.0):
+            row = SamplingRow(SamplingParams(temperature=temperature), [0], [], None, frozenset())
+            self.sampler(logits, [row])
 
     @torch.inference_mode()
     def profile_run(self) -> int:

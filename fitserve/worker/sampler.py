@@ -90,8 +90,8 @@ class Sampler:
         # race kernel without filters only reads them).
         edits = bool(random) and (race_kernel is None or filtered)
         edits = edits or any(_edits_logits(row) for row in rows)
-        # Logits in the model dtype (the LM head's on CUDA past 16 rows) are read as they are by the
-        # argmax and race kernels; anything that edits them works on a float32 copy.
+        # Logits in the model dtype (the LM head's on CUDA) are read as they are by the argmax and race
+        # kernels; anything that edits them works on a float32 copy.
         processed = logits.to(torch.float32, copy=True) if edits else logits
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
