@@ -67,10 +67,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """forward, calling the sublayers' forward directly (see DecoderLayer.forward_cpu)."""
+        """Calls the sublayers' forward directly (see DecoderLayer)."""
         return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
@@ -103,15 +100,15 @@ class DecoderAttention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         # normalised and rotated there, in the cache write's kernel where the backend can
-        return self.attn(q, k, v, rope, qk_norm)
+        return self.attn.forward(q, k, v, rope, qk_norm)
 
     def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(hidden), rope))
+        return self.o_proj.forward(self.attend(self.qkv_proj.forward(hidden), rope))
 
     def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
-        """forward with rope tables (the CPU), calling the sublayers' forward directly (see
-        DecoderLayer.forward_cpu). Without q/k norms, q and k sit side by side in the qkv output, so one
-        rotation covers both sets of heads: the same values as rotating each, in fewer ops."""
+        """forward with rope tables (the CPU). Without q/k norms, q and k sit side by side in the qkv
+        output, so one rotation covers both sets of heads: the same values as rotating each, in fewer
+        ops."""
         if self.q_norm is not None:
             return self.forward(hidden, rope)
         num_tokens = hidden.shape[0]
@@ -135,25 +132,27 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Takes the previous layer's (mlp output, residual stream); returns this layer's."""
+        """Takes the previous layer's (mlp output, residual stream); returns this layer's.
+
+        The sublayers' forward is called directly, not through nn.Module.__call__: steps that are not
+        CUDA graphs (every CPU step, a GPU's prefill chunks) are bound by per-call host overheads, and
+        __call__ is one of them (~1 ms of a ~21 ms SmolLM2 CPU step at batch 1). None of the sublayers
+        carries hooks: --cpu-offload-gb hooks whole decoder layers, which are still called as modules."""
         if rope.cos is not None:
             return self.forward_cpu(hidden, residual, rope)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(hidden, rope)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
 
     def forward_cpu(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward with rope tables (the CPU path). A CPU decode step is bound by per-call overheads, not
-        arithmetic, and nn.Module.__call__ is one of them (~1 ms of a ~21 ms SmolLM2 step at batch 1), so
-        the sublayers' forward is called directly; none of them carries hooks (--cpu-offload-gb hooks
-        whole decoder layers, which are still called as modules)."""
+        """forward with rope tables (the CPU path)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)
@@ -161,7 +160,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.forward(hidden, residual)
         hidden = self.self_attn.forward_cpu(hidden, rope)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.mlp.forward_cpu(hidden), residual
+        return self.mlp.forward(hidden), residual
 
 
 class DecoderModel(nn.Module):
