@@ -25,7 +25,9 @@ BLOCK_COLUMNS = 128
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["batch", "width", "num_fills"])
+# Per-step values, not specialized on: a width of 1 or a multiple of 16 would compile another variant
+# mid-serving (tests/gpu/test_no_runtime_compiles.py).
+@triton.jit(do_not_specialize=["stride_tables_src", "batch", "width", "num_fills"])
 def _stage_decode_inputs_kernel(
     ids_src,
     positions_src,

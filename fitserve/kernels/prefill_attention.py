@@ -41,7 +41,7 @@ DEFAULT_PREFILL_CONFIG = PrefillLaunchConfig()
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt_seq"])  # the step's widest block table: any value, one compile
 def _prefill_kernel(
     q_ptr,
     cache_ptr,

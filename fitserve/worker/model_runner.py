@@ -145,8 +145,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_decode_tail(self) -> None:
         """Runs once what a batch-1 decode step runs around its graph (the input copy, the LM head for
-        one row, greedy sampling and sampling at a temperature), so their kernels compile at startup,
-        not at the first request."""
+        one row, the sampler's kernels), so they compile at startup, not at the first request. The
+        sampler reads the LM head's logits as they are unless a row edits them (penalties, min_tokens),
+        then a float32 copy: greedy and random sampling over each of the two are four kernel variants."""
         if self.graph_runner is not None:
             sources = tuple(buffer[:1] for buffer in self.graph_runner.static_inputs())
             self.graph_runner.copy_inputs(sources, 1)
@@ -155,8 +156,9 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden)
         for temperature in (0.0, 1.0):
-            row = SamplingRow(SamplingParams(temperature=temperature), [0], [], None, frozenset())
-            self.sampler(logits, [row])
+            for repetition_penalty in (1.0, 1.1):
+                params = SamplingParams(temperature=temperature, repetition_penalty=repetition_penalty)
+                self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())])
 
     @torch.inference_mode()
     def profile_run(self) -> int:
