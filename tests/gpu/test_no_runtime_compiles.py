@@ -5,6 +5,7 @@ compiled variant."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import pkgutil
 from pathlib import Path
@@ -45,7 +46,7 @@ def test_a_mix_of_requests_compiles_nothing_after_startup() -> None:
         load_format="dummy",
         max_model_len=1024,
         max_num_seqs=32,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=0.3,
     )
     before = _compiled_variants()
     lengths = [5, 16, 17, 100, 250, 256, 700]  # 1, 16 and more blocks of 16 (block table widths)
@@ -65,5 +66,8 @@ def test_a_mix_of_requests_compiles_nothing_after_startup() -> None:
         llm.generate(prompts * 3, params, use_tqdm=False)  # 21 rows: past the skinny GEMM's 16
     llm.generate(prompts[:1], SamplingParams(max_tokens=300, ignore_eos=True), use_tqdm=False)  # batch 1
     after = _compiled_variants()
+    del llm  # hand the KV cache back: later tests (test_plan_vs_measured) need the GPU's memory free
+    gc.collect()
+    torch.cuda.empty_cache()
     grew = {name: (before[name], after[name]) for name in after if after[name] != before[name]}
     assert not grew, f"kernels compiled after startup (variants before, after): {grew}"
