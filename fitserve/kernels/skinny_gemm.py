@@ -12,9 +12,9 @@ used for (`worth_it`: N >= 4096 gives >= 128 programs); smaller ones stay on cuB
 Measured on an H100 (benchmarks/gpu/skinny_gemm.py), Llama-3.1-8B shapes, batch 1, fraction of the copy
 bandwidth cuBLAS -> this kernel: qkv 0.81 -> 0.84, o 0.72 -> 0.79, gate_up 0.96 -> 0.98, down 0.90 ->
 0.94, lm_head 0.93 -> 1.03 (a pure read outruns a copy). At 32 and 64 rows the two are within ~3%, so
-only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias, and one
-with float32 output for the LM head). Before waiting for the previous kernel, each program asks the
-L2 for the head of its weight rows (kernels/l2_prefetch.py).
+only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias). Before
+waiting for the previous kernel, each program asks the L2 for the head of its weight rows
+(kernels/l2_prefetch.py).
 
 Reference: torch.nn.functional.linear.
 """
@@ -96,9 +96,7 @@ def _skinny_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    # Rounded to x's dtype first: a float32 y holds exactly what a 16-bit y would, widened.
-    out = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
-    tl.store(y, out, mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # The tile that was fastest or within 2% of it for every Llama-3.1-8B weight at 1 to 16 rows.
@@ -129,11 +127,8 @@ def skinny_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyGemmConfig | None = None,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> y [M, N] in x's dtype, or in
-    out_dtype (torch.float32: the x-dtype result widened, as the LM head's logits are, without a
-    separate conversion kernel)."""
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> y [M, N] in x's dtype."""
     if not supports(x, weight):
         raise ValueError(
             f"skinny_gemm takes CUDA float16/bfloat16 x [M <= {MAX_ROWS}, K] and weight [N, K] with "
@@ -143,7 +138,7 @@ def skinny_gemm(
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config = config or DEFAULT_CONFIG
-    y = torch.empty((rows, out_features), dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     grid = (cdiv(out_features, config.block_n),)
     _skinny_gemm_kernel[grid](
         x,

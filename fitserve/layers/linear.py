@@ -48,13 +48,15 @@ def dense_linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, then widened to out_dtype if given: a decode step's few rows
     on the GPU stream the weight through fitserve's skinny GEMM kernel (faster than cuBLAS there,
-    kernels/skinny_gemm.py, which also writes out_dtype directly); everything else is F.linear."""
+    kernels/skinny_gemm.py); everything else is F.linear."""
+    out = None
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
         from fitserve.kernels.skinny_gemm import skinny_gemm, worth_it
 
         if worth_it(x, weight):
-            return skinny_gemm(x, weight, bias, out_dtype=out_dtype)
-    out = F.linear(x, weight, bias)
+            out = skinny_gemm(x, weight, bias)
+    if out is None:
+        out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
 
 

@@ -83,9 +83,8 @@ class ParallelLMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
             return fp16_matmul(hidden, self._fp16_weight)
-        if hidden.is_cuda:
-            return dense_linear(hidden, self.weight)  # the model dtype: see the class docstring
-        return dense_linear(hidden, self.weight, out_dtype=torch.float32)
+        # on CUDA the model dtype: see the class docstring
+        return dense_linear(hidden, self.weight, out_dtype=None if hidden.is_cuda else torch.float32)
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}, tied={self.tied}"

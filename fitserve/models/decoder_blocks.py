@@ -137,28 +137,15 @@ class DecoderLayer(nn.Module):
         The sublayers' forward is called directly, not through nn.Module.__call__: steps that are not
         CUDA graphs (every CPU step, a GPU's prefill chunks) are bound by per-call host overheads, and
         __call__ is one of them (~1 ms of a ~21 ms SmolLM2 CPU step at batch 1). None of the sublayers
-        carries hooks: --cpu-offload-gb hooks whole decoder layers, which are still called as modules."""
-        if rope.cos is not None:
-            return self.forward_cpu(hidden, residual, rope)
+        carries hooks: --cpu-offload-gb hooks whole decoder layers, which are still called as modules.
+        With rope tables (the CPU path) attention takes DecoderAttention.forward_cpu."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(hidden, rope)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.mlp.forward(hidden), residual
-
-    def forward_cpu(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward with rope tables (the CPU path)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm.forward(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward_cpu(hidden, rope)
+        attend = self.self_attn.forward_cpu if rope.cos is not None else self.self_attn.forward
+        hidden = attend(hidden, rope)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
