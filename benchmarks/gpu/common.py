@@ -86,3 +86,17 @@ def replay_ms(graph, repeats: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def graph_call_ms(call, calls: int = 1, repeats: int = 20) -> float:
+    """Mean milliseconds of one `call()`: run once untimed (compiles, picks algorithms), captured
+    `calls` times into one CUDA graph, timed over `repeats` replays."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return replay_ms(graph, repeats) / calls

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import replay_ms, save
+from common import graph_call_ms, save
 
 from fitserve.kernels.argmax import argmax_rows, race_rows
 
@@ -20,13 +20,7 @@ CALLS_PER_GRAPH = 10
 
 
 def us_per_call(call) -> float:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            call()
-    return round(replay_ms(graph, 20) * 1e3 / CALLS_PER_GRAPH, 1)
+    return round(graph_call_ms(call, CALLS_PER_GRAPH) * 1e3, 1)
 
 
 def main() -> None:

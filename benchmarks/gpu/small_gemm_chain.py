@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from common import copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
+from common import copy_bandwidth_bytes_per_s, graph_call_ms, save  # noqa: I001
 from skinny_gemm import shapes
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
@@ -131,15 +131,6 @@ def chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], linear) -> tor
     return x
 
 
-def graph_ms(run) -> float:
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return replay_ms(graph, 20)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -161,7 +152,7 @@ def main() -> None:
     for rows, (tile, split_k) in itertools.product(ROWS, variants):
         x = torch.randn(rows, dims["qkv"][1], device="cuda", dtype=torch.bfloat16)
         if tile is None:
-            ms = graph_ms(lambda x=x: chain(x, layers, F.linear))
+            ms = graph_call_ms(lambda x=x: chain(x, layers, F.linear))
         else:
 
             def linear(a, w, tile=tile, split_k=split_k):
@@ -171,7 +162,7 @@ def main() -> None:
             got = chain(x, layers[:1], linear)
             error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
             assert error < 2e-2, f"tile {tile} split {split_k}: relative error {error:.3g} against F.linear"
-            ms = graph_ms(lambda x=x, linear=linear: chain(x, layers, linear))
+            ms = graph_call_ms(lambda x=x, linear=linear: chain(x, layers, linear))
         rows_out.append(
             {
                 "rows": rows,
