@@ -1,0 +1,110 @@
+"""GPU time of one decode step's forward (the engine's own CUDA graph: the decoder layers and the final
+norm; the LM head and sampling run after it) at given batch sizes and context lengths, against the time
+to read the layers' weights and the KV once at the copy bandwidth.
+
+The engine is built as `LLM(...)` builds it (dummy weights); the graph runner's static inputs are
+filled with `--context` tokens of KV per sequence (distinct blocks per sequence) and the graph of each
+batch size is replayed back to back. Steadier than end-to-end runs for changes of a few percent: no
+host, no scheduler, no sampler.
+
+--timeline also profiles a few replays and charges each kernel with the time it added to the step:
+its end minus the previous kernel's end (with programmatic dependent launch kernels overlap, so their
+own durations add up to more than the step).
+  python benchmarks/gpu/decode_graph.py --model llama-3.1-8b --batch 1 32 --context 1536 [--timeline]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
+
+from fitserve import LLM
+
+
+def fill_static_inputs(graph_runner, batch: int, context: int, block_size: int) -> None:
+    """Every row decodes position `context` with `context` tokens of KV before it in its own blocks."""
+    blocks_per_seq = context // block_size + 1
+    first_blocks = 1 + torch.arange(batch, device="cuda", dtype=torch.int32)[:, None] * blocks_per_seq
+    table = first_blocks + torch.arange(blocks_per_seq, device="cuda", dtype=torch.int32)[None, :]
+    graph_runner.block_tables[:batch].zero_()
+    graph_runner.block_tables[:batch, :blocks_per_seq] = table
+    graph_runner.input_ids[:batch] = torch.randint(0, 10000, (batch,), device="cuda")
+    graph_runner.positions[:batch] = context
+    graph_runner.seq_lens[:batch] = context + 1
+    last_block = table[:, context // block_size].long()
+    graph_runner.slot_mapping[:batch] = last_block * block_size + context % block_size
+
+
+def timeline_us(graph, replays: int = 5) -> dict[str, float]:
+    """Microseconds per replay that each kernel name added to the step's span (sorted, largest first)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in profiler.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    added: dict[str, float] = {}
+    previous_end = kernels[0][0]
+    for _start, end, name in kernels:
+        # a kernel that starts after the previous one ended also owns the gap before it (the first
+        # kernel of a replay: the gap between replays)
+        added[name[:60]] = added.get(name[:60], 0.0) + max(0.0, end - previous_end)
+        previous_end = max(previous_end, end)
+    return {name: round(us / replays, 1) for name, us in sorted(added.items(), key=lambda item: -item[1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.1-8b", help="a shape in shared/models")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="captured batch sizes")
+    parser.add_argument("--context", type=int, default=1536, help="KV tokens before each decoded token")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--timeline", action="store_true", help="also the time each kernel adds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    llm = LLM(str(MODELS / args.model), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
+    runner = llm.engine.executor.runner
+    graph_runner = runner.graph_runner
+    if graph_runner is None:
+        raise SystemExit("no CUDA graphs were captured (--enforce-eager, or not on CUDA)")
+    # the graph reads every weight but the embedding table (a row per token) and the LM head (after it)
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in runner.model.named_parameters()
+        if "embed" not in name and not name.startswith("lm_head")
+    )
+    kv_bytes_per_token = runner.kv_bytes_per_block() // runner.block_size
+    bandwidth = copy_bandwidth_bytes_per_s()
+    steps = []
+    for batch in args.batch:
+        if batch not in graph_runner.graphs:
+            raise SystemExit(f"batch {batch} has no graph; captured sizes: {sorted(graph_runner.graphs)}")
+        fill_static_inputs(graph_runner, batch, args.context, runner.block_size)
+        ms = replay_ms(graph_runner.graphs[batch], args.repeats)
+        read_bytes = weight_bytes + batch * args.context * kv_bytes_per_token
+        steps.append(
+            {
+                "batch": batch,
+                "context": args.context,
+                "step_ms": round(ms, 4),
+                "weights_and_kv_gb": round(read_bytes / 1e9, 3),
+                "copy_roofline_ms": round(read_bytes / bandwidth * 1e3, 4),
+                "copy_roofline_frac": round(read_bytes / bandwidth * 1e3 / ms, 4),
+            }
+        )
+        if args.timeline:
+            steps[-1]["added_us_per_kernel"] = timeline_us(graph_runner.graphs[batch])
+        print(steps[-1], flush=True)
+    figures = {"model": args.model, "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1), "steps": steps}
+    save(f"decode_graph_{args.model}", figures, args.out)
+
+
+if __name__ == "__main__":
+    main()
