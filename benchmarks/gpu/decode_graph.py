@@ -23,9 +23,15 @@ from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, replay_ms, sav
 from fitserve import LLM
 
 
-def fill_static_inputs(graph_runner, batch: int, context: int, block_size: int) -> None:
+def fill_static_inputs(graph_runner, batch: int, context: int, block_size: int, num_blocks: int) -> None:
     """Every row decodes position `context` with `context` tokens of KV before it in its own blocks."""
     blocks_per_seq = context // block_size + 1
+    if blocks_per_seq > graph_runner.block_tables.shape[1] or 1 + batch * blocks_per_seq > num_blocks:
+        raise SystemExit(
+            f"--context {context} at batch {batch} needs {batch * blocks_per_seq} KV blocks of "
+            f"{blocks_per_seq} per sequence; the engine has {num_blocks - 1} blocks and at most "
+            f"{graph_runner.block_tables.shape[1]} per sequence: use a smaller --context or batch"
+        )
     first_blocks = 1 + torch.arange(batch, device="cuda", dtype=torch.int32)[:, None] * blocks_per_seq
     table = first_blocks + torch.arange(blocks_per_seq, device="cuda", dtype=torch.int32)[None, :]
     graph_runner.block_tables[:batch].zero_()
@@ -86,7 +92,7 @@ def main() -> None:
     for batch in args.batch:
         if batch not in graph_runner.graphs:
             raise SystemExit(f"batch {batch} has no graph; captured sizes: {sorted(graph_runner.graphs)}")
-        fill_static_inputs(graph_runner, batch, args.context, runner.block_size)
+        fill_static_inputs(graph_runner, batch, args.context, runner.block_size, runner.kv_caches[0].shape[1])
         ms = replay_ms(graph_runner.graphs[batch], args.repeats)
         read_bytes = weight_bytes + batch * args.context * kv_bytes_per_token
         steps.append(
