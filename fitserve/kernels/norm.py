@@ -34,10 +34,14 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
+    # The weight is never written during a step, so it may be read before the wait (the rule in
+    # kernels/dependent_launch.py): its load, a DRAM miss once a GEMM has streamed past the L2, leaves
+    # the chain of dependent loads that sets a batch-1 norm's latency.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
     x_offset = (row // rows_per_outer).to(tl.int64) * stride_x_outer + (row % rows_per_outer) * stride_x_inner
     x = tl.load(x_ptr + x_offset + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -49,7 +53,6 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / hidden_size
     normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, out, mask=mask)
 

@@ -93,21 +93,22 @@ def _rotary_cache_write_kernel(
     QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    # the step's inputs and the cos/sin table before the wait (dependent_launch.py): q, k and v after it
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
+    position = tl.load(positions_ptr + token, cache_modifier=".cg").to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token, cache_modifier=".cg").to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HALF
     cos_row = cos_sin_ptr + position * stride_cos_sin
     cos = tl.load(cos_row + half_cols, mask=half_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_row + HALF + half_cols, mask=half_mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
     q_heads = tl.arange(0, BLOCK_HQ)
     q_mask = (q_heads[:, None] < num_q_heads) & half_mask[None, :]
     q_first = q_ptr + token * stride_q_tok + q_heads[:, None] * stride_q_head + half_cols[None, :]
     q1, q2 = _load_heads(q_first, q_mask, q_ptr, q_norm_ptr, q_norm_eps, half_cols, half_mask, HALF, QK_NORM)
     tl.store(q_first, (q1 * cos[None, :] - q2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_first + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_HK)
         mask = (heads[:, None] < num_kv_heads) & half_mask[None, :]

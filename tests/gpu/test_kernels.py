@@ -173,6 +173,26 @@ def test_decode_padded_rows_get_zeros(config: DecodeLaunchConfig) -> None:
         assert_attention_close(out, expected)
 
 
+def test_decode_merge_ignores_unused_partitions_that_hold_nan() -> None:
+    """The merge loads every allocated partition's triple before it knows how many the context used;
+    those past the context hold whatever the buffer held (here NaN, from a freed block the caching
+    allocator hands back) and must not reach the output."""
+    seq_lens = [40, 300]  # 1 and 5 of the 64-token partitions used, out of 8
+    kv_cache, block_tables = make_paged_cache(seq_lens, 8, 128, 16, torch.bfloat16)
+    q = torch.randn(2, 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    seq_lens_gpu = to_device_int32(seq_lens)
+    expected = reference.paged_attention_reference(
+        q, kv_cache, torch.arange(3), seq_lens_gpu, block_tables, 0.1
+    )
+    for _ in range(3):
+        # blocks of the sizes the partial buffers take, full of NaN, freed just before the call
+        poison = [torch.full((2, 16, 8), float("nan"), device=DEVICE) for _ in range(2)]
+        poison.append(torch.full((2, 16, 8, 128), float("nan"), device=DEVICE))
+        del poison
+        out = paged_decode_attention(q, kv_cache, block_tables, seq_lens_gpu, 0.1, num_partitions=8)
+        assert_attention_close(out, expected)
+
+
 @pytest.mark.parametrize("config", [FUSED, TWO_KERNELS])
 def test_decode_replays_in_a_cuda_graph_with_new_lengths(config: DecodeLaunchConfig) -> None:
     """The launch reads no host values: a captured graph serves new seq_lens/block_tables contents."""
