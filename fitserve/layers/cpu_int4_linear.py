@@ -23,14 +23,17 @@ weight on top of the int4 form's ~0.6 (212 MB for SmolLM2-135M). FITSERVE_CPU_IN
 (then long calls dequantize to float32 as before, and short ones stay on the kernel).
 
 Packed layout (torch's CPU int4 layout; `dequantize_transposed` reads it back, a unit test pins it): uint8
-[N, K/2] viewed as [N/64, K, 32]: byte j of row k in block b holds q[64 b + j, k] in its low nibble
-and q[64 b + 32 + j, k] in its high nibble.
+[N, K/2] viewed as [N/B, K, B/2]: byte j of row k in block b holds q[B b + j, k] in its low nibble
+and q[B b + B/2 + j, k] in its high nibble. B is 64 where torch's kernels are built for AVX-512 and 32
+on AVX2-only CPUs (an AMD EPYC without AVX-512, for one); `torch_block_rows` finds it by packing a
+probe matrix once.
 
 Set FITSERVE_CPU_INT4=0 to keep every matrix as loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,7 +49,6 @@ from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS as KERNEL_BLOC
 logger = logging.getLogger("fitserve")
 
 GROUP_SIZE = 32
-_BLOCK_N = 64  # output rows per block of the packed layout
 # A matrix is packed only if every weight is reproduced within this fraction of its group's largest
 # |weight|. A bf16-stored Q4 weight deviates by up to ~1/128 (bf16 rounding of the weight, its group's
 # scale and zero); a matrix that is not 4-bit groups has ~30 free values per group, each landing this
@@ -73,6 +75,29 @@ def fp16_copy_enabled() -> bool:
     return os.environ.get(FP16_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@functools.cache
+def torch_block_rows() -> int:
+    """Output rows per block of torch's packed int4 layout on this CPU (64 or 32, see above): the block
+    size under which a probe matrix of distinct codes reads back as packed."""
+    rows, cols = 128, GROUP_SIZE
+    codes = (torch.arange(rows * cols, dtype=torch.int32).view(rows, cols) * 7) % 16
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for block in (64, 32, 16):
+        read = _unpack_blocks(packed, block, rows, cols)
+        if torch.equal(read.permute(0, 2, 1).reshape(rows, cols), codes):
+            return block
+    raise RuntimeError(
+        "torch's CPU int4 packing has a layout fitserve does not know (blocks of 64, 32 or 16 rows): "
+        f"set {ENV_SWITCH}=0 to keep 4-bit matrices as loaded"
+    )
+
+
+def _unpack_blocks(packed: torch.Tensor, block: int, rows: int, cols: int) -> torch.Tensor:
+    """Codes [rows / block, cols, block] of a packed uint8 [rows, cols / 2] in blocks of `block` rows."""
+    blocks = packed.view(rows // block, cols, block // 2)
+    return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).to(torch.int32)
+
+
 def kernel_available() -> bool:
     return all(
         hasattr(torch, name)
@@ -95,7 +120,7 @@ class Int4Groups:
 
 
 def packable_shape(weight: torch.Tensor, stored_as: str = "torch") -> bool:
-    rows_multiple = _BLOCK_N if stored_as == "torch" else KERNEL_BLOCK_COLUMNS
+    rows_multiple = torch_block_rows() if stored_as == "torch" else KERNEL_BLOCK_COLUMNS
     return weight.dim() == 2 and weight.shape[0] % rows_multiple == 0 and weight.shape[1] % GROUP_SIZE == 0
 
 
@@ -145,12 +170,13 @@ def dequantize_transposed(
     """
     num_groups, out_features, _ = scales_and_zeros.shape
     in_features = num_groups * GROUP_SIZE
-    blocks = packed.view(out_features // _BLOCK_N, in_features, _BLOCK_N // 2)
-    codes = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [N/64, K, 64]
+    block = torch_block_rows()
+    blocks = packed.view(out_features // block, in_features, block // 2)
+    codes = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [N/B, K, B]
     numel = in_features * out_features
     weight = torch.empty(numel) if out is None else out[:numel]
-    # One pass converts to float32 and moves to k-major order ([K, N/64, 64] is [K, N]).
-    weight.view(in_features, out_features // _BLOCK_N, _BLOCK_N).copy_(codes.permute(1, 0, 2))
+    # One pass converts to float32 and moves to k-major order ([K, N/B, B] is [K, N]).
+    weight.view(in_features, out_features // block, block).copy_(codes.permute(1, 0, 2))
     scales = scales_and_zeros[..., 0].float().unsqueeze(1)
     offsets = scales_and_zeros[..., 1].float().unsqueeze(1) - 8 * scales  # w = code * scale + offset
     weight.view(num_groups, GROUP_SIZE, out_features).mul_(scales).add_(offsets)

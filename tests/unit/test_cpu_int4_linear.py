@@ -18,6 +18,7 @@ from fitserve.layers.cpu_int4_linear import (
     dequantize_transposed,
     find_int4_groups,
     pack,
+    torch_block_rows,
 )
 from fitserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -44,6 +45,15 @@ def q4_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     step = (torch.rand(rows, groups, 1, generator=gen) * 0.01 + 1e-3).half().float()
     low = (-8 * step + torch.randn(rows, groups, 1, generator=gen) * 1e-3).half().float()
     return (codes * step + low).reshape(rows, cols)
+
+
+def test_packed_layout_block_follows_the_cpu_torch_builds_for() -> None:
+    """torch packs int4 weights in blocks of 64 rows with its AVX-512 kernels and of 32 with its AVX2
+    ones; the probe must agree with the capability torch reports."""
+    expected = {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
+    if expected is None:
+        pytest.skip(f"no known block size for {torch.backends.cpu.get_cpu_capability()}")
+    assert torch_block_rows() == expected
 
 
 def test_recovers_and_packs_q4_groups() -> None:

@@ -219,7 +219,10 @@ def test_offloaded_checkpoint_matches_hf(tmp_path: Path) -> None:
     assert len(offloaded.cpu_offload.layers) == 1
     got = PagedTestRunner(offloaded, hf_config).step([("seq", PROMPT_IDS)])[0]
     expected = PagedTestRunner(resident, hf_config).step([("seq", PROMPT_IDS)])[0]
-    assert torch.equal(got, expected)
+    # Not bit for bit: a resident float32 weight is stored transposed (UnquantizedLinearMethod), an
+    # offloaded one as loaded, and on CPUs without AVX-512 the two GEMMs round differently (seen: last
+    # bits of a few logits on an AVX2 AMD EPYC).
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, hf_logits(hf_model, PROMPT_IDS), rtol=1e-4, atol=1e-4)
 
 
