@@ -17,8 +17,8 @@ inputs: token positions, KV slots, context lengths and block tables are written 
 first kernel (the embedding lookup, a torch kernel, so stream-ordered), and a PDL kernel starts only
 once the one before it has passed its own wait, so everything two kernels back is complete. Those
 reads bypass L1 (`.cg`). Moving them before the wait takes their round trips off the chain between
-two kernels (an RMSNorm at batch 1 added 2.7 us to the step, now 1.4; docs/performance.md). Below SM 9.0 the
-instructions do not exist: kernels compile without them and launch as usual.
+two kernels (an RMSNorm at batch 1 added 2.7 us to the step, now 1.4; docs/performance.md). Below SM
+9.0 the instructions do not exist: kernels compile without them and launch as usual.
 
 Measured (H100, single8b): 167.3 -> 171.6 tok/s. Loading the skinny GEMM's first weight chunk into
 registers before the wait measured slower (166.1) and was left out; asking the L2 for it instead

@@ -84,7 +84,7 @@ def torch_block_rows() -> int:
     packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
     for block in (64, 32, 16):
         read = _unpack_blocks(packed, block, rows, cols)
-        if torch.equal(read.permute(0, 2, 1).reshape(rows, cols), codes):
+        if torch.equal(read.permute(0, 2, 1).reshape(rows, cols), codes.to(torch.uint8)):
             return block
     raise RuntimeError(
         "torch's CPU int4 packing has a layout fitserve does not know (blocks of 64, 32 or 16 rows): "
@@ -93,9 +93,10 @@ def torch_block_rows() -> int:
 
 
 def _unpack_blocks(packed: torch.Tensor, block: int, rows: int, cols: int) -> torch.Tensor:
-    """Codes [rows / block, cols, block] of a packed uint8 [rows, cols / 2] in blocks of `block` rows."""
+    """Codes uint8 [rows / block, cols, block] of a packed uint8 [rows, cols / 2] in blocks of `block`
+    rows."""
     blocks = packed.view(rows // block, cols, block // 2)
-    return torch.cat((blocks & 0xF, blocks >> 4), dim=-1).to(torch.int32)
+    return torch.cat((blocks & 0xF, blocks >> 4), dim=-1)
 
 
 def kernel_available() -> bool:
@@ -171,8 +172,7 @@ def dequantize_transposed(
     num_groups, out_features, _ = scales_and_zeros.shape
     in_features = num_groups * GROUP_SIZE
     block = torch_block_rows()
-    blocks = packed.view(out_features // block, in_features, block // 2)
-    codes = torch.cat((blocks & 0xF, blocks >> 4), dim=-1)  # [N/B, K, B]
+    codes = _unpack_blocks(packed, block, out_features, in_features)  # [N/B, K, B]
     numel = in_features * out_features
     weight = torch.empty(numel) if out is None else out[:numel]
     # One pass converts to float32 and moves to k-major order ([K, N/B, B] is [K, N]).
