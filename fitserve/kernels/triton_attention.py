@@ -50,6 +50,24 @@ class TritonAttentionBackend:
         rope: StepRope | None = None,
         qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
+        q = self.write(q, k, v, kv_cache, metadata, k_scale, v_scale, rope, qk_norm)
+        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale)
+
+    def write(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        """forward's first half: k/v into the cache at slot_mapping (rotated and normalised with rope and
+        qk_norm, q too, in place). Returns q as attend takes it. Reads only metadata.slot_mapping and no
+        host values: CUDA-graph safe at a fixed T."""
         if rope is not None:
             assert rope.positions is not None and rope.cos_sin_cache is not None
             norms = None
@@ -71,6 +89,20 @@ class TritonAttentionBackend:
         else:
             assert qk_norm is None, "q/k norms are fused only with the rotation"
             reshape_and_cache(k, v, kv_cache, metadata.slot_mapping, k_scale, v_scale)
+        return q
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """forward's second half: q [T, Hq, D] attends over the cache, which holds the step's keys and
+        values already. out: where to write [T, Hq, D] (a new tensor when None)."""
         if metadata.max_query_len == 1:
             return paged_decode_attention(
                 q,
@@ -78,6 +110,7 @@ class TritonAttentionBackend:
                 metadata.block_tables,
                 metadata.seq_lens,
                 scale,
+                out=out,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -89,6 +122,7 @@ class TritonAttentionBackend:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            out=out,
             k_scale=k_scale,
             v_scale=v_scale,
         )

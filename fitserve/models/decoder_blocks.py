@@ -10,7 +10,7 @@ Parameter names follow HF checkpoints, except that q/k/v live in one `qkv_proj` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,14 @@ class DecoderAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         return self.o_proj.forward(self.attend(self.qkv_proj.forward(hidden), rope))
 
+    def write_kv(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """forward up to the attention core: the qkv projection, then k/v into the cache (rotated and
+        normalised on the way). Returns q [T, heads, head_dim], ready for attn.attend_cached."""
+        qkv = self.qkv_proj.forward(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        return self.attn.write_kv(q, k, v, rope, qk_norm)
+
     def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         """forward with rope tables (the CPU). Without q/k norms, q and k sit side by side in the qkv
         output, so one rotation covers both sets of heads: the same values as rotating each, in fewer
@@ -173,6 +181,35 @@ class DecoderModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def forward_in_pieces(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, q_out: torch.Tensor, attn_out: torch.Tensor
+    ) -> Generator[Attention, None, torch.Tensor]:
+        """forward (CUDA only), cut at each layer's attention core, so that each piece in between can be
+        its own CUDA graph (worker/piecewise_graphs.py) while the cores, whose launch depends on the
+        step's sequence lengths, run eagerly.
+
+        A piece ends when a layer has written its keys and values into the cache: it copies the layer's
+        q into q_out [T, heads, head_dim] and yields the layer's Attention. The caller then runs
+        `attend_cached(q_out, out=attn_out)` and resumes the generator; the next piece starts from
+        attn_out [T, heads, head_dim]. Returns the final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
+        residual = None
+        attn_out_rows = attn_out.view(attn_out.shape[0], -1)
+        for layer in self.layers:
+            if residual is None:
+                residual = hidden
+                hidden = layer.input_layernorm.forward(hidden)
+            else:
+                hidden, residual = layer.input_layernorm.forward(hidden, residual)
+            q_out.copy_(layer.self_attn.write_kv(hidden, rope))
+            yield layer.self_attn.attn
+            hidden = layer.self_attn.o_proj.forward(attn_out_rows)
+            hidden, residual = layer.post_attention_layernorm.forward(hidden, residual)
+            hidden = layer.mlp.forward(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
 
 class DecoderForCausalLM(nn.Module):
     """Base of the family classes: a family sets `decoder_spec(config)` and nothing else.
@@ -216,6 +253,12 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def forward_in_pieces(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, q_out: torch.Tensor, attn_out: torch.Tensor
+    ) -> Generator[Attention, None, torch.Tensor]:
+        """DecoderModel.forward_in_pieces: forward cut at each attention core."""
+        return self.model.forward_in_pieces(input_ids, positions, q_out, attn_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

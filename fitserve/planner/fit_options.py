@@ -140,6 +140,13 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
             offload_gib += OFFLOAD_STEP_GIB
     if fitted is None:
         return None  # even with every decoder layer in CPU memory the rest does not fit
+    # It may also overshoot: offloading drops the terms that need the whole layer on the GPU (the
+    # pieces' CUDA graphs of steps with prompt tokens), so step back while a smaller amount still fits.
+    while offload_gib - OFFLOAD_STEP_GIB > inputs.cpu_offload_gb:
+        smaller = holds(with_settings(inputs, cpu_offload_gb=offload_gib - OFFLOAD_STEP_GIB), needed_tokens)
+        if smaller is None:
+            break
+        offload_gib, fitted = offload_gib - OFFLOAD_STEP_GIB, smaller
     host_needed = offload_gib * GiB * inputs.tensor_parallel_size
     ram = ""
     if headroom.host_ram_available is not None and host_needed > headroom.host_ram_available:

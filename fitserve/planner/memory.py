@@ -281,8 +281,10 @@ def activation_peak_bytes(inputs: MemoryInputs) -> int:
 
 
 def cuda_graph_bytes(inputs: MemoryInputs) -> int:
-    """The graph pool: the activations of the largest captured decode batch (smaller captures reuse
-    that pool), plus each graph's own kernel state."""
+    """The decode graphs' pool: the activations of the largest captured batch (smaller captures reuse
+    that pool), plus each graph's own kernel state; and the same for the pieces of steps with prompt
+    tokens (worker/piecewise_graphs.py), which are captured whenever the decode graphs are, unless
+    layers are offloaded to the CPU."""
     sizes = inputs.cudagraph_capture_sizes
     if not inputs.on_gpu or not sizes:
         return 0
@@ -291,7 +293,15 @@ def cuda_graph_bytes(inputs: MemoryInputs) -> int:
         forward_activation_bytes(inputs, largest)
         + largest * inputs.shape.vocab_size * DTYPE_BYTES[inputs.dtype]
     )
-    return pool + len(sizes) * inputs.shape.num_layers * CUDA_GRAPH_BYTES_PER_LAYER
+    decode = pool + len(sizes) * inputs.shape.num_layers * CUDA_GRAPH_BYTES_PER_LAYER
+    if inputs.cpu_offload_gb > 0:
+        return decode
+    from fitserve.worker.piecewise_graphs import piecewise_capture_sizes
+
+    piece_sizes = piecewise_capture_sizes(inputs.max_num_batched_tokens)
+    # a piece is about one layer; a model of L layers is cut into L + 1 of them
+    pieces = len(piece_sizes) * (inputs.shape.num_layers + 1) * CUDA_GRAPH_BYTES_PER_LAYER
+    return decode + forward_activation_bytes(inputs, max(piece_sizes)) + pieces
 
 
 def runtime_overhead_bytes(inputs: MemoryInputs) -> int:

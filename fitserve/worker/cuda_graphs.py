@@ -21,7 +21,7 @@ logger = logging.getLogger("fitserve")
 
 
 @contextlib.contextmanager
-def _keep_cache(first: bool) -> Iterator[None]:
+def keep_allocator_cache(first: bool) -> Iterator[None]:
     """Inside: torch.cuda.empty_cache does nothing, unless this is the first capture."""
     if first:
         yield
@@ -96,7 +96,7 @@ class CudaGraphRunner:
             # torch.cuda.graph empties the allocator's cache before every capture: the first time frees
             # what profiling left, later times only hand the warm-up's blocks back to the driver, to be
             # allocated again right after.
-            with _keep_cache(first=self.pool is None), torch.cuda.graph(graph, pool=self.pool):
+            with keep_allocator_cache(first=self.pool is None), torch.cuda.graph(graph, pool=self.pool):
                 out = self._forward(batch)
                 self.hidden[:batch].copy_(out)
             if self.pool is None:

@@ -22,6 +22,7 @@ from fitserve.layers.attention.metadata import AttentionMetadata, forward_contex
 from fitserve.models.loader import load_model
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
+from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 from fitserve.worker.platforms import make_platform
 from fitserve.worker.sampler import Sampler, SamplingRow, TokenLogprobs, compute_prompt_logprobs
 from fitserve.worker.transfer import PinnedStagingRing
@@ -96,6 +97,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         # The last step's sampled ids on the device, and each sampled request's row among them.
         self._last_sampled: torch.Tensor | None = None
         self._last_sample_index: dict[str, int] = {}
@@ -139,6 +141,7 @@ class ModelRunner:
             num_tokens / mc.max_model_len,
         )
         self.graph_runner = self.platform.make_graph_runner(self)
+        self.piecewise_runner = self.platform.make_piecewise_runner(self)
         if self.device.type == "cuda":
             self._warm_up_decode_tail()
 
@@ -232,7 +235,11 @@ class ModelRunner:
                 rows, indices, last_sampled = fill
                 inputs.input_ids[rows] = last_sampled[indices]
             with forward_context(meta, self.kv_caches):
-                hidden = self.model(inputs.input_ids, inputs.positions)
+                piecewise = self.piecewise_runner
+                if piecewise is not None and piecewise.can_run(inputs.input_ids.shape[0]):
+                    hidden = piecewise.run(inputs.input_ids, inputs.positions, meta)
+                else:
+                    hidden = self.model(inputs.input_ids, inputs.positions)
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, output)
         if not inputs.sample_items:

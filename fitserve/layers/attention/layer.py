@@ -13,7 +13,7 @@ from fitserve.layers.attention.metadata import get_forward_context
 from fitserve.layers.rotary_embedding import StepRope
 
 if TYPE_CHECKING:
-    from fitserve.layers.attention.backend import QKNorm
+    from fitserve.layers.attention.backend import AttentionBackend, QKNorm
 
 
 class Attention(nn.Module):
@@ -69,15 +69,77 @@ class Attention(nn.Module):
         (q_norm, k_norm) to apply to each head before the rotation (Qwen3), in that same kernel when the
         backend rotates."""
         num_tokens = q.shape[0]
-        if q.dim() != 3:  # (a reshape to the shape a tensor has already still costs a call)
+        q, k, v = self._by_head(q, k, v)
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        backend = get_attention_backend(q.device) if metadata is not None else None
+        q, k, rope, qk_norm = self._rotate_unless_fused(backend, q, k, rope, qk_norm)
+        if metadata is None:
+            out = _causal_attention_no_cache(q, k, v, self.scale)
+        else:
+            self._check_window(metadata.max_seq_len)
+            assert backend is not None
+            kv_cache = context.kv_caches[self.layer_idx]
+            out = backend.forward(
+                q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope, qk_norm
+            )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: StepRope | None = None,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
+        """forward's first half, for a step run in pieces (worker/piecewise_graphs.py): writes k and v
+        into this layer's cache and returns q [T, heads, head_dim] as attend_cached takes it. Reads only
+        the metadata's slot_mapping, so a CUDA graph can hold it. Needs a backend with write/attend."""
+        q, k, v = self._by_head(q, k, v)
+        context = get_forward_context()
+        backend = get_attention_backend(q.device)
+        q, k, rope, qk_norm = self._rotate_unless_fused(backend, q, k, rope, qk_norm)
+        kv_cache = context.kv_caches[self.layer_idx]
+        return backend.write(
+            q, k, v, kv_cache, context.attn_metadata, self.k_scale, self.v_scale, rope, qk_norm
+        )
+
+    def attend_cached(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward's second half: q [T, heads, head_dim] (from write_kv) attends over the cache.
+        out: [T, heads, head_dim] to write into. Returns [T, heads * head_dim]."""
+        context = get_forward_context()
+        metadata = context.attn_metadata
+        self._check_window(metadata.max_seq_len)
+        backend = get_attention_backend(q.device)
+        kv_cache = context.kv_caches[self.layer_idx]
+        result = backend.attend(q, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, out)
+        return result.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _by_head(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] (a reshape to the shape a tensor
+        has already still costs a call, hence the checks)."""
+        num_tokens = q.shape[0]
+        if q.dim() != 3:
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         if k.dim() != 3:
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if v.dim() != 3:
             v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        context = get_forward_context()
-        metadata = context.attn_metadata
-        backend = get_attention_backend(q.device) if metadata is not None else None
+        return q, k, v
+
+    def _rotate_unless_fused(
+        self,
+        backend: AttentionBackend | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rope: StepRope | None,
+        qk_norm: QKNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, StepRope | None, QKNorm | None]:
+        """Normalises and rotates q and k here unless the backend does it in its cache write; returns
+        what is left for the backend to do."""
         if rope is None or not (backend is not None and backend.fuses_rotary(self.head_dim, rope)):
             if qk_norm is not None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
@@ -85,20 +147,14 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = rope.apply(q, k)
                 rope = None
-        if metadata is None:
-            out = _causal_attention_no_cache(q, k, v, self.scale)
-        else:
-            if self.sliding_window is not None and metadata.max_seq_len > self.sliding_window:
-                raise ValueError(
-                    f"a context of {metadata.max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding "
-                    f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
-                )
-            assert backend is not None
-            kv_cache = context.kv_caches[self.layer_idx]
-            out = backend.forward(
-                q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope, qk_norm
+        return q, k, rope, qk_norm
+
+    def _check_window(self, max_seq_len: int) -> None:
+        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"a context of {max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding "
+                f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
             )
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
