@@ -30,6 +30,14 @@ def keep_allocator_cache(first: bool) -> Iterator[None]:
         yield
 
 
+def smallest_size_holding(sizes: list[int], count: int, what: str) -> int:
+    """The first of the ascending captured `sizes` that is >= count (the graph a step replays)."""
+    for size in sizes:
+        if size >= count:
+            return size
+    raise ValueError(f"{what} exceeds the largest captured size {sizes[-1]}")
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's ladder: 1, 2, 4, then every 8 up to 512, capped by max_num_seqs."""
     sizes = [1, 2, 4] + list(range(8, 513, 8))
@@ -111,10 +119,7 @@ class CudaGraphRunner:
         return max_query_len == 1 and batch <= self.max_batch
 
     def padded_size(self, batch: int) -> int:
-        for size in self.capture_sizes:
-            if size >= batch:
-                return size
-        raise ValueError(f"batch {batch} exceeds the largest captured size {self.max_batch}")
+        return smallest_size_holding(self.capture_sizes, batch, f"batch {batch}")
 
     def run(
         self,

@@ -26,7 +26,7 @@ import torch
 
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
-from fitserve.worker.cuda_graphs import keep_allocator_cache
+from fitserve.worker.cuda_graphs import keep_allocator_cache, smallest_size_holding
 
 logger = logging.getLogger("fitserve")
 
@@ -125,10 +125,7 @@ class PiecewiseGraphRunner:
         return num_tokens <= self.max_tokens
 
     def padded_size(self, num_tokens: int) -> int:
-        for size in self.sizes:
-            if size >= num_tokens:
-                return size
-        raise ValueError(f"{num_tokens} tokens exceed the largest captured size {self.max_tokens}")
+        return smallest_size_holding(self.sizes, num_tokens, f"a step of {num_tokens} tokens")
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
