@@ -92,14 +92,22 @@ class DecoderAttention(nn.Module):
             sliding_window=sliding_window,
         )
 
-    def attend(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
-        """The qkv projection's output -> attention's output (before o_proj)."""
+    def _split(
+        self, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm] | None]:
+        """The qkv projection's output -> q [T, heads, head_dim], k [T, kv_heads, head_dim], v, and the
+        q/k norms (Qwen3) still to apply: they are normalised and rotated in the cache write's kernel
+        where the backend can."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        # normalised and rotated there, in the cache write's kernel where the backend can
+        return q, k, v, qk_norm
+
+    def attend(self, qkv: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """The qkv projection's output -> attention's output (before o_proj)."""
+        q, k, v, qk_norm = self._split(qkv)
         return self.attn.forward(q, k, v, rope, qk_norm)
 
     def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
@@ -108,9 +116,7 @@ class DecoderAttention(nn.Module):
     def write_kv(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         """forward up to the attention core: the qkv projection, then k/v into the cache (rotated and
         normalised on the way). Returns q [T, heads, head_dim], ready for attn.attend_cached."""
-        qkv = self.qkv_proj.forward(hidden)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        q, k, v, qk_norm = self._split(self.qkv_proj.forward(hidden))
         return self.attn.write_kv(q, k, v, rope, qk_norm)
 
     def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
@@ -147,14 +153,25 @@ class DecoderLayer(nn.Module):
         __call__ is one of them (~1 ms of a ~21 ms SmolLM2 CPU step at batch 1). None of the sublayers
         carries hooks: --cpu-offload-gb hooks whole decoder layers, which are still called as modules.
         With rope tables (the CPU path) attention takes DecoderAttention.forward_cpu."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm.forward(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual)
         attend = self.self_attn.forward_cpu if rope.cos is not None else self.self_attn.forward
-        hidden = attend(hidden, rope)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.feed_forward(attend(hidden, rope), residual)
+
+    def norm_input(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input RMSNorm, which adds hidden into the residual stream (the first layer starts that
+        stream from the embeddings). Returns (normalised, residual)."""
+        if residual is None:
+            return self.input_layernorm.forward(hidden), hidden
+        return self.input_layernorm.forward(hidden, residual)
+
+    def feed_forward(
+        self, attention_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj's output -> (mlp output, residual): the post-attention RMSNorm (adding into the
+        residual stream), then the MLP."""
+        hidden, residual = self.post_attention_layernorm.forward(attention_output, residual)
         return self.mlp.forward(hidden), residual
 
 
@@ -197,16 +214,10 @@ class DecoderModel(nn.Module):
         residual = None
         attn_out_rows = attn_out.view(attn_out.shape[0], -1)
         for layer in self.layers:
-            if residual is None:
-                residual = hidden
-                hidden = layer.input_layernorm.forward(hidden)
-            else:
-                hidden, residual = layer.input_layernorm.forward(hidden, residual)
+            hidden, residual = layer.norm_input(hidden, residual)
             q_out.copy_(layer.self_attn.write_kv(hidden, rope))
             yield layer.self_attn.attn
-            hidden = layer.self_attn.o_proj.forward(attn_out_rows)
-            hidden, residual = layer.post_attention_layernorm.forward(hidden, residual)
-            hidden = layer.mlp.forward(hidden)
+            hidden, residual = layer.feed_forward(layer.self_attn.o_proj.forward(attn_out_rows), residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

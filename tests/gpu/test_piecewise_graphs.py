@@ -147,11 +147,3 @@ def test_chunked_prefill_through_pieces_matches_eager(model_folder):
     assert sum(errors) / len(errors) < 0.05 and max(errors) < 0.25, (
         f"first-token logprobs: mean error {sum(errors) / len(errors):.3f}, max {max(errors):.3f}"
     )
-
-
-def test_capture_sizes_follow_the_token_budget():
-    from fitserve.worker.piecewise_graphs import PIECEWISE_SIZES, piecewise_capture_sizes
-
-    assert piecewise_capture_sizes(8192) == list(PIECEWISE_SIZES)
-    assert piecewise_capture_sizes(100) == [8, 16, 32, 48, 64, 96]
-    assert piecewise_capture_sizes(4) == [8]
