@@ -80,6 +80,15 @@ def parse_args() -> argparse.Namespace:
         "--server-arg", action="append", default=[], help="Extra `fitserve serve` flag; repeat."
     )
     parser.add_argument("--plot", action="store_true", help="Also draw a PNG per run (needs matplotlib).")
+    parser.add_argument(
+        "--save-detailed", action="store_true", help="Keep per-request times in the result files."
+    )
+    parser.add_argument(
+        "--step-trace",
+        default=None,
+        help="Have the server append one line per engine step to this file (benchmarks/gpu/step_trace; "
+        "read it with benchmarks/gpu/tpot_breakdown.py and --save-detailed results).",
+    )
     return parser.parse_args()
 
 
@@ -102,8 +111,9 @@ def main() -> int:
     print("Server:", " ".join(server_command), flush=True)
     started = time.monotonic()
     with log_path.open("w") as log:
+        env = _server_env(args.step_trace)
         server = subprocess.Popen(
-            server_command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=_env()
+            server_command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
         )
     try:
         wait_until_ready(server, base_url, args.startup_timeout, log_path)
@@ -113,7 +123,7 @@ def main() -> int:
             warmup = ["--num-prompts", str(args.warmup_prompts), "--max-concurrency", "32",
                       "--seed", str(WARMUP_SEED), "--random-input-len", str(args.input_len),
                       "--random-output-len", str(WARMUP_OUTPUT_LEN)]  # fmt: skip
-            bench(base_url, tokenizer, warmup, save_as=None, plot=False)
+            bench(base_url, tokenizer, warmup, save_as=None, plot=False, detailed=False)
         runs: dict[str, dict[str, Any]] = {}
         for name, concurrency, prompts, seed in (
             ("c1", 1, args.num_prompts_c1, 1),
@@ -123,7 +133,7 @@ def main() -> int:
                      "--seed", str(seed), "--random-input-len", str(args.input_len),
                      "--random-output-len", str(args.output_len)]  # fmt: skip
             path = results_dir / f"bench_serve_gpu_{name}.json"
-            bench(base_url, tokenizer, flags, save_as=path, plot=args.plot)
+            bench(base_url, tokenizer, flags, save_as=path, plot=args.plot, detailed=args.save_detailed)
             runs[name] = json.loads(path.read_text())
     finally:
         stop(server)
@@ -153,7 +163,9 @@ def wait_until_ready(server: subprocess.Popen, base_url: str, timeout_s: float, 
     sys.exit(f"fitserve serve was not ready within {timeout_s:g} s; its log is {log_path}")
 
 
-def bench(base_url: str, tokenizer: Path, flags: list[str], save_as: Path | None, plot: bool) -> None:
+def bench(
+    base_url: str, tokenizer: Path, flags: list[str], save_as: Path | None, plot: bool, detailed: bool
+) -> None:
     command = [sys.executable, "-m", "fitserve.bench", "serve", "--base-url", base_url, "--tokenizer",
                str(tokenizer), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--metric-percentiles", "50,90,99", *flags]  # fmt: skip
@@ -161,6 +173,8 @@ def bench(base_url: str, tokenizer: Path, flags: list[str], save_as: Path | None
         command += ["--save-result", "--result-dir", str(save_as.parent), "--result-filename", save_as.name]
         if plot:
             command += ["--plot", str(save_as.with_suffix(".png"))]
+        if detailed:
+            command.append("--save-detailed")
     print("Bench:", " ".join(command), flush=True)
     subprocess.run(command, cwd=REPO_ROOT, check=True, env=_env())
 
@@ -219,6 +233,16 @@ def machine_info() -> dict[str, Any]:
     except ImportError as error:
         info["missing"] = str(error)
     return info
+
+
+def _server_env(step_trace: str | None) -> dict[str, str]:
+    env = _env()
+    if step_trace is not None:
+        Path(step_trace).unlink(missing_ok=True)
+        env["FITSERVE_STEP_TRACE"] = str(Path(step_trace).resolve())
+        hook = REPO_ROOT / "benchmarks" / "gpu" / "step_trace"
+        env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    return env
 
 
 def _env() -> dict[str, str]:

@@ -103,6 +103,13 @@ class EngineArgs:
         "and inter-token latency), 2048 on CPU; at least --max-num-seqs.",
         type=int,
     )
+    long_prefill_token_threshold: int | None = _flag(
+        None,
+        "Most prompt tokens one request computes in a step (0: no limit but the step's budget). A prompt "
+        "arriving beside running streams then spreads over several cheap steps instead of stalling them "
+        "all in one, while several prompts together still fill a step. Default: 0.",
+        type=int,
+    )
     num_gpu_blocks_override: int | None = _flag(
         None, "Use exactly this many KV cache blocks instead of sizing the cache from free memory.", type=int
     )
@@ -239,6 +246,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self._resolve_max_num_batched_tokens(device),
             max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
         )
         config = EngineConfig(
             model=model,
@@ -267,6 +275,7 @@ class EngineArgs:
             "block_size": (self.block_size, 1),
             "max_num_seqs": (self.max_num_seqs, 1),
             "max_num_batched_tokens": (self.max_num_batched_tokens, 1),
+            "long_prefill_token_threshold": (self.long_prefill_token_threshold, 0),
             "num_gpu_blocks_override": (self.num_gpu_blocks_override, 1),
             "swap_space": (self.swap_space, 0),
             "cpu_offload_gb": (self.cpu_offload_gb, 0),

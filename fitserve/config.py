@@ -93,6 +93,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # most tokens one request computes in a step; 0: no limit
 
 
 @dataclass(frozen=True)

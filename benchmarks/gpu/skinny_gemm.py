@@ -1,12 +1,15 @@
-"""Decode-step linear layers (1 to 16 rows) on the GPU: cuBLAS against fitserve's skinny_gemm kernel.
+"""Decode-step linear layers on the GPU: cuBLAS against fitserve's skinny_gemm (1 to 16 rows) and
+swapped_gemm (17 to 32 rows) kernels.
 
 For each weight shape of the Llama-3.1-8B and Qwen3-0.6B shapes (qkv, o, gate_up, down, lm_head) and each
-row count, times F.linear (cuBLAS, and cuBLASLt) and skinny_gemm over a sweep of tile configs, each call
+row count, times F.linear (cuBLAS, and cuBLASLt) and skinny_gemm over a sweep of tile configs (or
+swapped_gemm's one tile past 16 rows), each call
 reading its weight from HBM (the weights rotate through more copies than the L2 holds; timed as CUDA
 graph replays, so no launch cost counts). Prints and saves the time, the bandwidth (weight bytes / time)
 and its fraction of the device-to-device copy bandwidth measured in the same run.
 
   python benchmarks/gpu/skinny_gemm.py [--out benchmarks/results/h100_skinny_gemm.json] [--quick]
+      [--rows 1 4 8 16] [--models llama-3.1-8b qwen3-0.6b]
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch.nn.functional as F
 import triton
 from common import MODELS, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
 
-from fitserve.kernels.skinny_gemm import DEFAULT_CONFIG, SkinnyGemmConfig, skinny_gemm
+from fitserve.kernels.skinny_gemm import DEFAULT_CONFIG, MAX_ROWS, SkinnyGemmConfig, skinny_gemm
+from fitserve.kernels.swapped_gemm import supports as swapped_supports
+from fitserve.kernels.swapped_gemm import swapped_gemm
 
 ROWS = (1, 4, 8, 16)  # the rows skinny_gemm takes (MAX_ROWS)
 L2_BYTES_TO_BEAT = 256 << 20  # rotate through at least this many weight bytes
@@ -65,11 +70,28 @@ def sweep(quick: bool) -> list[SkinnyGemmConfig]:
     ]
 
 
+def check(result: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    error = (result.float() - reference).abs().max().item()
+    if error > 0.05 * reference.abs().max().item() + 1e-2:
+        raise AssertionError(f"{what}: max error {error}")
+
+
+def add_fractions(entry: dict, weight_bytes: int, bandwidth: float) -> None:
+    """Each timing's fraction of the copy bandwidth, then prints the entry."""
+    for key in [k[: -len("_us")] for k in entry if k.endswith("_us")]:
+        achieved = weight_bytes / (entry[f"{key}_us"] * 1e-6)
+        entry[f"{key}_copy_bw_frac"] = round(achieved / bandwidth, 3)
+    print(json.dumps(entry), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="Only the default config, no sweep.")
     parser.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-0.6b"])
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=list(ROWS), help="rows of x (1 to 32 for the kernels)"
+    )
     args = parser.parse_args()
     bandwidth = copy_bandwidth_bytes_per_s()
     results = []
@@ -81,7 +103,7 @@ def main() -> None:
                 torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
                 for _ in range(copies)
             ]
-            for rows in ROWS:
+            for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
                 reference = F.linear(x, weights[0]).float()
                 entry = {"model": model, "layer": layer, "rows": rows, "n": out_features, "k": in_features}
@@ -90,6 +112,13 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library("cublaslt")
                 entry["cublaslt_us"] = time_us(lambda w, x=x: F.linear(x, w), weights)
                 torch.backends.cuda.preferred_blas_library("cublas")
+                if rows > MAX_ROWS:
+                    if swapped_supports(x, weights[0]):
+                        check(swapped_gemm(x, weights[0]), reference, f"{model} {layer} rows {rows}")
+                        entry["swapped_us"] = time_us(lambda w, x=x: swapped_gemm(x, w), weights)
+                    add_fractions(entry, weight_bytes, bandwidth)
+                    results.append(entry)
+                    continue
                 default = DEFAULT_CONFIG
                 timed = {}
                 for config in [default, *sweep(args.quick)]:
@@ -99,18 +128,13 @@ def main() -> None:
                         result = skinny_gemm(x, weights[0], config=config)
                     except triton.runtime.errors.OutOfResources:
                         continue  # the tile needs more shared memory than this GPU has
-                    error = (result.float() - reference).abs().max().item()
-                    if error > 0.05 * reference.abs().max().item() + 1e-2:
-                        raise AssertionError(f"{model} {layer} rows {rows} {config}: max error {error}")
+                    check(result, reference, f"{model} {layer} rows {rows} {config}")
                     timed[config] = time_us(lambda w, x=x, c=config: skinny_gemm(x, w, config=c), weights)
                 best = min(timed, key=timed.get)
                 entry["skinny_default_us"] = timed[default]
                 entry["skinny_best_us"] = timed[best]
                 entry["skinny_best_config"] = best.__dict__
-                for key in ("cublas", "cublaslt", "skinny_default", "skinny_best"):
-                    achieved = weight_bytes / (entry[f"{key}_us"] * 1e-6)
-                    entry[f"{key}_copy_bw_frac"] = round(achieved / bandwidth, 3)
-                print(json.dumps(entry), flush=True)
+                add_fractions(entry, weight_bytes, bandwidth)
                 results.append(entry)
             del weights
             torch.cuda.empty_cache()

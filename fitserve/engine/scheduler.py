@@ -2,9 +2,11 @@
 
 There are no prefill and decode phases. A running request asks for its missing tokens (one for a
 decoding request, a chunk of its prompt otherwise); waiting requests are admitted in arrival order
-while the step's token budget, max_num_seqs and the block pool allow. When the pool runs dry, the
-most recently admitted running request is preempted: its blocks are freed and it is recomputed later
-(its computed blocks usually come back as prefix-cache hits).
+while the step's token budget, max_num_seqs and the block pool allow. With a long-prefill threshold,
+no request takes more than that many tokens in one step, so a lone prompt arriving beside running
+streams is spread over several steps while several prompts still fill a step between them. When the
+pool runs dry, the most recently admitted running request is preempted: its blocks are freed and it is
+recomputed later (its computed blocks usually come back as prefix-cache hits).
 
 Asynchronous scheduling: the engine may schedule step N+1 before step N's sampled tokens reached the
 host. A request sampled by a step in flight counts that token as a placeholder
@@ -82,7 +84,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1
                 continue
@@ -119,7 +121,7 @@ class Scheduler:
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = self._chunk(request.num_tokens - num_hit_tokens, budget)
             request.num_computed_tokens = num_hit_tokens
             if not self.kv_manager.allocate_slots(request, num_new, computed_blocks):
                 request.num_computed_tokens = 0
@@ -133,6 +135,14 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _chunk(self, missing: int, budget: int) -> int:
+        """Tokens a request computes this step: what it misses, at most the long-prefill threshold (when
+        set) and the step's remaining budget."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < missing:
+            missing = threshold
+        return min(missing, budget)
 
     def _reaches_limit(self, request: Request) -> bool:
         """True when the tokens in flight already end the request (max_tokens or max_model_len): it

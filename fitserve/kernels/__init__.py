@@ -15,6 +15,7 @@ this package's Triton modules on a CPU-only machine):
 | `activation` | `silu_and_mul` | `silu_and_mul_reference` |
 | `triton_attention` | `TritonAttentionBackend` | the attention backend protocol |
 | `skinny_gemm` | `skinny_gemm` (1 to 16 rows; `l2_prefetch` asks for its weight rows early) | `F.linear` |
+| `swapped_gemm` | `swapped_gemm` (17 to 32 rows: y.T = W x.T) | `F.linear` |
 | `argmax` | `argmax_rows` (greedy sampling) | `torch.argmax` |
 | `graph_inputs` | `stage_decode_inputs` | `CudaGraphRunner.copy_inputs_torch` |
 """

@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ShardId = int | str
-# kernels/skinny_gemm.MAX_ROWS, repeated so that this module imports without Triton (CPU builds).
+# kernels/skinny_gemm.MAX_ROWS and kernels/swapped_gemm.MAX_ROWS, repeated so that this module imports
+# without Triton (CPU builds).
 SKINNY_MAX_ROWS = 16
+SWAPPED_MAX_ROWS = 32
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -47,14 +49,19 @@ def dense_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, then widened to out_dtype if given: a decode step's few rows
-    on the GPU stream the weight through fitserve's skinny GEMM kernel (faster than cuBLAS there,
-    kernels/skinny_gemm.py); everything else is F.linear."""
+    on the GPU stream the weight through fitserve's own kernels (faster than cuBLAS there): up to 16
+    rows kernels/skinny_gemm.py, up to 32 kernels/swapped_gemm.py; everything else is F.linear."""
     out = None
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
         from fitserve.kernels.skinny_gemm import skinny_gemm, worth_it
 
         if worth_it(x, weight):
             out = skinny_gemm(x, weight, bias)
+    elif x.is_cuda and x.dim() == 2 and x.shape[0] <= SWAPPED_MAX_ROWS:
+        from fitserve.kernels import swapped_gemm
+
+        if swapped_gemm.worth_it(x, weight):
+            out = swapped_gemm.swapped_gemm(x, weight, bias)
     if out is None:
         out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from fitserve.kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_gemm, worth_it  # noqa: E402
-from fitserve.layers.linear import SKINNY_MAX_ROWS, dense_linear  # noqa: E402
+from fitserve.layers.linear import SKINNY_MAX_ROWS, SWAPPED_MAX_ROWS, dense_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +93,7 @@ def test_float32_output_is_the_16_bit_result_widened() -> None:
     wide = dense_linear(x, weight, out_dtype=torch.float32)  # the skinny GEMM's rows
     assert wide.dtype == torch.float32
     assert torch.equal(wide, skinny_gemm(x, weight).float())
-    many = torch.randn(MAX_ROWS + 3, 4096, device="cuda", dtype=torch.bfloat16)  # the F.linear path
+    many = torch.randn(SWAPPED_MAX_ROWS + 3, 4096, device="cuda", dtype=torch.bfloat16)  # F.linear
     assert torch.equal(dense_linear(many, weight, out_dtype=torch.float32), F.linear(many, weight).float())
 
 

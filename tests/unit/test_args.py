@@ -185,6 +185,12 @@ def test_yaml_values_convert_like_flags(tmp_path: Path) -> None:
     assert namespace.quantization is None
 
 
+def test_long_prefill_token_threshold_reaches_the_scheduler(tiny_model: str) -> None:
+    namespace = engine_parser().parse_args(["--model", tiny_model, "--long-prefill-token-threshold", "256"])
+    assert EngineArgs.from_cli(namespace).create_engine_config().scheduler.long_prefill_token_threshold == 256
+    assert EngineArgs(model=tiny_model).create_engine_config().scheduler.long_prefill_token_threshold == 0
+
+
 def test_from_cli_takes_only_engine_fields() -> None:
     namespace = engine_parser().parse_args(["--model", "m", "--max-model-len", "99"])
     namespace.port = 8000
@@ -231,6 +237,11 @@ def test_unsupported_features_are_refused(tiny_model: str, kwargs: dict, message
             "max_num_batched_tokens=32 is below max_num_seqs=64",
         ),
         (dict(cpu_kv_cache_space=0), "cpu_kv_cache_space=0 GiB is not above 0"),
+        (
+            dict(long_prefill_token_threshold=-1),
+            "long_prefill_token_threshold=-1 is below the minimum 0: set --long-prefill-token-threshold to 0 "
+            "or more",
+        ),
         (
             dict(compilation_config='{"cudagraph_capture_sizes": [0, 1]}'),
             "cudagraph_capture_sizes=[0, 1] holds 0, below the minimum 1",

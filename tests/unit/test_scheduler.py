@@ -7,10 +7,15 @@ from fitserve.engine.scheduler import Scheduler
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, max_model_len=256, prefix=True):
+def make_scheduler(
+    num_blocks=64, block_size=4, budget=64, max_num_seqs=8, max_model_len=256, prefix=True, threshold=0
+):
     manager = KVCacheManager(num_blocks, block_size, prefix)
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=threshold,
     )
     return Scheduler(config, manager)
 
@@ -40,6 +45,28 @@ def test_chunked_prefill_respects_the_token_budget():
     assert chunks == [8, 8, 4]
     out = run_step(scheduler)
     assert out.scheduled[0].num_new_tokens == 1  # decoding
+
+
+def test_long_prefill_threshold_caps_each_request_not_the_step():
+    scheduler = make_scheduler(budget=16, threshold=5)
+    decoding = make_request("d", 3)
+    scheduler.add_request(decoding)
+    run_step(scheduler)  # d's prompt (under the threshold): one step, then it decodes
+    for name in "ab":
+        scheduler.add_request(make_request(name, 12, first_token=20 if name == "a" else 40))
+    steps = []
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        out = run_step(scheduler)
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+    # a and b prefill side by side in chunks of at most 5, beside d's one token a step
+    assert steps == [
+        [("d", 1), ("a", 5), ("b", 5)],
+        [("d", 1), ("a", 5), ("b", 5)],
+        [("d", 1), ("a", 2), ("b", 2)],
+    ]
+    lone = make_scheduler(budget=16, threshold=0)
+    lone.add_request(make_request("a", 12))
+    assert run_step(lone).scheduled[0].num_new_tokens == 12  # 0: only the budget limits
 
 
 def test_decode_is_scheduled_before_new_prefill_and_max_num_seqs_holds():
