@@ -110,15 +110,20 @@ def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when skinny_gemm can take this call (CUDA, 16-bit floats, few rows, contiguous K)."""
+    return streams_rows(x, weight, MAX_ROWS) and weight.shape[1] % 16 == 0
+
+
+def streams_rows(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """What fitserve's decode GEMMs need: CUDA, 1 to max_rows rows of x, one 16-bit float dtype, and
+    rows of x and of the weight contiguous along K."""
     return (
         x.is_cuda
         and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[0] <= max_rows
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and weight.shape[1] % 16 == 0
     )
 
 

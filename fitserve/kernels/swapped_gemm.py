@@ -27,6 +27,7 @@ import triton.language as tl
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
+from fitserve.kernels.skinny_gemm import MIN_IN_FEATURES, MIN_OUT_FEATURES, streams_rows
 
 MIN_ROWS = 17  # up to 16 rows skinny_gemm is faster
 MAX_ROWS = 32  # x's rows are padded to this many (one compiled variant)
@@ -36,9 +37,6 @@ BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 6
 NUM_WARPS = 4
-# Smallest weight worth it, as for skinny_gemm: enough programs to fill the GPU.
-MIN_OUT_FEATURES = 4096
-MIN_IN_FEATURES = 2048
 PREFETCH_ROW_BYTES = 2048
 PREFETCH_PIECES = 2  # per weight row: 64 rows x 2 = one prefetch per thread of 4 warps
 
@@ -87,7 +85,8 @@ def _swapped_gemm_kernel(
 
 
 def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when swapped_gemm takes this call and beats cuBLAS on it (measured shapes, see above)."""
+    """True when swapped_gemm takes this call and beats cuBLAS on it (measured shapes, see above; the
+    smallest weights as for skinny_gemm: enough programs to fill the GPU)."""
     return (
         x.shape[0] >= MIN_ROWS
         and weight.shape[0] >= MIN_OUT_FEATURES
@@ -99,13 +98,7 @@ def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when swapped_gemm can take this call (CUDA, 16-bit floats, at most 32 rows, whole tiles)."""
     return (
-        x.is_cuda
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
+        streams_rows(x, weight, MAX_ROWS)
         and weight.shape[0] % BLOCK_N == 0
         and weight.shape[1] % BLOCK_K == 0
     )

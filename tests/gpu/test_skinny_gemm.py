@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,12 +26,24 @@ pytestmark = pytest.mark.gpu
 def test_matches_float32_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
+    assert_matches_float32_linear(skinny_gemm, dtype, rows, out_features, in_features, with_bias)
+
+
+def assert_matches_float32_linear(
+    gemm: Callable[..., torch.Tensor],
+    dtype: torch.dtype,
+    rows: int,
+    out_features: int,
+    in_features: int,
+    with_bias: bool,
+) -> None:
+    """gemm(x, weight, bias) on random inputs against F.linear in float32."""
     generator = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, in_features, device="cuda", generator=generator).to(dtype)
     weight = (0.02 * torch.randn(out_features, in_features, device="cuda", generator=generator)).to(dtype)
     bias = torch.randn(out_features, device="cuda", generator=generator).to(dtype) if with_bias else None
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = skinny_gemm(x, weight, bias)
+    out = gemm(x, weight, bias)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     # float32 accumulation: only the final rounding to 16 bits differs from the float32 result
     tolerance = 2**-7 if dtype == torch.bfloat16 else 2**-10

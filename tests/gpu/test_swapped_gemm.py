@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from fitserve.kernels import swapped_gemm as module  # noqa: E402
 from fitserve.kernels.swapped_gemm import MAX_ROWS, MIN_ROWS, swapped_gemm, worth_it  # noqa: E402
 from fitserve.layers.linear import SWAPPED_MAX_ROWS, dense_linear  # noqa: E402
+from tests.gpu.test_skinny_gemm import assert_matches_float32_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +33,7 @@ pytestmark = pytest.mark.gpu
 def test_matches_float32_linear(
     dtype: torch.dtype, rows: int, out_features: int, in_features: int, with_bias: bool
 ) -> None:
-    generator = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, in_features, device="cuda", generator=generator).to(dtype)
-    weight = (0.02 * torch.randn(out_features, in_features, device="cuda", generator=generator)).to(dtype)
-    bias = torch.randn(out_features, device="cuda", generator=generator).to(dtype) if with_bias else None
-    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = swapped_gemm(x, weight, bias)
-    assert out.dtype == dtype and out.shape == (rows, out_features)
-    # float32 accumulation: only the final rounding to 16 bits differs from the float32 result
-    tolerance = 2**-7 if dtype == torch.bfloat16 else 2**-10
-    atol = tolerance * expected.abs().max().item()
-    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=atol)
+    assert_matches_float32_linear(swapped_gemm, dtype, rows, out_features, in_features, with_bias)
 
 
 def test_rows_of_a_strided_view_and_padding_rows_untouched() -> None:
