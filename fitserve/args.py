@@ -103,8 +103,8 @@ class EngineArgs:
         "and inter-token latency), 2048 on CPU; at least --max-num-seqs.",
         type=int,
     )
-    long_prefill_token_threshold: int | None = _flag(
-        None,
+    long_prefill_token_threshold: int = _flag(
+        0,
         "Most prompt tokens one request computes in a step (0: no limit but the step's budget). A prompt "
         "arriving beside running streams then spreads over several cheap steps instead of stalling them "
         "all in one, while several prompts together still fill a step. Default: 0.",
@@ -246,7 +246,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self._resolve_max_num_batched_tokens(device),
             max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold or 0,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         config = EngineConfig(
             model=model,

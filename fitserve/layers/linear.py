@@ -52,16 +52,15 @@ def dense_linear(
     on the GPU stream the weight through fitserve's own kernels (faster than cuBLAS there): up to 16
     rows kernels/skinny_gemm.py, up to 32 kernels/swapped_gemm.py; everything else is F.linear."""
     out = None
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
-        from fitserve.kernels.skinny_gemm import skinny_gemm, worth_it
-
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= SWAPPED_MAX_ROWS:
+        if x.shape[0] <= SKINNY_MAX_ROWS:
+            from fitserve.kernels.skinny_gemm import skinny_gemm as gemm
+            from fitserve.kernels.skinny_gemm import worth_it
+        else:
+            from fitserve.kernels.swapped_gemm import swapped_gemm as gemm
+            from fitserve.kernels.swapped_gemm import worth_it
         if worth_it(x, weight):
-            out = skinny_gemm(x, weight, bias)
-    elif x.is_cuda and x.dim() == 2 and x.shape[0] <= SWAPPED_MAX_ROWS:
-        from fitserve.kernels import swapped_gemm
-
-        if swapped_gemm.worth_it(x, weight):
-            out = swapped_gemm.swapped_gemm(x, weight, bias)
+            out = gemm(x, weight, bias)
     if out is None:
         out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
