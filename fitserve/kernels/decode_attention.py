@@ -2,7 +2,8 @@
 
 Each program takes one (sequence, KV head, context partition) and all the query heads that share
 that KV head (GQA), so every key and value is read from HBM once. When the batch alone fills the
-GPU there is one partition and the program writes the output directly; otherwise each sequence's
+GPU there is one partition and the program writes the output directly (on WHOLE_CONTEXT_CONFIG's wider
+tiles while that is at most two programs per SM: choose_config); otherwise each sequence's
 context is cut into up to `num_partitions` pieces (flash-decoding), each piece stores its (max, sum,
 output) triple, and a second kernel merges them, one program per (sequence, query head). With
 `fused_reduce=True` the merge happens inside the same launch instead, by whichever program of a
@@ -56,6 +57,17 @@ class DecodeLaunchConfig:
 
 
 DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
+# When the batch alone fills the GPU with at most two programs per SM (one partition: each program
+# streams a whole context; the 8B shape's batches of 17 to 33), 128-token tiles with a deeper pipeline.
+# A program then takes 140 KB of shared memory (Triton 3.6), so one fits an SM and the rest queue: an SM
+# done with a short context takes the next one. With the default tile (39 KB) every program is resident
+# from the start, two per SM, and an SM given two short contexts idles while those given the longest
+# read on alone. H100, one layer of the 8B shape, contexts evenly spread over 1,024 to 2,048 tokens,
+# default -> this: batch 17 63.8 -> 53.4 us, 24 70.4 -> 58.1, 32 79.9 -> 72.8; all at 1,536 tokens
+# 71.7 -> 71.2. At 512 programs (Qwen3-0.6B's batch 64) the default was faster, 92.0 against 94.5 us
+# (benchmarks/gpu/decode_attention_configs.py, docs/performance.md).
+WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
+WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -327,6 +339,15 @@ def choose_num_partitions(
     return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 
+def choose_config(num_seqs: int, num_kv_heads: int, num_partitions: int, sm_count: int) -> DecodeLaunchConfig:
+    """WHOLE_CONTEXT_CONFIG for one partition of at most WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM,
+    else DEFAULT_DECODE_CONFIG. Shapes only, so a CUDA graph's launch is fixed."""
+    programs = num_seqs * num_kv_heads
+    if num_partitions == 1 and programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count:
+        return WHOLE_CONTEXT_CONFIG
+    return DEFAULT_DECODE_CONFIG
+
+
 def partition_block_size(num_partitions: int) -> int:
     """The merge's vector width: two sizes only (8, or MAX_PARTITIONS), so the batch sizes of CUDA graph
     capture compile two variants of the kernels instead of one per power of two."""
@@ -341,14 +362,15 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_partitions: int | None = None,
-    config: DecodeLaunchConfig = DEFAULT_DECODE_CONFIG,
+    config: DecodeLaunchConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (row i is sequence i's one new token) -> out [B, Hq, D].
 
     seq_lens int32 [>= B] and block_tables int32 [>= B, max_blocks] stay on the device. A row with
-    seq_len 0 (batch padding) gets zeros. num_partitions=None picks by choose_num_partitions.
+    seq_len 0 (batch padding) gets zeros. num_partitions=None picks by choose_num_partitions; config=None
+    picks by choose_config.
     k_scale, v_scale (host floats): a float8 cache's scales; other caches ignore them.
     """
     check_attention_inputs(q, kv_cache, block_tables)
@@ -362,8 +384,14 @@ def paged_decode_attention(
     max_context_len = block_tables.shape[1] * block_size
     if num_partitions is None:
         num_partitions = choose_num_partitions(
-            num_seqs, num_kv_heads, max_context_len, _sm_count(q.device.index or 0), config.tile_tokens
+            num_seqs,
+            num_kv_heads,
+            max_context_len,
+            _sm_count(q.device.index or 0),
+            (config or DEFAULT_DECODE_CONFIG).tile_tokens,
         )
+    if config is None:
+        config = choose_config(num_seqs, num_kv_heads, num_partitions, _sm_count(q.device.index or 0))
     block_d = next_power_of_2(head_dim)
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)

@@ -93,7 +93,14 @@ def test_decode_attention_matches_reference(
         q, kv_cache, torch.arange(batch + 1, dtype=torch.int32), seq_lens_gpu, block_tables, scale
     )
     # auto, direct write, split-K merged by a second kernel, split-K merged in the launch
-    variants = ((None, TWO_KERNELS), (None, FUSED), (1, TWO_KERNELS), (5, TWO_KERNELS), (5, FUSED))
+    variants = (
+        (None, None),
+        (None, TWO_KERNELS),
+        (None, FUSED),
+        (1, TWO_KERNELS),
+        (5, TWO_KERNELS),
+        (5, FUSED),
+    )
     for num_partitions, config in variants:
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(
@@ -120,6 +127,7 @@ def test_decode_attention_matches_reference(
         DecodeLaunchConfig(128, 4, 3, fused_reduce=True),
         DecodeLaunchConfig(64, 4, 2, heads_first=False),
         DecodeLaunchConfig(64, 4, 2, fused_reduce=True, heads_first=False),
+        decode_attention.WHOLE_CONTEXT_CONFIG,
     ],
 )
 def test_decode_launch_configs_match_reference(config: DecodeLaunchConfig) -> None:
@@ -137,6 +145,16 @@ def test_decode_launch_configs_match_reference(config: DecodeLaunchConfig) -> No
         assert_attention_close(out, expected)
 
 
+def test_whole_context_config_only_for_one_partition_of_at_most_two_programs_per_sm() -> None:
+    choose = decode_attention.choose_config
+    whole, default = decode_attention.WHOLE_CONTEXT_CONFIG, decode_attention.DEFAULT_DECODE_CONFIG
+    assert choose(32, 8, 1, 132) is whole  # the 8B shape at concurrency 32: 256 programs
+    assert choose(33, 8, 1, 132) is whole  # 264 programs: two per SM
+    assert choose(34, 8, 1, 132) is default
+    assert choose(64, 8, 1, 132) is default  # Qwen3-0.6B's batch 64: 512 programs
+    assert choose(8, 8, 4, 132) is default  # split-K partitions keep the default tile
+
+
 def test_decode_attention_fp16() -> None:
     seq_lens = [3000, 5, 129]
     kv_cache, block_tables = make_paged_cache(seq_lens, 2, 128, 16, torch.float16)
@@ -148,7 +166,10 @@ def test_decode_attention_fp16() -> None:
     assert_attention_close(paged_decode_attention(q, kv_cache, block_tables, seq_lens_gpu, 0.1), expected)
 
 
-@pytest.mark.parametrize("config", [FUSED, TWO_KERNELS, DecodeLaunchConfig(heads_first=False)])
+@pytest.mark.parametrize(
+    "config",
+    [FUSED, TWO_KERNELS, DecodeLaunchConfig(heads_first=False), decode_attention.WHOLE_CONTEXT_CONFIG],
+)
 def test_decode_padded_rows_get_zeros(config: DecodeLaunchConfig) -> None:
     seq_lens = [700, 0, 12, 0]  # rows 1 and 3 are CUDA-graph batch padding
     kv_cache, block_tables = make_paged_cache([700, 1, 12, 1], 8, 128, 16, torch.bfloat16)
