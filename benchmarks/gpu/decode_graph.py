@@ -58,6 +58,22 @@ def fill_static_inputs(
     graph_runner.slot_mapping[:batch] = last_block * block_size + contexts % block_size
 
 
+def parse_launch_config(text: str) -> DecodeLaunchConfig:
+    """ "TILE,WARPS,STAGES" (e.g. 64,4,2) -> a DecodeLaunchConfig, or exit naming the value."""
+    values = text.split(",")
+    if len(values) != 3 or not all(value.strip().isdigit() and int(value) > 0 for value in values):
+        raise SystemExit(
+            f"--whole-context-config {text!r} is not three positive integers TILE,WARPS,STAGES: "
+            "write e.g. 64,4,2 (the default tile) or 128,4,5"
+        )
+    tile, warps, stages = (int(value) for value in values)
+    if tile < 16 or tile & (tile - 1):
+        raise SystemExit(
+            f"--whole-context-config: TILE {tile} must be a power of two >= 16: write e.g. 64 or 128"
+        )
+    return DecodeLaunchConfig(tile_tokens=tile, num_warps=warps, num_stages=stages)
+
+
 def timeline_us(graph, replays: int = 5) -> dict[str, float]:
     """Microseconds per replay that each kernel name added to the step's span (sorted, largest first)."""
     graph.replay()
@@ -103,9 +119,13 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true", help="also the time each kernel adds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not 0 <= args.context_spread < args.context:
+        raise SystemExit(
+            f"--context-spread {args.context_spread} must be at least 0 and below --context {args.context} "
+            "(every row needs a positive context): use a smaller spread"
+        )
     if args.whole_context_config:
-        tile, warps, stages = (int(value) for value in args.whole_context_config.split(","))
-        decode_attention.WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile, warps, stages)
+        decode_attention.WHOLE_CONTEXT_CONFIG = parse_launch_config(args.whole_context_config)
     llm = LLM(str(MODELS / args.model), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
     runner = llm.engine.executor.runner
     graph_runner = runner.graph_runner
