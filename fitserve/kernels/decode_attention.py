@@ -382,16 +382,12 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     max_context_len = block_tables.shape[1] * block_size
+    sm_count = _sm_count(q.device.index or 0)
     if num_partitions is None:
-        num_partitions = choose_num_partitions(
-            num_seqs,
-            num_kv_heads,
-            max_context_len,
-            _sm_count(q.device.index or 0),
-            (config or DEFAULT_DECODE_CONFIG).tile_tokens,
-        )
+        tile_tokens = (config or DEFAULT_DECODE_CONFIG).tile_tokens
+        num_partitions = choose_num_partitions(num_seqs, num_kv_heads, max_context_len, sm_count, tile_tokens)
     if config is None:
-        config = choose_config(num_seqs, num_kv_heads, num_partitions, _sm_count(q.device.index or 0))
+        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count)
     block_d = next_power_of_2(head_dim)
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
