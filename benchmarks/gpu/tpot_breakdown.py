@@ -5,6 +5,8 @@ bench serve result saved with --save-detailed (per-request start times, TTFTs an
 client and the server read the same monotonic clock on one machine). Each step lasts until the next
 launch. For every request, the steps between its first and last token are split into those without
 prompt tokens and those with; their time over (output tokens - 1) are the two parts of its TPOT.
+Of the decode part, it also reports what the slow decode steps (over 1.2 x the median) took beyond
+the median: time the device or the host stalled.
 Prints one JSON object: the run's figures, the median pure decode step at the largest batch, the
 steps with prompt tokens by size, the mean of each TPOT part and the TTFT of the first wave.
 
@@ -17,6 +19,8 @@ import argparse
 import collections
 import json
 import statistics
+
+SLOW = 1.2
 
 
 def main() -> None:
@@ -44,11 +48,18 @@ def main() -> None:
     for i in in_run:
         if prompt[i]:
             with_prompt[prompt[i] // 64 * 64].append(seconds[i] * 1e3)
-    pure_parts, prompt_parts = [], []
+    # A decode step over SLOW x the median at the widest batch is slow: what it took beyond that median
+    # is the decode part's excess (host stalls, or the device pausing: benchmarks/gpu/gpu_pauses.py).
+    slow_above_s = statistics.median(pure) * SLOW / 1e3
+    median_s = statistics.median(pure) / 1e3
+    pure_parts, prompt_parts, slow_parts = [], [], []
     for start, ttft, latency, outputs in zip(starts, ttfts, latencies, output_lens):
         mine = [i for i in in_run if start + ttft <= launched[i] < start + latency]
         pure_parts.append(sum(seconds[i] for i in mine if not prompt[i]) / (outputs - 1) * 1e3)
         prompt_parts.append(sum(seconds[i] for i in mine if prompt[i]) / (outputs - 1) * 1e3)
+        slow_s = sum(seconds[i] - median_s for i in mine if not prompt[i] and seconds[i] > slow_above_s)
+        slow_parts.append(slow_s / (outputs - 1) * 1e3)
+    slow_steps = [i for i in in_run if not prompt[i] and seconds[i] > slow_above_s]
     by_start = [ttft for _, ttft in sorted(zip(starts, ttfts))]
     figures = {key: round(result[key], 2) for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")}
     figures |= {
@@ -59,6 +70,8 @@ def main() -> None:
         },
         "tpot_part_decode_steps_ms": round(statistics.mean(pure_parts), 3),
         "tpot_part_steps_with_prompt_tokens_ms": round(statistics.mean(prompt_parts), 3),
+        "slow_decode_steps": len(slow_steps),
+        "tpot_part_decode_steps_beyond_the_median_ms": round(statistics.mean(slow_parts), 3),
         "ttft_first_wave_mean_ms": round(statistics.mean(by_start[: args.wave]) * 1e3, 1),
         "ttft_later_mean_ms": round(statistics.mean(by_start[args.wave :] or [0.0]) * 1e3, 1),
     }

@@ -1,12 +1,13 @@
 """One streamed request to an OpenAI-compatible server, timed chunk by chunk on the client's clock.
 
-A request succeeds only when the server answered 200, at least one chunk carried generated text, and the
-stream ended with `data: [DONE]`. Anything else is a failure with a kind (FAILURE_KINDS) and a one-line
-reason; a failed request's partial timings are never used as latencies.
+A request succeeds only when the server answered 200, at least one token chunk arrived, and the stream
+ended with `data: [DONE]`. Anything else is a failure with a kind (FAILURE_KINDS) and a one-line reason;
+a failed request's partial timings are never used as latencies.
 
-A token chunk is a chunk whose first choice carries generated text (completions `text`, chat
-`delta.content` or `delta.reasoning_content`): role-only and finish-only chunks carry no token, so a
-server that sends its role chunk before the first token does not shorten TTFT.
+A token chunk is any chunk with a choice, as vLLM's benchmark counts them: its text may be empty, since
+a token can add no text yet (part of a UTF-8 character, a special token, an id the tokenizer has no
+text for). Two kinds of chunk carry no token: a usage chunk (no choices), and a chat chunk that only
+names the role, so a server that sends its role before the first token does not shorten TTFT.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ def build_payload(request: RequestInput) -> dict[str, Any]:
     return body
 
 
-def chunk_text(data: dict[str, Any]) -> str:
-    """Generated text of a chunk's first choice; "" when it carries none."""
+def token_chunk_text(data: dict[str, Any]) -> str | None:
+    """The generated text of a token chunk's first choice ("" when its tokens add none), or None when
+    the chunk carries no token: it has no choices, or it is a chat chunk naming only the role."""
     choices = data.get("choices")
     if not choices or not isinstance(choices[0], dict):
-        return ""
+        return None
     choice = choices[0]
     if isinstance(choice.get("text"), str):
         return choice["text"]
@@ -90,7 +92,10 @@ def chunk_text(data: dict[str, Any]) -> str:
     if not isinstance(delta, dict):
         return ""
     parts = (delta.get("reasoning_content"), delta.get("reasoning"), delta.get("content"))
-    return "".join(part for part in parts if isinstance(part, str))
+    text = "".join(part for part in parts if isinstance(part, str))
+    if delta.get("role") is not None and not text and not delta.get("tool_calls"):
+        return None
+    return text
 
 
 class StreamTimer:
@@ -118,8 +123,8 @@ class StreamTimer:
                 self.result.usage_completion_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.result.prompt_len = usage["prompt_tokens"]
-        text = chunk_text(data)
-        if not text:
+        text = token_chunk_text(data)
+        if text is None:
             return
         if self.last_token_time is None:
             self.result.ttft = now - self.start_time
@@ -137,7 +142,7 @@ class StreamTimer:
                 f"the stream ended without data: [DONE] after {self.num_token_chunks} token chunks",
             )
         elif self.last_token_time is None:
-            self.result.fail("no_token", "the stream ended without any generated text")
+            self.result.fail("no_token", "the stream ended without any token chunk")
         else:
             self.result.latency = self.last_token_time - self.start_time
             self.result.success = True

@@ -200,18 +200,24 @@ class ChatHandler:
                     if done[i]:
                         continue
                     finished = choice.finish_reason is not None
-                    parsed = parsers[i].feed(choice.text[len(sent_text[i]) :], finished)
+                    new_text = choice.text[len(sent_text[i]) :]
+                    # Tokens that add no text yet (part of a UTF-8 character, a special token) still
+                    # make a chunk, with empty content, as in vLLM: the client sees each step's tokens
+                    # when they are made. Text a parser holds back (a tool call in progress) makes none.
+                    silent_tokens = len(choice.token_ids) > sent_tokens[i] and not new_text
+                    parsed = parsers[i].feed(new_text, finished)
                     sent_text[i] = choice.text
                     logprobs = self._logprobs(choice, sent_tokens[i], num_top)
                     sent_tokens[i] = len(choice.token_ids)
                     delta = DeltaMessage(
-                        content=parsed.content,
+                        content=parsed.content if parsed.content or not silent_tokens else "",
                         reasoning_content=parsed.reasoning,
                         tool_calls=[_delta_tool_call(c) for c in parsed.tool_calls] or None,
                     )
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if not (
                         finished
+                        or silent_tokens
                         or has_logprobs
                         or delta.content
                         or delta.reasoning_content

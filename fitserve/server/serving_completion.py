@@ -211,9 +211,14 @@ class CompletionHandler:
         choice: CompletionOutput,
         sent: _ChoiceProgress,
     ) -> CompletionChoice | None:
-        """The chunk for what the choice produced since the last one; None when there is nothing new."""
+        """The chunk for what the choice produced since the last one; None when there is nothing new.
+
+        New tokens make a chunk even when they add no text yet (part of a UTF-8 character, a special
+        token, text held back while it may still become a stop string): as in vLLM, a client sees each
+        step's tokens when they are made, so its time to first token is the first token's."""
         if sent.finished:
             return None
+        new_tokens = len(choice.token_ids) > sent.num_tokens
         delta = choice.text[len(sent.text) :]
         echo_logprobs = None
         if not sent.started:
@@ -229,7 +234,7 @@ class CompletionHandler:
         sent.text, sent.num_tokens = choice.text, len(choice.token_ids)
         if joined is not None and joined.tokens:
             sent.text_offset = _end_offset(joined)
-        if not (delta or sent.finished or (joined is not None and joined.tokens)):
+        if not (delta or new_tokens or sent.finished or (joined is not None and joined.tokens)):
             return None
         return CompletionChoice(
             index=sent.index,

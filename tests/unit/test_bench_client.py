@@ -70,7 +70,7 @@ class FakeOpenAIServer:
                     return
                 if "SLOW" in prompt:
                     await asyncio.sleep(5)
-                text = " word"
+                text = "" if "SILENT" in prompt and index < 2 else " word"  # tokens that add no text yet
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 yield sse({"choices": [{**choice, "finish_reason": None}]})
             last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
@@ -118,8 +118,10 @@ def test_completion_stream_is_timed_chunk_by_chunk():
     result = asyncio.run(send(server, request_input("hello", output_len=5)))
     assert result.success, result.error
     assert FIRST_TOKEN_DELAY <= result.ttft < FIRST_TOKEN_DELAY + 1.0
-    assert len(result.itl) == 4  # 5 token chunks; the empty finish chunk and the usage chunk carry no token
-    assert all(gap >= TOKEN_GAP * 0.9 for gap in result.itl)
+    # 5 token chunks and the finish chunk (a choice with empty text: counted, as vLLM counts it); the
+    # usage chunk carries no token
+    assert len(result.itl) == 5
+    assert all(gap >= TOKEN_GAP * 0.9 for gap in result.itl[:4])
     assert result.latency == pytest.approx(result.ttft + sum(result.itl))
     assert result.generated_text == " word" * 5
     assert (result.usage_completion_tokens, result.prompt_len) == (5, 11)
@@ -133,10 +135,35 @@ def test_chat_role_chunk_does_not_count_as_first_token():
     result = asyncio.run(send(server, request_input("hello", backend="openai-chat", output_len=3)))
     assert result.success, result.error
     assert result.ttft >= FIRST_TOKEN_DELAY
-    assert len(result.itl) == 2
+    assert len(result.itl) == 3  # 3 content chunks and the finish chunk; the role chunk is not a token
     body = server.bodies[0]
     assert body["messages"] == [{"role": "user", "content": "hello"}]
     assert body["max_completion_tokens"] == 3 and "max_tokens" not in body
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_tokens_that_add_no_text_still_time_the_first_token(backend: str):
+    """The first two tokens arrive as chunks with empty text: TTFT is the first of them, as in vLLM."""
+    result = asyncio.run(send(FakeOpenAIServer(), request_input("SILENT", backend=backend, output_len=4)))
+    assert result.success, result.error
+    assert FIRST_TOKEN_DELAY <= result.ttft < FIRST_TOKEN_DELAY + 1.0
+    assert len(result.itl) == 4 and result.generated_text == " word" * 2
+    assert sum(result.itl[:2]) >= 2 * TOKEN_GAP * 0.9  # the first text came two token gaps after TTFT
+
+
+def test_a_stream_of_only_a_role_chunk_has_no_token():
+    async def role_only(request: httpx.Request) -> httpx.Response:
+        delta = {"role": "assistant", "content": ""}
+        role = sse({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        return httpx.Response(200, content=role + sse({"choices": [], "usage": None}) + b"data: [DONE]\n\n")
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(role_only)) as client:
+            return await send_request(client, request_input("hello", backend="openai-chat"))
+
+    result = asyncio.run(run())
+    assert (result.success, result.failure_kind) == (False, "no_token")
+    assert result.error == "the stream ended without any token chunk"
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,34 @@ def test_completion_echo_and_stream(client) -> None:
     }
 
 
+# Of these 9 tokens, the 1st, 4th, 5th and 7th end inside a UTF-8 character and add no text yet.
+PARTIAL_UTF8_ANSWER = "日本語です"
+
+
+@pytest.fixture(scope="module")
+def partial_utf8_client():
+    test_client, _ = build_test_client(lambda prompt, index: PARTIAL_UTF8_ANSWER, step_delay_s=0.03)
+    with test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_tokens_that_add_no_text_are_streamed_as_empty_chunks(partial_utf8_client, route: str) -> None:
+    """As in vLLM, every step's tokens make a chunk: a client sees the first token when it is made."""
+    body = {"prompt": "Say it", "max_tokens": 20} if route == "/v1/completions" else chat("Say it")
+    events = sse_payloads(partial_utf8_client.post(route, json={**body, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    if route == "/v1/completions":
+        texts = [event["choices"][0]["text"] for event in events[:-1]]
+    else:
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        texts = [event["choices"][0]["delta"].get("content", "") for event in events[1:-1]]
+    assert "".join(texts) == PARTIAL_UTF8_ANSWER
+    # the silent tokens' chunks, before the last one (one step each: the replay's steps are 30 ms apart)
+    assert "" in texts[:-1]
+    assert 6 <= len(texts) <= 9
+
+
 # ---- reasoning and tool calls, through the serving layer ------------------------------------------------
 
 
