@@ -29,6 +29,11 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=8000)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.iterations < 100:
+        parser.error(
+            f"--iterations {args.iterations} is below 100: a pause comes every second or two, so time at "
+            "least a few seconds (the default 8000 is ~12 s on an H100)"
+        )
     x = torch.randn(ROWS, SIZE, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16) for _ in range(WEIGHTS)]
 
