@@ -50,8 +50,8 @@ def main() -> None:
             with_prompt[prompt[i] // 64 * 64].append(seconds[i] * 1e3)
     # A decode step over SLOW x the median at the widest batch is slow: what it took beyond that median
     # is the decode part's excess (host stalls, or the device pausing: benchmarks/gpu/gpu_pauses.py).
-    slow_above_s = statistics.median(pure) * SLOW / 1e3
     median_s = statistics.median(pure) / 1e3
+    slow_above_s = median_s * SLOW
     pure_parts, prompt_parts, slow_parts = [], [], []
     for start, ttft, latency, outputs in zip(starts, ttfts, latencies, output_lens):
         mine = [i for i in in_run if start + ttft <= launched[i] < start + latency]
@@ -63,7 +63,7 @@ def main() -> None:
     by_start = [ttft for _, ttft in sorted(zip(starts, ttfts))]
     figures = {key: round(result[key], 2) for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")}
     figures |= {
-        f"pure_decode_step_ms_at_batch_{widest}": round(statistics.median(pure), 3),
+        f"pure_decode_step_ms_at_batch_{widest}": round(median_s * 1e3, 3),
         "steps_with_prompt_tokens": {
             f"{size}-{size + 63} tokens": {"steps": len(v), "median_ms": round(statistics.median(v), 2)}
             for size, v in sorted(with_prompt.items())

@@ -52,10 +52,7 @@ class EventStreamResponse(Response):
                 await sender
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await _close_quietly(self.events)
             if self.on_close is not None:
                 self.on_close()
         if sender.done() and not sender.cancelled() and sender.exception() is not None:
@@ -108,10 +105,7 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
             async for item in iterators[0]:
                 yield 0, item
         finally:
-            aclose = getattr(iterators[0], "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await _close_quietly(iterators[0])
         return
     queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
     _ERROR = object()
@@ -144,7 +138,12 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for iterator in iterators:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await _close_quietly(iterator)
+
+
+async def _close_quietly(iterator: Any) -> None:
+    """Close an async iterator that has `aclose`; an error while closing is not the caller's concern."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
