@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fitserve.engine.sampling_params import SamplingParams, SamplingType
-from fitserve.worker.transfer import start_copy_to_host, tensor_to_device, to_device
+from fitserve.worker.transfer import start_copies_to_host_aside, tensor_to_device, to_device
 
 TOP_P_ROWS_PER_CHUNK = 64
 
@@ -119,7 +119,8 @@ class Sampler:
 
 @dataclass
 class LogprobTensors:
-    """Logprobs of chosen tokens and the top-k per row, as tensors (on the device until to_host)."""
+    """Logprobs of chosen tokens and the top-k per row, as tensors (on the device; PendingSample
+    copies them to the host)."""
 
     chosen_ids: torch.Tensor
     chosen_logprobs: torch.Tensor
@@ -141,12 +142,6 @@ class LogprobTensors:
             top_logprobs=top.values if top is not None else None,
             top_ids=top.indices if top is not None else None,
             num_tops=num_tops,
-        )
-
-    def to_host(self) -> LogprobTensors:
-        """Queues copies into pinned host memory (no wait); read them after the step's event."""
-        return LogprobTensors(
-            *(None if t is None else start_copy_to_host(t) for t in self.tensors()), num_tops=self.num_tops
         )
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -178,12 +173,12 @@ class PendingSample:
     def __init__(self, sampled: torch.Tensor, logprob_rows: list[int], logprobs: LogprobTensors | None):
         self.sampled = sampled  # on the device: the next step may read its tokens from here
         self.logprob_rows = logprob_rows
-        self._host_sampled = start_copy_to_host(sampled)
-        self._host_logprobs = logprobs.to_host() if logprobs is not None else None
-        self._ready: torch.cuda.Event | None = None
-        if sampled.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        logprob_parts = list(logprobs.tensors()) if logprobs is not None else []
+        hosts, self._ready = start_copies_to_host_aside([sampled, *logprob_parts])
+        self._host_sampled = hosts[0]
+        self._host_logprobs = None
+        if logprobs is not None:
+            self._host_logprobs = LogprobTensors(*hosts[1:], num_tops=logprobs.num_tops)
 
     def result(self) -> SamplerOutput:
         if self._ready is not None:
