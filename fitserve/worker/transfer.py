@@ -59,21 +59,20 @@ def start_copies_to_host_aside(tensors: list[torch.Tensor | None]) -> tuple[list
     """Host copies of CUDA tensors made on the downloads stream once the compute stream has produced them,
     and the event to wait for before reading them; the compute stream goes on without waiting."""
     cuda = [t for t in tensors if t is not None and t.is_cuda]
-    if not cuda or torch.cuda.is_current_stream_capturing():
-        hosts = [None if t is None else start_copy_to_host(t) for t in tensors]
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        return hosts, ready
-    stream = copy_stream(cuda[0].device, DOWNLOADS)
-    stream.wait_stream(torch.cuda.current_stream(cuda[0].device))
+    if not cuda:
+        return list(tensors), None  # nothing to copy: CPU tensors are the host copies
+    compute = torch.cuda.current_stream(cuda[0].device)
+    aside = not torch.cuda.is_current_stream_capturing()
+    stream = copy_stream(cuda[0].device, DOWNLOADS) if aside else compute
+    if aside:
+        stream.wait_stream(compute)
     with torch.cuda.stream(stream):
         hosts = [None if t is None else start_copy_to_host(t) for t in tensors]
         ready = torch.cuda.Event()
         ready.record(stream)
-    for tensor in cuda:
-        tensor.record_stream(stream)  # not reused by the compute stream before the copy has read it
+    if aside:
+        for tensor in cuda:
+            tensor.record_stream(stream)  # not reused by the compute stream before the copy has read it
     return hosts, ready
 
 
@@ -99,7 +98,6 @@ class PinnedStagingRing:
         self._events = [torch.cuda.Event() for _ in range(num_buffers)] if on_cuda else []
         self._recorded = [False] * num_buffers
         self._read = [torch.cuda.Event() for _ in range(num_buffers)] if on_cuda else []
-        self._read_recorded = [False] * num_buffers
         self._next = 0
 
     def _new_host(self, nbytes: int) -> torch.Tensor:
@@ -120,7 +118,6 @@ class PinnedStagingRing:
         previous = (index - 1) % self.num_buffers
         if self._recorded[previous]:  # every reader of the previous upload is queued by now
             self._read[previous].record(compute)
-            self._read_recorded[previous] = True
         if self._recorded[index]:
             self._events[index].synchronize()  # long done: the buffer's copy ran steps ago
         fresh = not self._recorded[index]
@@ -140,7 +137,7 @@ class PinnedStagingRing:
             # a device buffer just allocated on the compute stream: its memory may still be in use by
             # kernels queued there before (the caching allocator orders reuse on that stream only)
             stream.wait_stream(compute)
-        elif aside and self._read_recorded[index]:
+        elif aside:  # a buffer used before: the upload after that use recorded its readers' event
             stream.wait_event(self._read[index])
         with torch.cuda.stream(stream):
             device_buffer[:total].copy_(host[:total], non_blocking=True)
