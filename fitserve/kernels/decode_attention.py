@@ -269,27 +269,24 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
-    seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")  # a step input: before the wait
+    # The context length is a step input, so it and the number of partitions it used are known
+    # before the wait. Only those partitions are loaded: a 1,536-token context in a 4,096-token block
+    # table uses 24 of 64, and the rest (stale or uninitialised, NaN included) stay masked out.
+    seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
+    num_used = tl.cdiv(seq_len, _partition_size(seq_len, num_partitions, TILE_N))
     wait_for_previous_kernel(USE_PDL)
-    # Every partition's triple is loaded at once, not after working out how many were used from the
-    # context length. Partitions past the context were not written this step (stale or
-    # uninitialised values, NaN included), so they are replaced, not multiplied, by the mask below.
     parts = tl.arange(0, PARTITION_BLOCK)
-    allocated = parts < num_partitions
+    used = parts < num_used
     base = (seq.to(tl.int64) * num_q_heads + head) * num_partitions
     dims = tl.arange(0, BLOCK_D)
-    m = tl.load(part_max_ptr + base + parts, mask=allocated, other=float("-inf"))
-    s = tl.load(part_sum_ptr + base + parts, mask=allocated, other=0.0)
+    m = tl.load(part_max_ptr + base + parts, mask=used, other=float("-inf"))
+    s = tl.load(part_sum_ptr + base + parts, mask=used, other=0.0)
     partial = tl.load(
-        part_out_ptr + (base + parts)[:, None] * BLOCK_D + dims[None, :], mask=allocated[:, None], other=0.0
+        part_out_ptr + (base + parts)[:, None] * BLOCK_D + dims[None, :], mask=used[:, None], other=0.0
     )
-    part_size = _partition_size(seq_len, num_partitions, TILE_N)
-    part_mask = parts < tl.cdiv(seq_len, part_size)
-    m = tl.where(part_mask, m, float("-inf"))
     m_max = tl.max(m, axis=0)
-    weights = tl.where(part_mask, s * tl.exp2(m - m_max), 0.0)
+    weights = tl.where(used, s * tl.exp2(m - m_max), 0.0)  # a padded row (no partition used) gets 0
     total = tl.sum(weights, axis=0)
-    partial = tl.where(part_mask[:, None], partial, 0.0)
     out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_out_tok + head * stride_out_head + dims,

@@ -195,9 +195,9 @@ def test_decode_padded_rows_get_zeros(config: DecodeLaunchConfig) -> None:
 
 
 def test_decode_merge_ignores_unused_partitions_that_hold_nan() -> None:
-    """The merge loads every allocated partition's triple before it knows how many the context used;
-    those past the context hold whatever the buffer held (here NaN, from a freed block the caching
-    allocator hands back) and must not reach the output."""
+    """Partitions past the context are not written this step and hold whatever the buffer held (here
+    NaN, from a freed block the caching allocator hands back); the merge loads only those the context
+    used, so none of it reaches the output."""
     seq_lens = [40, 300]  # 1 and 5 of the 64-token partitions used, out of 8
     kv_cache, block_tables = make_paged_cache(seq_lens, 8, 128, 16, torch.bfloat16)
     q = torch.randn(2, 16, 128, device=DEVICE, dtype=torch.bfloat16)
