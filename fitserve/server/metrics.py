@@ -78,7 +78,7 @@ class ServerMetrics:
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
             """The histogram's one labelled series, looked up once: `.labels(...)` per observation (a lock
             and a dict, once per generated token for the inter-token latency) made one cost 2.8 us
-            instead of 0.9 on the 2-core CI machine."""
+            instead of 0.9 on the 2-core development machine."""
             parent = Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
             return parent.labels(model_name)
 
