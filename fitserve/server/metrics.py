@@ -77,8 +77,9 @@ class ServerMetrics:
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
             """The histogram's one labelled series, looked up once: `.labels(...)` per observation (a lock
-            and a dict, once per generated token for the inter-token latency) made one cost 2.8 us
-            instead of 0.9 on the 2-core development machine."""
+            and a dict, once per generated token for the inter-token latency) made one cost about twice
+            as much: 3.3 us against 1.6 on the 2-core development machine
+            (benchmarks/results/cpu_metrics_observe.json; 2.9 against 0.9 in an earlier run there)."""
             parent = Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
             return parent.labels(model_name)
 
