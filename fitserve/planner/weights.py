@@ -8,12 +8,22 @@ Floating-point tensors are counted in parameters, because fitserve loads them in
 whatever dtype the file stores. Other tensors (an AWQ/GPTQ checkpoint's packed int32 weights, fp8
 weights) are counted in bytes: they are loaded as stored. GGUF tensors are all counted in parameters:
 fitserve dequantizes a GGUF file into the model dtype when it converts it (models/gguf_convert.py).
+
+On the CPU the engine then keeps some of them in a smaller form (`CpuKeptForms`): decoder matrices that
+are 4-bit groups of 32 (a Q4_0 / Q4_1 GGUF's) stay int4 (layers/cpu_int4_linear.py), and an LM head whose
+values float16 holds exactly gets a float16 copy (layers/cpu_fp16_matmul.py). The engine checks the
+values; the plan, which reads no values, goes by the GGUF's tensor types: from its header for a .gguf
+file, from the file name its cache record (fitserve_cache_entry.json) names for a converted folder.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import platform
 import re
+import shutil
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +38,29 @@ _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _LAYER_PATTERN = re.compile(r"(^|\.)(layers|h|blk)\.\d+\.")
 # MoE routers: small, kept whole on every tensor-parallel rank, never quantized.
 _ROUTER_PATTERN = re.compile(r"(mlp\.gate|block_sparse_moe\.gate|shared_expert_gate|ffn_gate_inp)\.weight$")
+# GGUF tensor types whose matrices are 4-bit groups of 32 (w = d q or d q + m, q in 0..15): the CPU
+# engine keeps them int4.
+INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})
+# The int4 form: half a byte per weight, plus a 16-bit scale and a 16-bit minimum (or zero) per group of
+# 32, for fitserve's C kernel and for torch's kernel alike.
+INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32
+# One of those types in a GGUF file's name: "SmolLM2-135M-Instruct.Q4_1.gguf" -> Q4_1 (not Q4_K_M).
+_INT4_TYPE_IN_NAME = re.compile(r"(?<![A-Za-z0-9])Q4_[01](?![A-Za-z0-9])", re.IGNORECASE)
+# What fitserve's C int4 kernel needs (cpu_kernels/int4_gemm.c is built with -march=native).
+_C_KERNEL_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+
+
+@dataclass(frozen=True)
+class CpuKeptForms:
+    """What the CPU engine keeps in place of the model dtype (bytes on this host, see the module doc)."""
+
+    int4_params: int = 0  # decoder-matrix parameters kept as int4
+    int4_bytes_per_weight: float = INT4_BYTES_PER_WEIGHT  # the int4 form, plus torch's float16 copy if any
+    fp16_head: bool = False  # the LM head also held as float16 (2 bytes a parameter more)
+    gguf_type: str = ""  # the GGUF type the forms were read from, for the plan's text
+
+
+NO_CPU_FORMS = CpuKeptForms()
 
 
 @dataclass(frozen=True)
@@ -38,6 +71,7 @@ class WeightInventory:
     source: str  # one line: where the numbers came from
     checkpoint_quantization: str | None = None  # config.json's quantization_config.quant_method
     file_tensor_types: tuple[str, ...] = ()  # the dtypes / GGML types the file stores
+    cpu_forms: CpuKeptForms = NO_CPU_FORMS  # on the CPU: what the engine keeps smaller than the dtype
 
     @property
     def total_params(self) -> int:
@@ -55,10 +89,16 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def inventory_from_headers(
-    headers: Iterable[Mapping[str, Any]], source: str, checkpoint_quantization: str | None = None
+    headers: Iterable[Mapping[str, Any]],
+    source: str,
+    checkpoint_quantization: str | None = None,
+    int4_gguf_type: str | None = None,
 ) -> WeightInventory:
-    linear = other = replicated = stored = file_bytes = 0
+    """`int4_gguf_type`: the folder was converted from a GGUF of that type (Q4_0 / Q4_1): its decoder
+    matrices are 4-bit groups, its LM head float16 values (see the module doc)."""
+    linear = other = replicated = stored = file_bytes = int4 = 0
     types: set[str] = set()
+    row_block = int4_row_block() if int4_gguf_type else 0
     for header in headers:
         for name, entry in header.items():
             if name == "__metadata__":
@@ -75,14 +115,99 @@ def inventory_from_headers(
             linear += numel if kind == "linear" else 0
             other += numel if kind != "linear" else 0
             replicated += numel if kind == "replicated" else 0
+            if row_block and kind == "linear" and int4_packable(shape[0], shape[-1], row_block):
+                int4 += numel
     return WeightInventory(
         counts=ParamCounts(linear, other, replicated),
         stored_bytes=stored,
         file_bytes=file_bytes,
-        source=source,
+        source=source + (f"; converted from a {int4_gguf_type} GGUF" if int4_gguf_type else ""),
         checkpoint_quantization=checkpoint_quantization,
         file_tensor_types=tuple(sorted(types)),
+        cpu_forms=cpu_kept_forms(int4, bool(int4_gguf_type), int4_gguf_type or ""),
     )
+
+
+def cpu_kept_forms(int4_params: int, fp16_head: bool, gguf_type: str) -> CpuKeptForms:
+    """The forms the CPU engine keeps on this host: no int4 with FITSERVE_CPU_INT4=0; torch's int4 kernel
+    (where fitserve's C kernel cannot run) adds a float16 copy of each int4 matrix; both float16 forms
+    need fbgemm."""
+    from fitserve.layers.cpu_int4_linear import cpu_int4_enabled, fp16_copy_enabled
+
+    if not int4_params and not fp16_head:
+        return NO_CPU_FORMS
+    import torch
+
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    per_weight = INT4_BYTES_PER_WEIGHT
+    if not c_int4_kernel_expected() and fp16_copy_enabled() and fbgemm:
+        per_weight += 2
+    return CpuKeptForms(int4_params if cpu_int4_enabled() else 0, per_weight, fp16_head and fbgemm, gguf_type)
+
+
+def c_int4_kernel_expected() -> bool:
+    """Whether fitserve's C int4 kernel should build here (layers/cpu_kernels/library.py decides by
+    building it; the plan goes by the switch, the machine, a compiler and the CPU's flags)."""
+    from fitserve.layers.cpu_kernels.library import kernels_enabled
+
+    if not kernels_enabled() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return shutil.which(os.environ.get("CC", "cc")) is not None and _cpu_flags() >= _C_KERNEL_CPU_FLAGS
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def int4_row_block() -> int:
+    """Rows an int4 matrix is packed in blocks of: 16 for the C kernel, else torch's layout's 32 or 64."""
+    from fitserve.layers.cpu_int4_linear import torch_block_rows
+    from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS
+
+    return BLOCK_COLUMNS if c_int4_kernel_expected() else torch_block_rows()
+
+
+def int4_packable(out_features: int, in_features: int, row_block: int) -> bool:
+    """The engine's shape rule for an int4 matrix: groups of 32 along a row, whole blocks of rows."""
+    from fitserve.layers.cpu_int4_linear import GROUP_SIZE
+
+    return out_features % row_block == 0 and in_features % GROUP_SIZE == 0
+
+
+def converted_gguf_int4_type(folder: Path) -> str | None:
+    """Q4_0 or Q4_1 when `folder` is fitserve's conversion of a GGUF file whose matrices are mostly of that
+    type; None for any other folder or type. The cache record (fitserve_cache_entry.json) counts the
+    file's matrix types (`gguf_matrix_types`); records written before it did are read by the file name
+    they keep (`source_gguf`, and `origin` for the default model's)."""
+    from fitserve.models.model_cache import COMPLETE_MARKER
+
+    try:
+        record = json.loads((folder / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    counts = record.get("gguf_matrix_types")
+    if isinstance(counts, dict) and counts:
+        most_common = max(counts, key=lambda name: counts[name])
+        return most_common if most_common in INT4_GGUF_TYPES else None
+    names = [record.get(key) for key in ("origin", "source_gguf")]
+    for name in names:
+        # origin is "<wheel>:<member path>", source_gguf a path: the file name is the last part of either
+        match = (
+            _INT4_TYPE_IN_NAME.search(Path(name.rsplit(":", 1)[-1]).name) if isinstance(name, str) else None
+        )
+        if match:
+            return match[0].upper()
+    return None
 
 
 def classify_tensor(name: str, ndim: int) -> str:
@@ -119,7 +244,9 @@ def inventory_from_folder(
         return inventory_from_config(shape, checkpoint_quantization)
     count = f"{len(files)} file{'s' if len(files) > 1 else ''}"
     headers = [read_safetensors_header(path) for path in files]
-    return inventory_from_headers(headers, f"safetensors headers ({count})", checkpoint_quantization)
+    return inventory_from_headers(
+        headers, f"safetensors headers ({count})", checkpoint_quantization, converted_gguf_int4_type(folder)
+    )
 
 
 def inventory_from_gguf(path: Path) -> WeightInventory:
@@ -129,22 +256,38 @@ def inventory_from_gguf(path: Path) -> WeightInventory:
     from fitserve.models.gguf_convert import check_gguf_file
 
     check_gguf_file(path)
-    linear = other = replicated = file_bytes = 0
+    linear = other = replicated = file_bytes = int4 = 0
     types: set[str] = set()
+    head_type = ""
+    row_block = int4_row_block()
     for tensor in GGUFReader(path).tensors:
         numel, ndim = int(tensor.n_elements), len(tensor.shape)
         file_bytes += int(tensor.n_bytes)
-        types.add(tensor.tensor_type.name)
+        type_name = tensor.tensor_type.name
+        types.add(type_name)
         kind = classify_tensor(tensor.name, ndim)
         linear += numel if kind == "linear" else 0
         other += numel if kind != "linear" else 0
         replicated += numel if kind == "replicated" else 0
+        # GGUF shapes run fastest dimension first: [in_features, out_features]
+        if (
+            kind == "linear"
+            and type_name in INT4_GGUF_TYPES
+            and int4_packable(int(tensor.shape[-1]), int(tensor.shape[0]), row_block)
+        ):
+            int4 += numel
+        if tensor.name == "output.weight" or (tensor.name == "token_embd.weight" and not head_type):
+            head_type = type_name
+    # A quantized or float16 head dequantizes to values float16 holds (fp16 scales times small integers).
+    fp16_head = head_type not in ("", "F32", "BF16")
+    int4_types = sorted(types & INT4_GGUF_TYPES)
     return WeightInventory(
         counts=ParamCounts(linear, other, replicated),
         stored_bytes=0,
         file_bytes=file_bytes,
         source=f"GGUF header ({path.name}; dequantized to the model dtype when fitserve converts it)",
         file_tensor_types=tuple(sorted(types)),
+        cpu_forms=cpu_kept_forms(int4, fp16_head, "/".join(int4_types) or head_type),
     )
 
 

@@ -225,3 +225,24 @@ def test_interrupted_publish_leaves_no_cache_entry(tmp_path: Path) -> None:
         (staging / "config.json").write_text("{}")
     assert sorted(p.name for p in target.parent.iterdir()) == ["entry"]
     assert json.loads((target / COMPLETE_MARKER).read_text()) == {"k": 2}
+
+
+def test_conversion_parses_the_file_once_and_records_its_matrix_types(
+    tiny_gguf: tuple[Path, Any, Any], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers opens the file for the config, the tokenizer and the weights; gguf-py parses all of
+    its metadata at each open, so the conversion hands every one of them the same parsed reader."""
+    parses: list[str] = []
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(path: Any, mode: str = "r") -> Any:
+        parses.append(str(path))
+        return real_reader(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    name_map = gguf.get_tensor_name_map
+    folder = Path(resolve_model(str(tiny_gguf[0])).model_path)
+    assert parses == [str(tiny_gguf[0].resolve())]
+    assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is name_map  # put back
+    record = json.loads((folder / COMPLETE_MARKER).read_text())
+    assert record["gguf_matrix_types"] == {"F32": 16}  # 2 layers x 7 projections, embedding, LM head
