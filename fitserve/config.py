@@ -12,10 +12,6 @@ from typing import Any
 
 import torch
 
-# Default size of the KV cache pool on the CPU when neither num_gpu_blocks_override nor
-# --cpu-kv-cache-space is given (GiB). Documented in docs/engine.md.
-DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
-
 # --kv-cache-dtype values other than "auto" (the model dtype) -> the cache's torch dtype. As in vLLM,
 # "fp8" is e4m3. One byte per element: twice the tokens of a 16-bit cache in the same memory.
 FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -42,6 +38,10 @@ class ModelConfig:
     revision: str | None = None
     # GiB of decoder-layer weights kept in CPU memory (--cpu-offload-gb); 0 on the CPU device
     cpu_offload_gb: float = 0.0
+    # Sampling defaults the model's publisher states outside generation_config.json (the default model's
+    # card), and where; with generation_config "auto" they sit under the file's own values.
+    card_sampling: dict[str, Any] = field(default_factory=dict)
+    card_sampling_source: str = ""
 
     @property
     def architecture(self) -> str:
@@ -79,7 +79,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB, accepted for vLLM compatibility (preemption is by recompute)
     kv_cache_dtype: str = "auto"  # auto | a key of FP8_KV_CACHE_DTYPES
-    cpu_kv_cache_space_gib: float = DEFAULT_CPU_KV_CACHE_SPACE_GIB
+    # --cpu-kv-cache-space; None: sized to max_model_len within the RAM available (fitserve/cpu_kv_cache.py)
+    cpu_kv_cache_space_gib: float | None = None
 
     def torch_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's element type: the model dtype for "auto", else the float8 type asked for."""

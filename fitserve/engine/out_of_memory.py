@@ -82,6 +82,10 @@ def _smaller_kv_cache(config: EngineConfig) -> str | None:
             f"{UTILIZATION_STEP:.0%} less of the GPU and leaves that room to the steps)"
         )
     space = cache.cpu_kv_cache_space_gib
+    if space is None:  # sized automatically at startup; this is that rule's size without the RAM cap
+        from fitserve.cpu_kv_cache import engine_cpu_kv_cache_size
+
+        space = round(engine_cpu_kv_cache_size(config, None).gib, 2)
     return (
         f"--cpu-kv-cache-space {space / 2:g} (now {space:g} GiB: a smaller KV cache leaves RAM to the steps)"
     )

@@ -13,6 +13,7 @@ against 5.6 ms for F.linear on the float32 weight, 8.4 ms against 28 ms at 16 ro
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -25,19 +26,43 @@ _announced = False
 def pack_fp16_if_exact(weight: torch.Tensor) -> Any | None:
     """The prepacked float16 copy of `weight` [N, K] (a CPU float32 matrix), or None when float16
     would change a value or the fbgemm kernels are not available."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    if not fp16_holds_exactly(weight):
         return None
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return None
-    with torch.no_grad():
-        if not torch.equal(weight.to(torch.float16).to(torch.float32), weight):
-            return None
-        try:
-            packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), None)
-        except (RuntimeError, AttributeError, NotImplementedError):
-            return None
-    _announce(tuple(weight.shape))
+    packed = _prepack(weight)
+    if packed is not None:
+        _announce(tuple(weight.shape))
     return packed
+
+
+def pack_fp16_in_background(weight: torch.Tensor) -> Future | None:
+    """`pack_fp16_if_exact` with the packing (0.7 s for SmolLM2's 49152 x 576 LM head on 2 cores) on a
+    thread of its own, so the engine's start goes on beside it; None at once when float16 would change a
+    value. The future's result is the packed copy, or None if fbgemm refused it."""
+    if not fp16_holds_exactly(weight):
+        return None
+    _announce(tuple(weight.shape))
+    packer = ThreadPoolExecutor(1, thread_name_prefix="fitserve-fp16-pack")
+    future = packer.submit(_prepack, weight)
+    packer.shutdown(wait=False)
+    return future
+
+
+def fp16_holds_exactly(weight: torch.Tensor) -> bool:
+    """A CPU float32 matrix that float16 holds exactly, and fbgemm here to multiply it."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    with torch.no_grad():
+        return torch.equal(weight.to(torch.float16).to(torch.float32), weight)
+
+
+def _prepack(weight: torch.Tensor) -> Any | None:
+    try:
+        with torch.no_grad():
+            return torch.ops.quantized.linear_prepack_fp16(weight.detach(), None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 _fp16_linear: Any = None

@@ -26,10 +26,9 @@ import logging
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_int4_linear import find_int4_groups
+from fitserve.layers.cpu_int4_linear import INT4_TOLERANCE, packable_shape
 from fitserve.layers.cpu_kernels.int4_gemm import BoundInt4Gemm
-from fitserve.layers.cpu_kernels.int4_layout import pack_for_kernel
-from fitserve.layers.cpu_kernels.library import load_int4_gemm
+from fitserve.layers.cpu_kernels.library import load_cpu_kernels
 
 logger = logging.getLogger("fitserve")
 
@@ -69,25 +68,26 @@ class Int4KernelCpuLinearMethod:
 def convert_for_kernel(layer: nn.Module) -> Int4KernelCpuLinearMethod | None:
     """Packs `layer.weight` for the C kernel when the kernel is available here and the weight is 4-bit
     groups that float16 steps and minimums reproduce; returns the layer's new method, or None."""
-    gemm = load_int4_gemm()
-    if gemm is None:
+    kernels = load_cpu_kernels()
+    if kernels is None or not packable_shape(layer.weight, stored_as="kernel"):
         return None
-    groups = find_int4_groups(layer.weight, stored_as="kernel")
-    if groups is None:
+    # The C packer finds and packs the groups in one pass (int4_pack.c); torch's find_int4_groups and
+    # pack_for_kernel compute the same bytes in about a dozen.
+    packed = kernels.int4_pack(layer.weight.float(), INT4_TOLERANCE)
+    if packed is None:
         return None
     out_features, in_features = layer.weight.shape
-    codes, scales = pack_for_kernel(groups.codes, groups.step.half(), groups.low.half())
-    layer.weight = nn.Parameter(codes, requires_grad=False)
-    layer.register_buffer("int4_scales", scales, persistent=False)
-    _announce(groups.max_deviation)
+    layer.weight = nn.Parameter(packed.codes, requires_grad=False)
+    layer.register_buffer("int4_scales", packed.scales, persistent=False)
+    _announce(packed.max_deviation)
     logger.debug(
         "%s: %d x %d weight kept as int4 for the C kernel (max deviation %.2g of a group's largest weight)",
         type(layer).__name__,
         out_features,
         in_features,
-        groups.max_deviation,
+        packed.max_deviation,
     )
-    return Int4KernelCpuLinearMethod(gemm.bind(codes, scales, out_features))
+    return Int4KernelCpuLinearMethod(kernels.int4_gemm.bind(packed.codes, packed.scales, out_features))
 
 
 def _announce(max_deviation: float) -> None:

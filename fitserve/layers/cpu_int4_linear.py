@@ -53,7 +53,7 @@ GROUP_SIZE = 32
 # |weight|. A bf16-stored Q4 weight deviates by up to ~1/128 (bf16 rounding of the weight, its group's
 # scale and zero); a matrix that is not 4-bit groups has ~30 free values per group, each landing this
 # close to the grid with probability ~0.2, so it passes with probability ~1e-20 per group.
-_TOLERANCE = 2.0**-6
+INT4_TOLERANCE = 2.0**-6
 # Rows (tokens) from which a call dequantizes to float32 and runs the dense GEMM instead of the kernel.
 DEQUANT_MIN_ROWS = 128
 ENV_SWITCH = "FITSERVE_CPU_INT4"
@@ -147,7 +147,7 @@ def find_int4_groups(weight: torch.Tensor, stored_as: str = "torch") -> Int4Grou
         dequantized = codes * step.half().float() + low.half().float()
     magnitude = torch.maximum(low.abs(), high.abs()).clamp_min(torch.finfo(torch.float32).tiny)
     deviation = float(((dequantized - groups).abs() / magnitude).max())
-    if not deviation <= _TOLERANCE:  # also refuses NaN
+    if not deviation <= INT4_TOLERANCE:  # also refuses NaN
         return None
     found.codes = codes.reshape(rows, cols).to(torch.int32)
     found.max_deviation = deviation

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_if_exact
+from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_in_background
 from fitserve.layers.linear import default_weight_loader, dense_linear
 
 
@@ -70,19 +71,31 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
             self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self._fp16_weight: Any | None = None  # prepacked float16 copy (CPU only), None when not exact
+        self._fp16_packing: Future | None = None  # that copy while a thread still packs it
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
         self._prepare_cpu_weight()
 
     def _prepare_cpu_weight(self) -> None:
-        self._fp16_weight = pack_fp16_if_exact(self.weight)
+        # Packed beside the rest of the start; the first forward takes the copy (waiting if need be).
+        self._fp16_weight = None
+        self._fp16_packing = pack_fp16_in_background(self.weight)
         # Memory outside parameters and buffers, for the loading log (ModelRunner counts it).
-        self.packed_copy_bytes = self.weight.numel() * 2 if self._fp16_weight is not None else 0
+        self.packed_copy_bytes = self.weight.numel() * 2 if self._fp16_packing is not None else 0
+
+    @property
+    def fp16_weight(self) -> Any | None:
+        """The prepacked float16 copy (CPU only), None when float16 would change a weight; the first
+        call waits for the packing thread if it is still at work."""
+        if self._fp16_packing is not None:
+            self._fp16_weight, self._fp16_packing = self._fp16_packing.result(), None
+        return self._fp16_weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._fp16_weight is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            return fp16_matmul(hidden, self._fp16_weight)
+        packed = self.fp16_weight
+        if packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            return fp16_matmul(hidden, packed)
         # on CUDA the model dtype: see the class docstring
         return dense_linear(hidden, self.weight, out_dtype=None if hidden.is_cuda else torch.float32)
 

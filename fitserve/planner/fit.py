@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.args import EngineArgs, check_fp8_kv_cache_on_gpu, default_max_num_batched_tokens
+from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS as CPU_KV_REQUESTS
+from fitserve.cpu_kv_cache import RAM_FRACTION
 from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
@@ -35,12 +37,13 @@ from fitserve.planner.fit_knobs import (
 from fitserve.planner.fit_options import Headroom
 from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
 from fitserve.planner.hardware import DeviceSpec, GiB
-from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+from fitserve.planner.memory import MemoryInputs, MemoryPlan, cpu_kept_forms, plan_memory, with_settings
 from fitserve.planner.model_info import ModelInfo
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The model's own max_model_len is kept when the KV cache holds this many requests of that length
-# (one long request then never stalls all the others); else the largest length that many fit.
+# (one long request then never stalls all the others); else the largest length that many fit. The CPU's
+# automatic KV cache holds as many (fitserve/cpu_kv_cache.py).
 FULL_LENGTH_REQUESTS = 2
 # An automatic max_model_len is never below min(the model's own, this).
 MIN_AUTO_MAX_MODEL_LEN = 1024
@@ -118,7 +121,7 @@ def auto_fit(
         gpu_memory_utilization=utilization,
         cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        cpu_kv_cache_space_gib=float(args.cpu_kv_cache_space),
+        cpu_kv_cache_space_gib=None if args.cpu_kv_cache_space is None else float(args.cpu_kv_cache_space),
     )
     headroom = Headroom(
         max_utilization=min(d.free_bytes / d.total_bytes for d in used) if on_gpu else 1.0,
@@ -132,7 +135,7 @@ def auto_fit(
     if plan.free_for_kv_bytes < 2 * plan.block_bytes and args.num_gpu_blocks_override is None:
         raise weights_error(plan, needed, headroom)
     adjusted = [f"{name} to {display_setting(getattr(inputs, name))}" for name in shrink_reasons]
-    max_model_len, length_reason = _choose_max_model_len(plan, model, args, headroom, adjusted)
+    max_model_len, length_reason = _choose_length(plan, model, args, headroom, adjusted)
     inputs = with_settings(inputs, max_model_len=max_model_len)
     num_seqs, seqs_reason = _choose_num_seqs(inputs, auto, shrink_reasons)
     if num_seqs != inputs.max_num_seqs:
@@ -252,6 +255,26 @@ def _choose_max_model_len(
     raise kv_cache_error(plan, floor, headroom, adjusted)
 
 
+def _choose_length(
+    plan: MemoryPlan, model: ModelInfo, args: EngineArgs, headroom: Headroom, adjusted: list[str]
+) -> tuple[int, str]:
+    """max_model_len. On the CPU with --cpu-kv-cache-space unset, the KV cache follows max_model_len
+    (fitserve/cpu_kv_cache.py) up to its RAM cap: an unset max_model_len keeps the model's own while one
+    request of it fits under the cap, else is lowered as on a GPU, against the cap."""
+    size = plan.cpu_kv
+    if args.max_model_len is not None or size is None or not size.capped or size.cap_blocks is None:
+        return _choose_max_model_len(plan, model, args, headroom, adjusted)
+    available = size.available_bytes or 0
+    ram = f"{RAM_FRACTION:.0%} of the {available / GiB:.1f} GiB of RAM the weights leave"
+    if size.cap_blocks - 1 >= math.ceil(model.max_model_len / plan.inputs.block_size):
+        held = f"{size.tokens:,} tokens, at most {ram}"
+        return model.max_model_len, f"the model's own; the KV cache ({held}) holds {size.requests:.1f}x"
+    cap = size.cap_blocks
+    probe = dataclasses.replace(plan, num_kv_blocks=cap, kv_cache_bytes=cap * plan.block_bytes)
+    length, reason = _choose_max_model_len(probe, model, args, headroom, adjusted)
+    return length, f"{reason}; on the CPU the KV cache takes at most {ram}"
+
+
 def _choose_num_seqs(
     inputs: MemoryInputs, auto: frozenset[str], shrink_reasons: dict[str, str]
 ) -> tuple[int, str]:
@@ -327,9 +350,11 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
     notes = list(plan.notes) + planned_only_notes(args)
     weights = model.weights
     if weights.source.startswith("GGUF") and weights.file_bytes is not None:
+        int4 = cpu_kept_forms(inputs).int4_params
+        kept = f", the CPU engine keeps its {weights.cpu_forms.gguf_type} matrices int4" if int4 else ""
         notes.append(
             f"the GGUF file stores {', '.join(weights.file_tensor_types)} "
-            f"({weights.file_bytes / GiB:.2f} GiB); fitserve dequantizes it to {inputs.dtype}: "
+            f"({weights.file_bytes / GiB:.2f} GiB); fitserve dequantizes it to {inputs.dtype}{kept}: "
             f"{plan.weights_bytes_per_gpu_before_offload / GiB:.2f} GiB in memory"
         )
     if inputs.on_gpu and len(devices) > inputs.tensor_parallel_size:
@@ -347,7 +372,9 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             )
     if not inputs.on_gpu:
         notes.append(
-            "on the CPU the KV cache is --cpu-kv-cache-space GiB; gpu_memory_utilization has no effect"
+            "on the CPU gpu_memory_utilization has no effect: the KV cache is --cpu-kv-cache-space GiB, or, "
+            f"unset, {CPU_KV_REQUESTS} requests of max_model_len within {RAM_FRACTION:.0%} of the RAM "
+            "available"
         )
     return notes
 

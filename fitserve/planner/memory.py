@@ -3,7 +3,9 @@
 On a GPU, as in vLLM, `gpu_memory_utilization` is the fraction of the GPU's total memory this engine may
 use. Out of that budget come the weights, the activation peak of one step at max_num_batched_tokens,
 the CUDA graph pool and the runtime's own memory; what remains becomes KV cache blocks. On the CPU the
-KV cache is the fixed --cpu-kv-cache-space (the engine's rule) and the budget is the RAM available.
+budget is the RAM available and the KV cache is the engine's own rule (fitserve/cpu_kv_cache.py):
+--cpu-kv-cache-space, else 2 requests of max_model_len within half the RAM the weights leave; the
+weights count the int4 and float16 forms the CPU engine keeps (planner/weights.py, CpuKeptForms).
 
 Every term is an estimate from the shapes (docs/memory.md derives each one). The engine calls
 `plan_memory` again at startup with what it measured (`MemoryTerms`), which sizes the KV cache from
@@ -15,11 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from fitserve.cpu_kv_cache import CpuKvCacheSize, cpu_kv_cache_size
 from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.model_shape import ModelShape
 from fitserve.planner.offload import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
-from fitserve.planner.weights import WeightInventory
+from fitserve.planner.weights import NO_CPU_FORMS, CpuKeptForms, WeightInventory
 
 MiB = 1024**2
 # Memory the engine adds on a GPU outside torch's allocations once it runs: cuBLAS/cuBLASLt workspaces,
@@ -57,7 +60,7 @@ class MemoryInputs:
     gpu_memory_utilization: float = 0.9
     cudagraph_capture_sizes: tuple[int, ...] = ()  # () = eager
     num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_space_gib: float = 4.0
+    cpu_kv_cache_space_gib: float | None = None  # None: sized by fitserve/cpu_kv_cache.py's rule
 
     @property
     def on_gpu(self) -> bool:
@@ -92,6 +95,7 @@ class MemoryPlan:
     free_for_kv_bytes: int  # per GPU: budget minus the terms; negative when they do not fit
     notes: tuple[str, ...] = field(default=())
     offload: OffloadSplit = NO_OFFLOAD  # --cpu-offload-gb: the decoder layers kept in CPU memory
+    cpu_kv: CpuKvCacheSize | None = None  # on the CPU: the KV cache's size and why (the engine's rule)
 
     @property
     def block_bytes(self) -> int:
@@ -150,9 +154,14 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
     if inputs.on_gpu:
         budget = int(inputs.device.total_bytes * inputs.gpu_memory_utilization)
         free_for_kv = budget - terms.total
+        cpu_kv = None
     else:
         budget = inputs.device.free_bytes
-        free_for_kv = int(inputs.cpu_kv_cache_space_gib * GiB)
+        # the RAM available once the weights are loaded: what the engine reads when it sizes the cache
+        cpu_kv = None
+        if inputs.num_gpu_blocks_override is None:
+            cpu_kv = cpu_kv_size(inputs, max(0, budget - terms.weights))
+        free_for_kv = cpu_kv.bytes if cpu_kv is not None else 0
     if inputs.num_gpu_blocks_override is not None:
         num_blocks = inputs.num_gpu_blocks_override
     else:
@@ -171,14 +180,42 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         free_for_kv_bytes=free_for_kv,
         notes=tuple(notes),
         offload=offload,
+        cpu_kv=cpu_kv,
+    )
+
+
+def cpu_kv_size(inputs: MemoryInputs, available_bytes: int | None) -> CpuKvCacheSize:
+    """The engine's CPU KV cache for these settings; `available_bytes`: the RAM the weights leave."""
+    return cpu_kv_cache_size(
+        inputs.cpu_kv_cache_space_gib,
+        max_model_len=inputs.max_model_len,
+        max_num_batched_tokens=inputs.max_num_batched_tokens,
+        max_num_seqs=inputs.max_num_seqs,
+        block_size=inputs.block_size,
+        kv_bytes_per_token=kv_bytes_per_token(inputs),
+        available_bytes=available_bytes,
     )
 
 
 def weight_bytes_total(inputs: MemoryInputs) -> int:
-    """All weights in memory, over all ranks, before offloading."""
+    """All weights in memory, over all ranks, before offloading; on the CPU, in the forms it keeps."""
     counts = inputs.weights.counts
-    linear = math.ceil(counts.linear * linear_bytes_per_param(inputs))
-    return inputs.weights.stored_bytes + linear + counts.other * DTYPE_BYTES[inputs.dtype]
+    forms = cpu_kept_forms(inputs)
+    int4 = forms.int4_params
+    linear = math.ceil(
+        (counts.linear - int4) * linear_bytes_per_param(inputs) + int4 * forms.int4_bytes_per_weight
+    )
+    head_copy = 2 * inputs.shape.vocab_size * inputs.shape.hidden_size if forms.fp16_head else 0
+    return inputs.weights.stored_bytes + linear + counts.other * DTYPE_BYTES[inputs.dtype] + head_copy
+
+
+def cpu_kept_forms(inputs: MemoryInputs) -> CpuKeptForms:
+    """The int4 matrices and float16 LM head the CPU engine keeps (planner/weights.py), where they apply:
+    on the CPU, without --quantization; the float16 head only beside float32 weights."""
+    forms = inputs.weights.cpu_forms
+    if inputs.on_gpu or inputs.quantization is not None or forms == NO_CPU_FORMS:
+        return NO_CPU_FORMS
+    return replace(forms, fp16_head=forms.fp16_head and inputs.dtype == "float32")
 
 
 def linear_bytes_per_param(inputs: MemoryInputs) -> float:

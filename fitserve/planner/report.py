@@ -7,7 +7,7 @@ from typing import Any
 from fitserve.planner.fit import FitResult
 from fitserve.planner.formats import format_capability
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryPlan
+from fitserve.planner.memory import MemoryPlan, cpu_kept_forms
 
 _SETTING_WIDTH = 24
 _MEMORY_LABEL_WIDTH = 62
@@ -47,6 +47,13 @@ def plan_json(result: FitResult) -> dict[str, Any]:
         "num_kv_blocks": plan.num_kv_blocks,
         "kv_cache_tokens": plan.kv_cache_tokens,
         "max_concurrency": round(plan.max_concurrency, 2),
+        "cpu_kv_cache": None
+        if plan.cpu_kv is None
+        else {
+            "gib": round(plan.cpu_kv.gib, 3),
+            "explicit": plan.cpu_kv.explicit,
+            "reason": plan.cpu_kv.reason,
+        },
         "settings": resolved_settings(plan),
         "choices": [
             {"setting": c.setting, "value": _jsonable(c.value), "reason": c.reason, "explicit": c.explicit}
@@ -134,13 +141,20 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
         weights += f", 1/{inputs.tensor_parallel_size} per GPU"
     if plan.weights_offloaded_bytes:
         weights += f", {plan.weights_offloaded_bytes / GiB:.2f} GiB offloaded"
+    forms = cpu_kept_forms(inputs)
+    kept = [f"{forms.gguf_type} as int4"] if forms.int4_params else []
+    kept += ["fp16 head"] if forms.fp16_head else []  # beside the float32 one
+    if kept:
+        weights += f"; {', '.join(kept)}"
     sizes = inputs.cudagraph_capture_sizes
     graphs = (
         f"CUDA graphs ({len(sizes)} sizes, {min(sizes)}-{max(sizes)})"
         if sizes
         else "CUDA graphs (none: eager)"
     )
-    kv_label = "KV cache" if inputs.on_gpu else "KV cache (--cpu-kv-cache-space)"
+    kv_label = "KV cache"
+    if plan.cpu_kv is not None:
+        kv_label += " (--cpu-kv-cache-space)" if plan.cpu_kv.explicit else " (auto: see below)"
     rows = [
         (budget, plan.budget_bytes),
         (weights + ")", terms.weights),
@@ -167,6 +181,7 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
         f"{heads} KV heads "
         f"x {shape.head_dim} x {element} bytes",
         f"Maximum concurrency for {inputs.max_model_len:,} tokens per request: {plan.max_concurrency:.2f}x",
+        *([plan.cpu_kv.log_line()] if plan.cpu_kv is not None else []),
     ]
 
 

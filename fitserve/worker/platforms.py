@@ -1,7 +1,8 @@
 """What differs between devices, behind one small interface: KV sizing and graph capture.
 
-CpuPlatform: the KV pool is a fixed amount of RAM (--cpu-kv-cache-space, default
-DEFAULT_CPU_KV_CACHE_SPACE_GIB) unless num_gpu_blocks_override is given; no graphs.
+CpuPlatform: the KV pool is --cpu-kv-cache-space GiB of RAM, or, unset, sized to max_model_len within the
+RAM available (fitserve/cpu_kv_cache.py, the planner's rule too), unless num_gpu_blocks_override is
+given; no graphs.
 CudaPlatform: the KV pool is what gpu_memory_utilization leaves after the measured weights, the
 activation peak of a dummy step at max_num_batched_tokens, memory outside torch that this engine added
 since it started, and the CUDA graph pool (vLLM's accounting); decode steps replay CUDA graphs
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from fitserve.cpu_kv_cache import available_ram_bytes, check_fits_in_ram, engine_cpu_kv_cache_size
 from fitserve.worker.cuda_graphs import CudaGraphRunner, default_capture_sizes
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_capture_sizes
 
@@ -43,7 +45,12 @@ class CpuPlatform:
         cache = runner.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        return int(cache.cpu_kv_cache_space_gib * GiB // runner.kv_bytes_per_block())
+        # Read now, with the weights loaded: what is left for the KV cache and the steps.
+        available = available_ram_bytes()
+        check_fits_in_ram(cache.cpu_kv_cache_space_gib, available)
+        size = engine_cpu_kv_cache_size(runner.config, available)
+        logger.info("%s", size.log_line())
+        return size.num_blocks
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
         return None

@@ -30,7 +30,7 @@ def test_default_model_weight_formats_on_cpu(default_model_cache: DefaultModelCa
     methods = collections.Counter(
         type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")
     )
-    assert model.lm_head.tied and model.lm_head._fp16_weight is not None
+    assert model.lm_head.tied and model.lm_head.fp16_weight is not None
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup table is untouched
     num_projections = 4 * model.config.num_hidden_layers
     if load_cpu_kernels() is not None:

@@ -18,7 +18,8 @@ def test_tied_head_uses_fp16_when_the_embedding_is_fp16_exact() -> None:
     head = ParallelLMHead(300, 64, tie_to=embedding)
     weight = torch.randn(300, 64).half().float()  # a bf16/fp16 checkpoint's values
     embedding.weight.weight_loader(embedding.weight, weight)
-    assert head._fp16_weight is not None
+    assert head._fp16_packing is not None  # packed on a thread of its own while the start goes on
+    assert head.fp16_weight is not None and head._fp16_packing is None
     hidden = torch.randn(5, 64)
     with torch.inference_mode():
         logits = head(hidden)
@@ -31,7 +32,7 @@ def test_float32_weights_keep_the_float32_matmul() -> None:
     head = ParallelLMHead(300, 64)
     weight = torch.randn(300, 64)
     head.weight.weight_loader(head.weight, weight)
-    assert head._fp16_weight is None
+    assert head.fp16_weight is None
     hidden = torch.randn(2, 64)
     assert torch.equal(head(hidden), F.linear(hidden, weight))
 
@@ -40,6 +41,6 @@ def test_untied_head_loads_and_packs_its_own_weight() -> None:
     head = ParallelLMHead(128, 64)
     weight = torch.randn(128, 64).half().float()
     head.weight.weight_loader(head.weight, weight)
-    assert head._fp16_weight is not None
+    assert head.fp16_weight is not None
     hidden = torch.randn(3, 64)
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-5, atol=1e-5)

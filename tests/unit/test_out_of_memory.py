@@ -3,10 +3,12 @@ goes on, and each knob with its current value and a value to try that the flag p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from fitserve.args import EngineArgs
 from fitserve.cli import parse_command
@@ -104,7 +106,9 @@ def test_a_fixed_block_count_is_lowered_instead_of_the_utilization() -> None:
 
 
 def test_the_cpu_gets_its_own_kv_knob_and_any_error_is_described() -> None:
-    message = out_of_memory_message(config(device="cpu", max_num_batched_tokens=2048), 2048, 3, MemoryError())
+    cpu = config(device="cpu", max_num_batched_tokens=2048)
+    cpu = dataclasses.replace(cpu, cache=dataclasses.replace(cpu.cache, cpu_kv_cache_space_gib=4.0))
+    message = out_of_memory_message(cpu, 2048, 3, MemoryError())
     assert message.startswith("Out of memory in a step of 2,048 tokens over 3 sequences (MemoryError).")
     assert "--cpu-kv-cache-space 2 (now 4 GiB" in message
     assert "--gpu-memory-utilization" not in message and "--enforce-eager" not in message
@@ -112,6 +116,20 @@ def test_the_cpu_gets_its_own_kv_knob_and_any_error_is_described() -> None:
     assert "(RuntimeError: cuBLAS failed)" in other
     one_seq = knob_suggestions(config(max_num_batched_tokens=1, max_num_seqs=1, enforce_eager=True))
     assert [fix.split(" ", 1)[0] for fix in one_seq] == ["--gpu-memory-utilization"]  # nothing to halve
+
+
+def test_an_automatic_cpu_kv_cache_is_halved_from_the_size_its_rule_gives() -> None:
+    hf_config = LlamaConfig(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    )
+    cpu = config(device="cpu", max_num_batched_tokens=2048)
+    model = dataclasses.replace(cpu.model, hf_config=hf_config, dtype=torch.float32, max_model_len=8192)
+    cpu = dataclasses.replace(cpu, model=model)
+    assert cpu.cache.cpu_kv_cache_space_gib is None
+    # 2 requests of 8,192 tokens at 45 KiB a token, plus the null block: 0.70 GiB
+    assert "--cpu-kv-cache-space 0.35 (now 0.7 GiB: a smaller KV cache leaves RAM to the steps)" in (
+        knob_suggestions(cpu)
+    )
 
 
 @pytest.mark.parametrize(

@@ -294,14 +294,27 @@ def test_cpu_plan_and_host_memory_refusal() -> None:
     result = auto_fit(model_info("qwen3-0.6b"), EngineArgs(), [cpu])
     assert choice(result, "dtype")[0] == "float32"
     assert result.plan.inputs.max_num_batched_tokens == 2048
-    assert result.plan.kv_cache_bytes == pytest.approx(4 * GiB, abs=result.plan.block_bytes)
+    # --cpu-kv-cache-space unset: 2 requests of the model's own 40,960 tokens (17.5 GiB) are more than half
+    # of the 9.78 GiB the 2.22 GiB of weights leave, so max_model_len is lowered until 2 fit in that half
+    plan = result.plan
+    half = (12 * GiB - plan.terms.weights) // 2
+    assert plan.inputs.max_model_len == (half // plan.block_bytes - 1) // 2 * 16 == 11_424  # 1 null block
+    assert plan.kv_cache_tokens == 2 * 11_424 and plan.kv_cache_bytes <= half
+    assert (
+        "lowered to the largest length that 2 requests fit; on the CPU the KV cache takes at most 50%"
+        in (choice(result, "max_model_len")[1])
+    )
     small = DeviceSpec("cpu", 0, "CPU", 4 * GiB, 3 * GiB)
     with pytest.raises(PlanError) as error:
         auto_fit(model_info("qwen3-0.6b"), EngineArgs(), [small])
     assert error.value.kind == "host_memory"
+    # weights and activations alone are over the 3 GiB: only bfloat16 weights fit, so only that is named
     assert re.search(
-        r"needs [\d.]+ GiB of RAM .* but 3\.00 GiB is available: lower --cpu-kv-cache-space", str(error.value)
+        r"needs [\d.]+ GiB of RAM .* but 3\.00 GiB is available: any one of: "
+        r"--dtype bfloat16 \(weights 1\.11 GiB;",
+        str(error.value),
     )
+    assert "--cpu-kv-cache-space" not in str(error.value)
 
 
 def test_serving_plans_short_prefill_chunks_on_a_gpu_only() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -213,3 +215,27 @@ def test_hub_id_without_hub_or_cache_says_what_to_do(monkeypatch: pytest.MonkeyP
         inspect_model("someorg/some-model")
     with pytest.raises(ValueError, match=r"model path ./missing-folder does not exist"):
         inspect_model("./missing-folder")
+
+
+def test_a_q4_conversion_is_planned_as_the_cpu_engine_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder converted from a Q4_1 GGUF (its cache record names the file): on the CPU the decoder
+    matrices count as int4 and the LM head gets its float16 copy; on a GPU everything is the dtype."""
+    build_hf_model(tiny_hf_config("LlamaForCausalLM"), seed=3).to(torch.bfloat16).save_pretrained(tmp_path)
+    (tmp_path / "fitserve_cache_entry.json").write_text(json.dumps({"source_gguf": "/d/Tiny.Q4_1.gguf"}))
+    info = inspect_model(str(tmp_path))
+    forms, counts = info.weights.cpu_forms, info.weights.counts
+    assert forms.gguf_type == "Q4_1" and forms.int4_params == counts.linear > 0 and forms.fp16_head
+    assert info.weights.source == "safetensors headers (1 file); converted from a Q4_1 GGUF"
+    cpu = memory_inputs(
+        "llama-3.1-8b", shape=info.shape, weights=info.weights, dtype="float32", cudagraph_capture_sizes=()
+    )
+    cpu = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, kind="cpu", name="CPU"))
+    head = info.shape.vocab_size * info.shape.hidden_size
+    int4 = counts.linear * forms.int4_bytes_per_weight
+    assert weight_bytes_total(cpu) == math.ceil(int4) + counts.other * 4 + head * 2
+    gpu = memory_inputs("llama-3.1-8b", shape=info.shape, weights=info.weights, dtype="bfloat16")
+    assert weight_bytes_total(gpu) == counts.total * 2  # the GPU engine dequantizes every matrix
+    monkeypatch.setenv("FITSERVE_CPU_INT4", "0")  # the engine then keeps every matrix float
+    assert inspect_model(str(tmp_path)).weights.cpu_forms.int4_params == 0

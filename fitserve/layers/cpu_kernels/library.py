@@ -1,9 +1,9 @@
 """Builds fitserve's C kernels for this CPU on first use and loads them (ctypes).
 
-The sources (every .c file beside this module: int4_gemm.c, decode_attention.c, elementwise.c) ship
-with the package; one shared library is compiled from them once per machine kind with the system C
-compiler (`$CC`, else `cc`) as `-O3 -march=native -ffp-contract=off -fopenmp` and cached under
-`fitserve_cache_dir()/cpu_kernels/<key>/`, the key covering the sources (and their header), the
+The sources (every .c file beside this module: int4_gemm.c, int4_pack.c, decode_attention.c,
+elementwise.c) ship with the package; one shared library is compiled from them once per machine kind
+with the system C compiler (`$CC`, else `cc`) as `-O3 -march=native -ffp-contract=off -fopenmp` and
+cached under `fitserve_cache_dir()/cpu_kernels/<key>/`, the key covering the sources (and their header), the
 compiler's version and the CPU's model and flags, so a cache shared between machines never hands one
 another's build. A build takes about a second.
 
@@ -15,7 +15,7 @@ OpenMP: the library links `libgomp.so.1`, which a torch CPU build has already lo
 are torch's pool; each call is told how many to use (torch.get_num_threads()).
 
 The Python side of each kernel (argument checks, ctypes signature, self-check) lives in the module
-named like its source: int4_gemm.py, decode_attention.py, elementwise.py.
+named like its source: int4_gemm.py, int4_pack.py, decode_attention.py, elementwise.py.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 from fitserve.layers.cpu_kernels.decode_attention import DecodeAttention
 from fitserve.layers.cpu_kernels.elementwise import Elementwise
 from fitserve.layers.cpu_kernels.int4_gemm import Int4Gemm
+from fitserve.layers.cpu_kernels.int4_pack import Int4Pack
 from fitserve.models.model_cache import fitserve_cache_dir
 
 logger = logging.getLogger("fitserve")
@@ -47,6 +48,7 @@ _lock = threading.Lock()
 _loaded: dict[str, CpuKernels | None] = {}
 # (FITSERVE_CPU_KERNELS as last read, the kernels for it): load_cpu_kernels' lock-free fast path
 _answer: tuple[str | None, CpuKernels | None] | None = None
+_unavailable_reason: str | None = None
 
 
 def kernels_enabled() -> bool:
@@ -59,6 +61,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self.int4_gemm = Int4Gemm(library)
+        self.int4_pack = Int4Pack(library)
         self.decode_attention = DecodeAttention(library)
         self.elementwise = Elementwise(library)
 
@@ -87,11 +90,6 @@ def _set_answer(answer: tuple[str | None, CpuKernels | None] | None) -> None:
     _answer = answer
 
 
-def load_int4_gemm() -> Int4Gemm | None:
-    kernels = load_cpu_kernels()
-    return None if kernels is None else kernels.int4_gemm
-
-
 def _build_and_check() -> CpuKernels | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return _unavailable(f"the C kernels are written for x86-64 AVX-512, not {platform.machine()}")
@@ -105,6 +103,7 @@ def _build_and_check() -> CpuKernels | None:
         return _unavailable(f"building {', '.join(s.name for s in SOURCES)} failed ({_first_line(error)})")
     problem = (
         kernels.int4_gemm.self_check()
+        or kernels.int4_pack.self_check()
         or kernels.decode_attention.self_check()
         or kernels.elementwise.self_check()
     )
@@ -159,8 +158,15 @@ def _cpu_identity() -> bytes:
 
 
 def _unavailable(reason: str) -> None:
+    global _unavailable_reason
+    _unavailable_reason = reason
     logger.info("CPU kernels: not used (%s); torch's operations run instead", reason)
     return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the last build-and-check in this process gave no kernels (None: it gave them, or none ran)."""
+    return _unavailable_reason
 
 
 def _first_line(error: BaseException) -> str:
