@@ -2,7 +2,9 @@
 
 A YAML file's keys are the flag names (dashes or underscores); each key and value is checked against the
 parser's own options, engine and server alike, then set as the parser's defaults, so flags given on the
-command line win over the file.
+command line win over the file. A command that runs the engine without the server (`fitserve generate`,
+`fitserve bench throughput|latency`) skips a serve config's server keys (host, port, api-key, ...) with
+one log line naming them; a key no fitserve command knows is refused with the closest valid name.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+
+logger = logging.getLogger("fitserve")
 
 # Options that a YAML file cannot set.
 NOT_YAML_KEYS = ("help", "config")
@@ -103,18 +108,26 @@ def _dash_flag_names(args: Sequence[str] | None) -> list[str] | None:
     return result
 
 
-def parse_args_with_config(parser: FlexibleArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """Parse argv, taking defaults from the YAML file named by --config; the command line wins."""
+def parse_args_with_config(
+    parser: FlexibleArgumentParser, argv: Sequence[str], server_keys: Collection[str] = ()
+) -> argparse.Namespace:
+    """Parse argv, taking defaults from the YAML file named by --config; the command line wins.
+
+    `server_keys`: the option names (dests) of `fitserve serve` that this parser lacks; such keys in the
+    file are skipped with one log line instead of refused, so a serve config.yaml works here too."""
     finder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     finder.add_argument("--config", default=None)
     config_path = finder.parse_known_args(_dash_flag_names(argv))[0].config
     if config_path is not None:
-        parser.set_defaults(**load_yaml_defaults(parser, config_path))
+        parser.set_defaults(**load_yaml_defaults(parser, config_path, server_keys))
     return parser.parse_args(argv)
 
 
-def load_yaml_defaults(parser: FlexibleArgumentParser, path: str) -> dict[str, Any]:
-    """The YAML file's keys as parser defaults, each key and value checked against the parser's options."""
+def load_yaml_defaults(
+    parser: FlexibleArgumentParser, path: str, server_keys: Collection[str] = ()
+) -> dict[str, Any]:
+    """The YAML file's keys as parser defaults, each key and value checked against the parser's options;
+    keys among `server_keys` are left out, named in one log line."""
     try:
         content = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as error:
@@ -129,16 +142,25 @@ def load_yaml_defaults(parser: FlexibleArgumentParser, path: str) -> dict[str, A
         )
     actions = {a.dest: a for a in parser.option_actions() if a.dest not in NOT_YAML_KEYS}
     defaults: dict[str, Any] = {}
+    skipped: list[str] = []
     for key, value in content.items():
         dest = str(key).replace("-", "_")
+        if dest not in actions and dest in server_keys:
+            skipped.append(str(key))
+            continue
         if dest not in actions:
-            close = difflib.get_close_matches(_dashed(dest), [_dashed(d) for d in actions], n=1)
+            names = [_dashed(d) for d in (*actions, *server_keys)]
+            close = difflib.get_close_matches(_dashed(dest), names, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else "; see --help for the valid names"
             parser.error(f"unknown key '{key}' in --config {path}{hint}")
         try:
             defaults[dest] = _yaml_value(actions[dest], value)
         except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
             parser.error(f"key '{key}' in --config {path}: {error}")
+    if skipped:
+        logger.info(
+            "Ignoring server settings in %s that %s does not use: %s", path, parser.prog, ", ".join(skipped)
+        )
     return defaults
 
 

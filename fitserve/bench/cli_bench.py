@@ -88,10 +88,11 @@ def bench_main(argv: Sequence[str]) -> int:
     if argv[0] == "serve":
         args = leaf.parse_args(argv[1:])
     else:
+        from fitserve.cli import server_only_keys
         from fitserve.logger import setup_logging
 
         setup_logging()
-        args = parse_args_with_config(leaf, argv[1:])  # type: ignore[arg-type]
+        args = parse_args_with_config(leaf, argv[1:], server_only_keys(leaf))  # type: ignore[arg-type]
     args.command_line = shlex.join(["fitserve", "bench", *redact_secrets(argv)])
     from fitserve.bench.serve import ServerUnreachable
 

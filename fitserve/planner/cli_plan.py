@@ -55,7 +55,8 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     parser = subparsers.add_parser(
         "doctor",
-        help="Check this machine (Python, torch, CUDA, GPUs, RAM, /dev/shm, disk) and a model's plan.",
+        help="Check this machine (Python, torch, CUDA, GPUs, RAM, /dev/shm, disk, CPU kernels) and a model's "
+        "plan.",
         description="One PASS / WARN / FAIL line per check; each WARN and FAIL names its fix.",
     )
     add_model_positional(parser)
@@ -68,7 +69,7 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_plan(namespace: argparse.Namespace) -> int:
     """Prints the plan (or its JSON); a plan that cannot fit is a PlanError naming the fix."""
     try:
-        result = plan_from_namespace(namespace)
+        result = plan_from_namespace(namespace, planning_only=True)
     except PlanError as error:
         if not namespace.json:
             raise
@@ -80,13 +81,22 @@ def run_plan(namespace: argparse.Namespace) -> int:
     return 0
 
 
-def plan_from_namespace(namespace: argparse.Namespace, serving: bool = True) -> FitResult:
-    """The plan for these flags: for `fitserve serve` (and `plan`, `doctor`), or offline generation."""
+def plan_from_namespace(
+    namespace: argparse.Namespace, serving: bool = True, planning_only: bool = False
+) -> FitResult:
+    """The plan for these flags: for `fitserve serve` (and `plan`, `doctor`), or offline generation.
+
+    A command that goes on to run the engine (serve, generate, doctor) first refuses what the engine
+    does not run yet (`not supported yet: --tensor-parallel-size 2 ...`); `planning_only` (`fitserve
+    plan`) plans those settings anyway, for GPUs given with --assume-gpus if need be."""
     from fitserve.planner.model_info import inspect_model
 
     args = EngineArgs.from_cli(namespace)
     args.check_ranges()
-    devices, host_ram = planning_devices(args.device, getattr(namespace, "assume_gpus", None))
+    if not planning_only:
+        args._refuse_unsupported(config_key_sources(namespace))
+    assume_gpus = getattr(namespace, "assume_gpus", None)
+    devices, host_ram = planning_devices(args.device, assume_gpus, can_assume=planning_only)
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
     return auto_fit(model, args, devices, explicit_engine_fields(namespace), host_ram, serving)
 
@@ -97,7 +107,11 @@ def run_doctor(namespace: argparse.Namespace) -> int:
 
     host = probe_host()
     gpus = probe_gpus()
-    checks = machine_checks(host, gpus)
+    explicit = explicit_engine_fields(namespace)
+    utilization = namespace.gpu_memory_utilization if "gpu_memory_utilization" in explicit else None
+    checks = machine_checks(
+        host, gpus, device=namespace.device, dtype=namespace.dtype, gpu_memory_utilization=utilization
+    )
     for check in checks:
         print(check.line())
     failed = any(check.status == "FAIL" for check in checks)
@@ -106,7 +120,7 @@ def run_doctor(namespace: argparse.Namespace) -> int:
         return 1 if failed else 0
     try:
         result = plan_from_namespace(namespace)
-    except PlanError as error:
+    except ValueError as error:  # a PlanError, or a setting `fitserve serve` would refuse
         print(f"FAIL plan: {error}")
         return 1
     plan = result.plan
@@ -119,8 +133,11 @@ def run_doctor(namespace: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def planning_devices(device: str, assume_gpus: str | None) -> tuple[tuple[DeviceSpec, ...], int | None]:
-    """The devices to plan for and the host RAM available (None for assumed GPUs: the host is unknown)."""
+def planning_devices(
+    device: str, assume_gpus: str | None, can_assume: bool = True
+) -> tuple[tuple[DeviceSpec, ...], int | None]:
+    """The devices to plan for and the host RAM available (None for assumed GPUs: the host is unknown).
+    `can_assume`: the command takes --assume-gpus (only `fitserve plan` does), so a refusal may name it."""
     if assume_gpus is not None:
         if device == "cpu":
             raise ValueError("--assume-gpus plans for GPUs but --device is cpu: drop one of them")
@@ -130,9 +147,10 @@ def planning_devices(device: str, assume_gpus: str | None) -> tuple[tuple[Device
     if gpus:
         return gpus, host.ram_available_bytes
     if device == "cuda":
+        assume = "plan for one with --assume-gpus COUNTxGiB (e.g. 1x24), or " if can_assume else ""
         raise ValueError(
-            "device=cuda but torch sees no CUDA GPU: plan for one with --assume-gpus COUNTxGiB (e.g. 1x24), "
-            "or set --device cpu"
+            f"device=cuda but torch sees no CUDA GPU: {assume}set --device cpu or --device auto "
+            "(the torch line of `fitserve doctor` says why it sees none)"
         )
     return (cpu_device(host),), host.ram_available_bytes
 
@@ -165,3 +183,19 @@ def explicit_engine_fields(namespace: argparse.Namespace) -> frozenset[str]:
         content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
         explicit |= {str(key).replace("-", "_") for key in content} & _ENGINE_FIELDS
     return frozenset(explicit)
+
+
+def config_key_sources(namespace: argparse.Namespace) -> dict[str, str]:
+    """EngineArgs field -> "the 'key' key of --config FILE", for each field the --config file set and
+    the command line did not: a refusal then names the file's key, not a flag the user never typed."""
+    config = getattr(namespace, "config", None)
+    if not config:
+        return {}
+    content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+    on_command_line = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
+    sources = {}
+    for key in content:
+        name = str(key).replace("-", "_")
+        if name in _ENGINE_FIELDS and name not in on_command_line:
+            sources[name] = f"the '{key}' key of --config {config}"
+    return sources

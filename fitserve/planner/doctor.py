@@ -3,11 +3,16 @@ per check; every WARN and FAIL says how to fix it."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import math
+import os
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +26,8 @@ MIN_CACHE_DISK_BYTES = 10 * GiB
 MIN_AVAILABLE_RAM_BYTES = 4 * GiB
 BUSY_GPU_FRACTION = 0.9  # below this much free, another process holds the GPU
 CUDA_TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cu128"
+DEV_DIR = Path("/dev")  # where an NVIDIA driver puts its device nodes (nvidia0, nvidia1, ...)
+CPU_KERNEL_NAMES = "int4 GEMM, decode attention, RMSNorm, rotary and SiLU"
 
 
 @dataclass(frozen=True)
@@ -35,13 +42,37 @@ class Check:
         return f"{self.status} {self.title}: {self.detail}{fix}"
 
 
-def machine_checks(host: HostInfo, gpus: Sequence[DeviceSpec]) -> list[Check]:
-    checks = [_python_check(host), _torch_check(host, gpus)]
-    if torch.version.cuda is not None or gpus:
+def machine_checks(
+    host: HostInfo,
+    gpus: Sequence[DeviceSpec],
+    device: str = "auto",
+    dtype: str = "auto",
+    gpu_memory_utilization: float | None = None,
+) -> list[Check]:
+    """One Check per part of the machine. `device`, `dtype` and `gpu_memory_utilization` (None: not set
+    by the user) are the flags given to doctor: a fix never names a value the user already set."""
+    nvidia = nvidia_hardware(host)
+    checks = [_python_check(host), _torch_check(host, gpus, nvidia)]
+    if gpus or nvidia is not None:
         checks.append(_driver_check(host))
-    checks += [_gpu_check(gpu) for gpu in gpus]
+    checks += [_gpu_check(gpu, dtype, gpu_memory_utilization) for gpu in gpus]
     checks += [_ram_check(host), _shm_check(host, gpus), _disk_check(host), _paths_check(gpus)]
+    if not gpus or device == "cpu":
+        checks.append(cpu_kernels_check())
     return checks
+
+
+def nvidia_hardware(host: HostInfo) -> str | None:
+    """What shows an NVIDIA GPU in this machine, whether or not torch sees it: a device node such as
+    /dev/nvidia0, nvidia-smi, or the driver's version; None on a machine without one."""
+    nodes = sorted(node.name for node in DEV_DIR.glob("nvidia[0-9]*"))
+    if nodes:
+        return str(DEV_DIR / nodes[0])
+    if shutil.which("nvidia-smi") is not None:
+        return "nvidia-smi"
+    if host.driver_version is not None:
+        return f"NVIDIA driver {host.driver_version}"
+    return None
 
 
 def _python_check(host: HostInfo) -> Check:
@@ -53,21 +84,30 @@ def _python_check(host: HostInfo) -> Check:
     return Check("PASS", "python", host.python_version)
 
 
-def _torch_check(host: HostInfo, gpus: Sequence[DeviceSpec]) -> Check:
+def _torch_check(host: HostInfo, gpus: Sequence[DeviceSpec], nvidia: str | None) -> Check:
     cuda = host.cuda_runtime_version
     if gpus:
         return Check("PASS", "torch", f"{host.torch_version}, CUDA {cuda}, {len(gpus)} GPU(s) visible")
+    if nvidia is None:
+        build = "a CPU build" if cuda is None else f"a CUDA {cuda} build"
+        return Check(
+            "PASS",
+            "torch",
+            f"{host.torch_version}, {build}; this machine has no NVIDIA GPU: fitserve runs on the CPU",
+        )
     if cuda is None:
         return Check(
             "WARN",
             "torch",
-            f"{host.torch_version} is a CPU-only build: fitserve runs on the CPU (slow)",
-            f"on a machine with an NVIDIA GPU install a CUDA build: {CUDA_TORCH_INSTALL}",
+            f"{host.torch_version} is a CPU-only build but this machine has an NVIDIA GPU ({nvidia}): "
+            "fitserve runs on the CPU (slow)",
+            f"install a CUDA build: {CUDA_TORCH_INSTALL}",
         )
     return Check(
         "WARN",
         "torch",
-        f"{host.torch_version} (CUDA {cuda}) sees no GPU: fitserve runs on the CPU (slow)",
+        f"{host.torch_version} (CUDA {cuda}) sees no GPU although this machine has one ({nvidia}): "
+        "fitserve runs on the CPU (slow)",
         "check nvidia-smi, the driver, and CUDA_VISIBLE_DEVICES",
     )
 
@@ -80,7 +120,7 @@ def _driver_check(host: HostInfo) -> Check:
     return Check("PASS", "NVIDIA driver", host.driver_version)
 
 
-def _gpu_check(gpu: DeviceSpec) -> Check:
+def _gpu_check(gpu: DeviceSpec, dtype: str, gpu_memory_utilization: float | None) -> Check:
     detail = (
         f"{gpu.name}, compute capability {format_capability(gpu.capability)}, "
         f"{gpu.total_gib:.2f} GiB total, {gpu.free_gib:.2f} GiB free"
@@ -91,17 +131,32 @@ def _gpu_check(gpu: DeviceSpec) -> Check:
     if gpu.free_bytes < BUSY_GPU_FRACTION * gpu.total_bytes:
         held = gpu.total_gib - gpu.free_gib
         fits = math.floor(gpu.free_bytes / gpu.total_bytes * 100) / 100
-        return Check(
-            "WARN",
-            title,
-            f"{detail}; other processes hold {held:.2f} GiB",
-            f"stop them (nvidia-smi lists them), or set --gpu-memory-utilization {fits:.2f}"
-            " or lower (auto-fit does this when the flag is unset)",
-        )
+        busy = f"{detail}; other processes hold {held:.2f} GiB"
+        if gpu_memory_utilization is not None and gpu_memory_utilization <= fits:
+            return Check(
+                "PASS",
+                title,
+                f"{busy}; your --gpu-memory-utilization {gpu_memory_utilization:g} leaves them room",
+            )
+        if gpu_memory_utilization is not None:
+            fix = (
+                f"stop them (nvidia-smi lists them), or lower --gpu-memory-utilization to {fits:.2f} or less"
+            )
+        else:
+            fix = (
+                f"stop them (nvidia-smi lists them), or set --gpu-memory-utilization {fits:.2f}"
+                " or lower (auto-fit does this when the flag is unset)"
+            )
+        return Check("WARN", title, busy, fix)
     if gpu.capability is not None and gpu.capability < BF16_MIN_CAPABILITY:
-        return Check(
-            "WARN", title, f"{detail}; no fast bfloat16", "none needed: dtype auto picks float16 here"
-        )
+        if dtype == "bfloat16":
+            return Check(
+                "WARN",
+                title,
+                f"{detail}; no fast bfloat16 (it needs compute capability 8.0)",
+                "use --dtype float16, or leave --dtype out (auto picks float16 here)",
+            )
+        return Check("PASS", title, f"{detail}; no fast bfloat16, so dtype auto picks float16 here")
     return Check("PASS", title, detail)
 
 
@@ -158,3 +213,63 @@ def _paths_check(gpus: Sequence[DeviceSpec]) -> Check:
     if not triton:
         return Check("WARN", "compute paths", f"{detail}; Triton is not installed", "pip install triton")
     return Check("PASS", "compute paths", f"{detail}; Triton installed")
+
+
+def cpu_kernels_check() -> Check:
+    """Whether fitserve's C kernels for the CPU (fitserve/layers/cpu_kernels) build, pass their
+    self-check and load here; builds them if need be (about a second, then cached)."""
+    from fitserve.layers.cpu_kernels import library
+
+    title = "CPU kernels"
+    if not library.kernels_enabled():
+        return Check(
+            "WARN",
+            title,
+            f"turned off by {library.ENV_SWITCH}={os.environ.get(library.ENV_SWITCH)}: "
+            "torch's operations run instead (slower)",
+            f"unset {library.ENV_SWITCH} to use them",
+        )
+    with _quiet_kernel_log():
+        kernels = library.load_cpu_kernels()
+    if kernels is not None:
+        return Check(
+            "PASS",
+            title,
+            f"{CPU_KERNEL_NAMES} built for this CPU and loaded, in place of torch's ({kernels.path})",
+        )
+    reason = library.unavailable_reason() or "they failed to build or load earlier in this process"
+    return Check(
+        "WARN",
+        title,
+        f"not used: {reason}; torch's operations run instead (slower)",
+        _cpu_kernels_fix(reason),
+    )
+
+
+def _cpu_kernels_fix(reason: str) -> str:
+    if reason.startswith("no C compiler"):
+        return "install a C compiler (e.g. apt install gcc), or point CC at one"
+    if "AVX-512" in reason or "x86-64" in reason:
+        return "none on this CPU (they need x86-64 with AVX-512): fitserve runs, more slowly"
+    if "omp" in reason.lower():
+        return "install a compiler with OpenMP (gcc with libgomp), or point CC at one"
+    return "point CC at a working gcc or clang with OpenMP; if it still fails, report the reason above"
+
+
+@contextlib.contextmanager
+def _quiet_kernel_log() -> Iterator[None]:
+    """Keeps the library's "CPU kernels: ..." log records out of the log: the check's line says it."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("CPU kernels:")
+
+    fitserve_logger = logging.getLogger("fitserve")
+    level = fitserve_logger.level
+    fitserve_logger.addFilter(keep)
+    if not fitserve_logger.isEnabledFor(logging.INFO):
+        fitserve_logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        fitserve_logger.removeFilter(keep)
+        fitserve_logger.setLevel(level)

@@ -10,9 +10,14 @@ from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE, vllm_only
 from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.formats import format_capability, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
-from fitserve.planner.memory import MemoryPlan
+from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.model_shape import ModelShape
+
+# A smaller --cpu-kv-cache-space is suggested down to this many GiB, holding at least one request of
+# this many tokens (or of max_model_len when that is shorter).
+MIN_SUGGESTED_KV_GIB = 0.1
+MIN_SUGGESTED_KV_TOKENS = 1024
 
 
 class PlanError(ValueError):
@@ -25,7 +30,9 @@ class PlanError(ValueError):
 
 
 def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelShape) -> list[DeviceSpec]:
-    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU."""
+    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU. Only `fitserve plan`
+    gets here with tensor or pipeline parallel (serve, generate and doctor refuse them first, see
+    cli_plan.plan_from_namespace), so these refusals may name its --assume-gpus."""
     tp = args.tensor_parallel_size
     if args.pipeline_parallel_size > 1:
         raise PlanError(
@@ -45,11 +52,11 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
             )
         return [devices[0]]
     if tp > len(devices):
+        fewer = f"--tensor-parallel-size {len(devices)}" + (" or less" if len(devices) > 1 else "")
         raise PlanError(
             "devices",
-            f"tensor_parallel_size={tp} needs {tp} GPUs, the plan has {len(devices)}: set "
-            f"--tensor-parallel-size {len(devices)} or less, or plan for more with --assume-gpus "
-            f"{tp}x{devices[0].total_gib:g}",
+            f"tensor_parallel_size={tp} needs {tp} GPUs, the plan has {len(devices)}: set {fewer}, or plan "
+            f"for more with --assume-gpus {tp}x{devices[0].total_gib:g}",
         )
     if shape.num_attention_heads % tp:
         sizes = [
@@ -170,6 +177,8 @@ def kv_cache_error(
     plan: MemoryPlan, needed: int, headroom: Headroom, adjusted: Sequence[str] = ()
 ) -> PlanError:
     inputs = plan.inputs
+    if not inputs.on_gpu and plan.terms.total >= plan.budget_bytes:
+        return host_memory_error(plan)  # RAM, not the KV cache, is short: GPU-only fixes do not apply
     usable = max(0, plan.num_kv_blocks - 1) * inputs.block_size
     head = (
         f"the KV cache cannot hold one max_model_len={needed:,} request: what is left after the "
@@ -204,17 +213,78 @@ def check_host_memory(plan: MemoryPlan, host_ram_available: int | None) -> None:
                 + vllm_only("add --quantization to shrink the weights", "quantization"),
             )
         return
-    needed = plan.terms.total + plan.kv_cache_bytes
-    if needed > plan.budget_bytes:
-        raise PlanError(
-            "host_memory",
-            f"the model needs {needed / GiB:.2f} GiB of RAM (weights {plan.terms.weights / GiB:.2f}, "
-            "KV cache "
-            f"{plan.kv_cache_bytes / GiB:.2f}, activations and runtime "
-            f"{(plan.terms.activation + plan.terms.runtime_overhead) / GiB:.2f}) but "
-            f"{plan.budget_bytes / GiB:.2f} GiB is available: lower --cpu-kv-cache-space or "
-            "--max-num-batched-tokens, use --dtype bfloat16, or a smaller model",
+    if _ram_needed(plan) > plan.budget_bytes:
+        raise host_memory_error(plan)
+
+
+def host_memory_error(plan: MemoryPlan) -> PlanError:
+    """A CPU plan over the RAM available, with each change that would fit it."""
+    needed = _ram_needed(plan)
+    fixes = _ram_fixes(plan)
+    if fixes:
+        fix = "any one of: " + "; ".join(fixes)
+    else:
+        fix = (
+            f"no setting fits it, the weights alone take {plan.terms.weights / GiB:.2f} GiB: use a "
+            "smaller model, a 4-bit GGUF of it, or a machine with more RAM"
         )
+    return PlanError(
+        "host_memory",
+        f"the model needs {needed / GiB:.2f} GiB of RAM (weights {plan.terms.weights / GiB:.2f}, "
+        "KV cache "
+        f"{plan.kv_cache_bytes / GiB:.2f}, activations and runtime "
+        f"{(plan.terms.activation + plan.terms.runtime_overhead) / GiB:.2f}) but "
+        f"{plan.budget_bytes / GiB:.2f} GiB is available: {fix}",
+    )
+
+
+def _ram_needed(plan: MemoryPlan) -> int:
+    return plan.terms.total + plan.kv_cache_bytes
+
+
+def _ram_fixes(plan: MemoryPlan) -> list[str]:
+    """Each change that fits a CPU plan in RAM, tried on the plan: a smaller KV cache, smaller steps,
+    bfloat16 weights (with a smaller KV cache if need be). None repeats a value already in the plan."""
+    inputs = plan.inputs
+    fixes = []
+    kv_gib = _kv_room_gib(plan)
+    if kv_gib is not None and kv_gib < plan.kv_cache_bytes / GiB:
+        fixes.append(f"--cpu-kv-cache-space {kv_gib:g} ({_kv_tokens(inputs, kv_gib):,} KV tokens)")
+    batched = inputs.max_num_batched_tokens // 2
+    while batched >= max(inputs.max_num_seqs, 1):
+        step = plan_memory(with_settings(inputs, max_num_batched_tokens=batched))
+        if _ram_needed(step) <= step.budget_bytes:
+            activation = step.terms.activation / GiB
+            fixes.append(f"--max-num-batched-tokens {batched} (activation peak {activation:.2f} GiB)")
+            break
+        batched //= 2
+    if inputs.dtype == "float32":
+        half = plan_memory(with_settings(inputs, dtype="bfloat16"))
+        weights = f"weights {half.terms.weights / GiB:.2f} GiB; bfloat16 matmuls are slower on most CPUs"
+        half_kv_gib = _kv_room_gib(half)
+        if _ram_needed(half) <= half.budget_bytes:
+            fixes.append(f"--dtype bfloat16 ({weights})")
+        elif half_kv_gib is not None:
+            tokens = _kv_tokens(half.inputs, half_kv_gib)
+            fixes.append(
+                f"--dtype bfloat16 --cpu-kv-cache-space {half_kv_gib:g} ({weights}; {tokens:,} KV tokens)"
+            )
+    return fixes
+
+
+def _kv_room_gib(plan: MemoryPlan) -> float | None:
+    """The largest --cpu-kv-cache-space (in 0.1 GiB) beside the rest of the plan; None when that holds
+    less than one request worth running."""
+    gib = math.floor((plan.budget_bytes - plan.terms.total) / GiB * 10) / 10
+    if gib < MIN_SUGGESTED_KV_GIB:
+        return None
+    least = min(plan.inputs.max_model_len, MIN_SUGGESTED_KV_TOKENS)
+    return gib if _kv_tokens(plan.inputs, gib) >= least else None
+
+
+def _kv_tokens(inputs: MemoryInputs, kv_gib: float) -> int:
+    plan = plan_memory(with_settings(inputs, cpu_kv_cache_space_gib=kv_gib))
+    return max(0, plan.num_kv_blocks - 1) * inputs.block_size
 
 
 def planned_only_notes(args: EngineArgs) -> list[str]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
+from fitserve.planner import cli_plan, doctor
 from fitserve.planner.cli_plan import (
     add_doctor_parser,
     add_plan_parser,
@@ -17,7 +19,7 @@ from fitserve.planner.cli_plan import (
     run_doctor,
     run_plan,
 )
-from fitserve.planner.doctor import Check, machine_checks
+from fitserve.planner.doctor import CPU_KERNEL_NAMES, CUDA_TORCH_INSTALL, Check, machine_checks
 from fitserve.planner.hardware import DeviceSpec, GiB, HostInfo
 from tests.unit.planner_helpers import H100, fixture_path
 
@@ -204,7 +206,7 @@ def test_doctor_checks_name_their_fix() -> None:
     assert busy.status == "WARN" and "other processes hold 49.19 GiB" in busy.detail
     assert "set --gpu-memory-utilization 0.37 or lower" in busy.line()
     assert checks["GPU 1"].status == "FAIL" and "compute capability 7.0 or newer" in checks["GPU 1"].line()
-    assert checks["GPU 2"].status == "WARN" and "dtype auto picks float16" in checks["GPU 2"].fix
+    assert checks["GPU 2"].status == "PASS" and "dtype auto picks float16 here" in checks["GPU 2"].detail
     assert checks["/dev/shm"].line().endswith("-> fix: run docker with --ipc=host or --shm-size=16g")
     for check in checks.values():
         assert check.status in ("PASS", "WARN", "FAIL")
@@ -230,3 +232,178 @@ def test_check_line_format() -> None:
         == "WARN disk: 2.0 GiB free -> fix: free space"
     )
     assert Check("PASS", "disk", "200 GiB free", "unused").line() == "PASS disk: 200 GiB free"
+
+
+# ---- doctor on simulated machines ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bare_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No /dev/nvidia* node, no nvidia-smi on PATH, C kernels switched off; returns the fake /dev."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setattr(doctor, "DEV_DIR", dev)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("FITSERVE_CPU_KERNELS", "0")
+    return dev
+
+
+def test_doctor_on_a_cpu_only_machine_passes_the_cpu_torch_build(bare_machine: Path) -> None:
+    host = _host(cuda_runtime_version=None, driver_version=None, torch_version="2.13.0+cpu")
+    checks = {check.title: check for check in machine_checks(host, [])}
+    assert checks["torch"].line() == (
+        "PASS torch: 2.13.0+cpu, a CPU build; this machine has no NVIDIA GPU: fitserve runs on the CPU"
+    )
+    assert "NVIDIA driver" not in checks  # nothing to drive
+    assert checks["CPU kernels"].line() == (
+        "WARN CPU kernels: turned off by FITSERVE_CPU_KERNELS=0: torch's operations run instead (slower) "
+        "-> fix: unset FITSERVE_CPU_KERNELS to use them"
+    )
+    assert [title for title, check in checks.items() if check.status != "PASS"] == ["CPU kernels"]
+    cuda_build = {c.title: c for c in machine_checks(_host(driver_version=None), [])}
+    assert cuda_build["torch"].status == "PASS" and "a CUDA 12.8 build" in cuda_build["torch"].detail
+
+
+def test_doctor_warns_on_a_cpu_torch_build_where_a_gpu_device_node_exists(bare_machine: Path) -> None:
+    (bare_machine / "nvidia0").touch()
+    host = _host(cuda_runtime_version=None, driver_version=None, torch_version="2.13.0+cpu")
+    checks = {check.title: check for check in machine_checks(host, [])}
+    torch_check = checks["torch"]
+    assert torch_check.status == "WARN"
+    assert f"has an NVIDIA GPU ({bare_machine / 'nvidia0'})" in torch_check.detail
+    assert torch_check.fix == f"install a CUDA build: {CUDA_TORCH_INSTALL}"
+    assert checks["NVIDIA driver"].status == "WARN"  # a GPU is there: its driver is checked
+    # a CUDA build that sees no GPU on such a machine points at the driver and CUDA_VISIBLE_DEVICES
+    cuda_build = {c.title: c for c in machine_checks(_host(), [])}["torch"]
+    assert cuda_build.status == "WARN" and "sees no GPU although this machine has one" in cuda_build.detail
+    assert "CUDA_VISIBLE_DEVICES" in cuda_build.fix
+
+
+def test_nvidia_smi_alone_counts_as_a_gpu(bare_machine: Path, tmp_path: Path) -> None:
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n", encoding="utf-8")
+    smi.chmod(0o755)
+    assert doctor.nvidia_hardware(_host(driver_version=None)) == "nvidia-smi"
+    smi.unlink()
+    assert doctor.nvidia_hardware(_host(driver_version=None)) is None
+    assert doctor.nvidia_hardware(_host()) == "NVIDIA driver 570.86.15"
+
+
+def test_cpu_kernels_check_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FITSERVE_CPU_KERNELS", raising=False)
+    check = doctor.cpu_kernels_check()
+    if check.status == "PASS":
+        assert check.detail.startswith(f"{CPU_KERNEL_NAMES} built for this CPU and loaded")
+        assert check.detail.endswith("libfitserve_cpu.so)")
+    else:
+        assert check.status == "WARN" and check.detail.startswith("not used: ") and check.fix
+
+
+def test_cpu_kernels_check_without_a_compiler(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fitserve.layers.cpu_kernels import library
+
+    monkeypatch.delenv("FITSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(library.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(library, "_loaded", {})  # forget this process's build; restored afterwards
+    monkeypatch.setattr(library, "_answer", None)
+    caplog.set_level(logging.INFO, logger="fitserve")
+    check = doctor.cpu_kernels_check()
+    assert check.line() == (
+        "WARN CPU kernels: not used: no C compiler found (set CC, or install gcc); torch's operations run "
+        "instead (slower) -> fix: install a C compiler (e.g. apt install gcc), or point CC at one"
+    )
+    assert not [r for r in caplog.records if "CPU kernels" in r.getMessage()]  # said once, by the check
+
+
+def test_doctor_fixes_never_repeat_a_value_the_user_set() -> None:
+    t4 = DeviceSpec("cuda", 0, "Tesla T4", 15 * GiB, 15 * GiB, (7, 5))
+    asked_bf16 = next(c for c in machine_checks(_host(), [t4], dtype="bfloat16") if c.title == "GPU 0")
+    assert asked_bf16.title == "GPU 0" and asked_bf16.status == "WARN"
+    assert "bfloat16" not in asked_bf16.fix and "--dtype float16" in asked_bf16.fix
+    busy = DeviceSpec("cuda", 0, "NVIDIA H100", int(79.19 * GiB), int(30 * GiB), (9, 0))
+
+    def gpu_check(utilization: float | None) -> Check:
+        checks = machine_checks(_host(), [busy], gpu_memory_utilization=utilization)
+        return next(check for check in checks if check.title == "GPU 0")
+
+    assert gpu_check(0.3).status == "PASS"  # 0.3 of the GPU is free for fitserve
+    too_high = gpu_check(0.95)
+    assert (
+        too_high.fix == "stop them (nvidia-smi lists them), or lower --gpu-memory-utilization to 0.37 or less"
+    )
+    assert "set --gpu-memory-utilization 0.37" in gpu_check(None).fix
+
+
+def test_doctor_plan_fix_does_not_name_the_dtype_already_set(
+    bare_machine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = _host(cuda_runtime_version=None, driver_version=None, ram_available_bytes=3 * GiB)
+    monkeypatch.setattr(cli_plan, "probe_host", lambda: small)
+    monkeypatch.setattr(cli_plan, "probe_gpus", lambda: ())
+    model = fixture_path("qwen3-0.6b")
+    assert run_doctor(parse("doctor", [model, "--device", "cpu"])) == 1
+    plan_line = next(line for line in capsys.readouterr().out.splitlines() if " plan: " in line)
+    assert (
+        plan_line.startswith("FAIL plan: the model needs")
+        and "--dtype bfloat16 (weights 1.11 GiB" in plan_line
+    )
+    assert run_doctor(parse("doctor", [model, "--device", "cpu", "--dtype", "bfloat16"])) == 1
+    plan_line = next(line for line in capsys.readouterr().out.splitlines() if " plan: " in line)
+    assert plan_line.startswith("FAIL plan: the model needs") and "--dtype" not in plan_line
+
+
+def test_doctor_says_serve_would_refuse_a_feature_not_built(
+    bare_machine: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_doctor(parse("doctor", [fixture_path("qwen3-0.6b"), "-tp", "2", "--device", "cpu"])) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[-1] == "FAIL plan: not supported yet: --tensor-parallel-size 2 (set --tensor-parallel-size 1)"
+    )
+
+
+def test_host_memory_fixes_each_fit_when_applied() -> None:
+    from fitserve.args import EngineArgs
+    from fitserve.planner.fit import PlanError, auto_fit
+    from tests.unit.planner_helpers import model_info
+
+    cpu = DeviceSpec("cpu", 0, "CPU", 16 * GiB, 6 * GiB)
+    model = model_info("qwen3-0.6b")
+    with pytest.raises(PlanError) as error:
+        auto_fit(model, EngineArgs(cpu_kv_cache_space=8), [cpu])
+    message = str(error.value)
+    assert "but 6.00 GiB is available: any one of: --cpu-kv-cache-space " in message
+    fixes = message.split("any one of: ", 1)[1].split("; --")
+    assert len(fixes) >= 2 and fixes[-1].startswith("dtype bfloat16 --cpu-kv-cache-space ")
+    for fix in fixes:
+        words = fix.lstrip("-").split(" (", 1)[0].split()
+        settings = {name.lstrip("-").replace("-", "_"): value for name, value in zip(words[::2], words[1::2])}
+        values = {k: v if k == "dtype" else float(v) if "." in v else int(v) for k, v in settings.items()}
+        auto_fit(model, EngineArgs(**{"cpu_kv_cache_space": 8, **values}), [cpu])  # fits: no PlanError
+    with pytest.raises(PlanError) as error:
+        auto_fit(model_info("llama-3.1-8b"), EngineArgs(dtype="bfloat16", cpu_kv_cache_space=1), [cpu])
+    assert str(error.value).endswith(
+        "is available: no setting fits it, the weights alone take 14.96 GiB: use a smaller model, a 4-bit "
+        "GGUF of it, or a machine with more RAM"
+    )
+    assert "--dtype" not in str(error.value)
+
+
+def test_a_cpu_plan_over_the_ram_names_no_gpu_only_fix() -> None:
+    from fitserve.args import EngineArgs
+    from fitserve.planner.fit import PlanError, auto_fit
+    from tests.unit.planner_helpers import model_info
+
+    cpu = DeviceSpec("cpu", 0, "CPU", 16 * GiB, 6 * GiB)
+    for args in (EngineArgs(), EngineArgs(cpu_kv_cache_space=1), EngineArgs(max_model_len=2048)):
+        with pytest.raises(PlanError) as error:
+            auto_fit(model_info("llama-3.1-8b"), args, [cpu])
+        assert error.value.kind == "host_memory", args
+        message = str(error.value)
+        assert "but 6.00 GiB is available: no setting fits it, the weights alone take 29.92 GiB" in message
+        for gpu_only in ("--kv-cache-dtype", "--quantization", "CUDA graphs", "per GPU"):
+            assert gpu_only not in message
