@@ -7,6 +7,7 @@ Pure text in, text out. The rule, in order:
   the reasoning is everything before it;
 - no tags: all reasoning when the caller says the prompt left <think> open, else no reasoning (None).
 Nothing but the whitespace before an opening tag is dropped: callers trim as they print.
+The server's `--reasoning-parser deepseek_r1` (fitserve/server/parsers) splits by the same rule.
 """
 
 from __future__ import annotations

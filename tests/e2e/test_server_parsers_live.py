@@ -98,6 +98,16 @@ def test_plain_chat_is_untouched_by_the_reasoning_parser(live_server: LiveServer
     message = post(live_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"]
 
+    events = httpx.post(
+        live_server.url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=live_server.headers,
+        timeout=120,
+    ).text.splitlines()
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
 
 def test_tool_call_round_trip(live_server: LiveServer) -> None:
     # Few-shot: two earlier turns answered with a call lead the model to answer the third with one.

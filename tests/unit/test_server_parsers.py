@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fitserve.server.choice_parsing import ChoiceParser, final_finish_reason
-from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ReasoningDelta
 from fitserve.server.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
 from fitserve.server.parsers.hermes import HermesToolParser
 from fitserve.server.parsers.qwen3 import Qwen3ReasoningParser
@@ -41,17 +41,29 @@ def test_partial_tag_suffix() -> None:
     assert partial_tag_suffix_len("</think>", "</think>") == 0  # a whole tag is not a partial one
 
 
+# A DeepSeek-R1 distill's rendered prompt: the template opens <think> for the model.
+R1_PROMPT = "<｜User｜>2+2?<｜Assistant｜><think>\n"
+# Qwen3 with enable_thinking=False: the template closes an empty block for the model.
+QWEN3_NO_THINK_PROMPT = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# A model that does not reason (Qwen2.5-Instruct, SmolLM2): no tag in the prompt.
+PLAIN_PROMPT = "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize(
-    ("text", "reasoning", "content"),
+    ("prompt", "text", "reasoning", "content"),
     [
-        ("<think>\nTwo plus two.\n</think>\n\nIt is 4.", "Two plus two.", "It is 4."),
-        ("Two plus two.\n</think>\n\nIt is 4.", "Two plus two.", "It is 4."),  # template opened <think>
-        ("Still thinking about", "Still thinking about", None),  # cut off while reasoning
-        ("<think>a</think>", "a", None),
+        ("", "<think>\nTwo plus two.\n</think>\n\nIt is 4.", "Two plus two.", "It is 4."),
+        (R1_PROMPT, "Two plus two.\n</think>\n\nIt is 4.", "Two plus two.", "It is 4."),
+        ("", "Two plus two.\n</think>\n\nIt is 4.", "Two plus two.", "It is 4."),  # closed, never opened
+        (R1_PROMPT, "Still thinking about", "Still thinking about", None),  # cut off while reasoning
+        (PLAIN_PROMPT, "It is 4.", None, "It is 4."),  # no markup anywhere: a plain answer
+        ("", "say <think> literally", None, "say <think> literally"),  # a tag mid-text opens nothing
+        ("", "<think>a</think>", "a", None),
+        (PLAIN_PROMPT, "<think>a</think>b", "a", "b"),
     ],
 )
-def test_deepseek_r1_split(text: str, reasoning: str | None, content: str | None) -> None:
-    split = DeepSeekR1ReasoningParser("").split(text)
+def test_deepseek_r1_split(prompt: str, text: str, reasoning: str | None, content: str | None) -> None:
+    split = DeepSeekR1ReasoningParser(prompt).split(text)
     assert (split.reasoning, split.content) == (reasoning, content)
 
 
@@ -62,6 +74,10 @@ def test_deepseek_r1_split(text: str, reasoning: str | None, content: str | None
         ("", "No tags here.", None, "No tags here."),  # thinking off: everything is content
         ("<|im_start|>assistant\n<think>\n", "Hmm.\n</think>\n\nYes.", "Hmm.", "Yes."),  # prompt opened it
         ("<think>\n\n</think>\n\n", "Plain answer.", None, "Plain answer."),  # prompt closed an empty block
+        (QWEN3_NO_THINK_PROMPT, "It is 4.", None, "It is 4."),
+        ("<|im_start|>assistant\n<think>\n", "Cut off while", "Cut off while", None),
+        (PLAIN_PROMPT, "<think>a</think>b", "a", "b"),
+        (PLAIN_PROMPT, "a</think>b", None, "a</think>b"),  # qwen3 needs an opened block
     ],
 )
 def test_qwen3_split(prompt: str, text: str, reasoning: str | None, content: str | None) -> None:
@@ -70,6 +86,7 @@ def test_qwen3_split(prompt: str, text: str, reasoning: str | None, content: str
 
 
 @pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("prompt", [PLAIN_PROMPT, R1_PROMPT, QWEN3_NO_THINK_PROMPT])
 @pytest.mark.parametrize(
     "text",
     [
@@ -77,17 +94,59 @@ def test_qwen3_split(prompt: str, text: str, reasoning: str | None, content: str
         "I reason </thin here </think> answer with </think> inside",
         "<thinking is not the tag",
         "   <think>spaces first</think>   then content  ",
+        "  A plain answer with no tags, long enough to span many deltas.  ",
+        "a</think>b",
     ],
 )
-def test_reasoning_streaming_matches_whole(name: str, text: str) -> None:
-    whole = REASONING_PARSERS[name]("").split(text)
+def test_reasoning_streaming_matches_whole(name: str, prompt: str, text: str) -> None:
+    whole = REASONING_PARSERS[name](prompt).split(text)
     for seed in range(20):
-        reasoning, content, _ = feed_in_pieces(REASONING_PARSERS[name](""), text, seed)
+        reasoning, content, _ = feed_in_pieces(REASONING_PARSERS[name](prompt), text, seed)
         assert (reasoning or None, content or None) == (whole.reasoning, whole.content), seed
 
 
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("prompt", ["", PLAIN_PROMPT, QWEN3_NO_THINK_PROMPT])
+def test_output_without_markup_is_content(name: str, prompt: str) -> None:
+    text = "\nThe capital of France is Paris. It has been since 987."
+    whole = REASONING_PARSERS[name](prompt).split(text)
+    assert (whole.reasoning, whole.content) == (None, text.lstrip())
+    for seed in range(5):
+        reasoning, content, _ = feed_in_pieces(REASONING_PARSERS[name](prompt), text, seed)
+        assert (reasoning, content) == ("", text.lstrip()), seed
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_prompt_opened_think_makes_untagged_output_reasoning(name: str) -> None:
+    # R1's template ends the prompt inside <think>; max_tokens cut the output before </think>.
+    text = "Okay, the user asks for 2+2. I add"
+    whole = REASONING_PARSERS[name](R1_PROMPT).split(text)
+    assert (whole.reasoning, whole.content) == (text, None)
+    parser = REASONING_PARSERS[name](R1_PROMPT)
+    assert parser.feed("Okay, the user", finished=False).reasoning == "Okay, the user"  # streamed at once
+
+
+def test_deepseek_r1_holds_untagged_text_until_end_tag_or_end() -> None:
+    # No tag opened yet: the text is reasoning if "</think>" comes, content if not. Until then, nothing.
+    answer = DeepSeekR1ReasoningParser(PLAIN_PROMPT)
+    assert answer.feed("The capital", finished=False) == ReasoningDelta()
+    assert answer.feed(" is Paris.</thi", finished=False) == ReasoningDelta()
+    last = answer.feed("s is it", finished=True)
+    assert last == ReasoningDelta(content="The capital is Paris.</this is it")
+    closed = DeepSeekR1ReasoningParser(PLAIN_PROMPT)
+    assert closed.feed("I add.</thi", finished=False) == ReasoningDelta()
+    assert closed.feed("nk>4", finished=False) == ReasoningDelta(reasoning="I add.", content="4")
+    assert closed.feed(" exactly", finished=True) == ReasoningDelta(content=" exactly")
+
+
+def test_qwen3_streams_untagged_output_as_content_at_once() -> None:
+    parser = Qwen3ReasoningParser(QWEN3_NO_THINK_PROMPT)
+    assert parser.feed("It is", finished=False) == ReasoningDelta(content="It is")
+    assert parser.feed(" 4.", finished=True) == ReasoningDelta(content=" 4.")
+
+
 def test_reasoning_stream_holds_back_a_partial_end_tag() -> None:
-    parser = DeepSeekR1ReasoningParser("")
+    parser = DeepSeekR1ReasoningParser(R1_PROMPT)
     first = parser.feed("Thinking</thi", finished=False)
     assert first.reasoning == "Thinking" and first.content is None
     second = parser.feed("nk>Done", finished=False)

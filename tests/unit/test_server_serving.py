@@ -217,6 +217,44 @@ def test_reasoning_split_whole_and_streamed(reasoning_client) -> None:
     assert last_reasoning < first_content
 
 
+def message_and_stream(test_client, body: dict) -> tuple[dict, list[dict]]:
+    """The non-streamed message for `body`, and the deltas of the same request streamed."""
+    message = test_client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    events = sse_payloads(test_client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    return message, [e["choices"][0]["delta"] for e in events[:-1]]
+
+
+def joined(deltas: list[dict], key: str) -> str:
+    return "".join(d.get(key) or "" for d in deltas)
+
+
+def test_prompt_opened_think_cut_by_max_tokens_is_reasoning(reasoning_client) -> None:
+    # The template ends the prompt with <think> (as DeepSeek-R1 distills' does); no </think> comes.
+    message, deltas = message_and_stream(reasoning_client, chat(max_tokens=5))
+    assert message["reasoning_content"] and "Paris is in" in message["reasoning_content"]
+    assert message["content"] is None
+    assert joined(deltas, "reasoning_content") == message["reasoning_content"]
+    assert joined(deltas, "content") == ""
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_output_without_think_tags_is_content(parser: str) -> None:
+    # SmolLM2's own template opens no <think>: a model that does not reason, served with a reasoning
+    # parser. Its plain answers are content; an answer with a whole <think> block is still split.
+    test_client, _ = build_test_client(
+        lambda prompt, index: "<think>a</think>b" if "Think first" in prompt else ANSWER,
+        reasoning_parser=parser,
+    )
+    with test_client:
+        message, deltas = message_and_stream(test_client, chat())
+        assert message == {"role": "assistant", "content": ANSWER}
+        assert joined(deltas, "content") == ANSWER
+        assert not any("reasoning_content" in d for d in deltas)
+        message, deltas = message_and_stream(test_client, chat("Think first: 2+2?"))
+        assert message == {"role": "assistant", "content": "b", "reasoning_content": "a"}
+        assert (joined(deltas, "reasoning_content"), joined(deltas, "content")) == ("a", "b")
+
+
 @pytest.fixture(scope="module")
 def tool_client():
     test_client, engine = build_test_client(

@@ -1,8 +1,9 @@
-"""`--reasoning-parser qwen3`: reasoning only when a `<think>` block is open.
+"""`--reasoning-parser qwen3`: reasoning only inside a `<think>` block that was opened.
 
 The output is reasoning up to `</think>` when it opens with `<think>` or when the rendered prompt
 left a `<think>` open (thinking templates); otherwise (thinking disabled, the template closed an
-empty block) the whole output is content.
+empty block, or a model that does not reason) the whole output is content, streamed as it comes.
+A `</think>` with no opening tag is then plain content text.
 """
 
 from __future__ import annotations
@@ -12,6 +13,4 @@ from fitserve.server.parsers.reasoning import ReasoningParser
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
-
-    def untagged_output_is_reasoning(self, prompt_text: str) -> bool:
-        return self.prompt_leaves_tag_open(prompt_text)
+    lone_end_tag_marks_reasoning = False

@@ -4,6 +4,12 @@ One parser instance serves one choice of one request. `feed(delta, finished)` ta
 delta at a time and returns what can be shown now; `split(text)` is the same machine run over the
 whole output at once, so streamed and non-streamed responses always agree.
 
+Which text is reasoning: the text after an opening tag that starts the output, or from the start of
+the output when the rendered prompt left a `<think>` open (templates that open the block for the
+model), up to the closing tag or, when generation stopped first, to the end. An output with no tag
+at all, after a prompt that opened none, is all content (a model that does not reason). A closing
+tag with no opening one anywhere is read per parser: `lone_end_tag_marks_reasoning`.
+
 Output contract: the reasoning is the text between the opening and the closing tag with surrounding
 whitespace removed; the content is the text after the closing tag with leading whitespace removed.
 A part that is empty is None.
@@ -29,27 +35,29 @@ class ReasoningDelta:
 class _Phase(enum.Enum):
     UNDECIDED = "undecided"  # not yet known whether the output opens with the start tag
     REASONING = "reasoning"
+    UNTAGGED = "untagged"  # no tag opened: reasoning if a closing tag comes, content if none does
     CONTENT = "content"
 
 
 class ReasoningParser:
-    """Base machine; subclasses choose what an output without an opening tag means."""
+    """Base machine; subclasses name themselves and choose `lone_end_tag_marks_reasoning`."""
 
     name: ClassVar[str] = ""
     start_tag: ClassVar[str] = "<think>"
     end_tag: ClassVar[str] = "</think>"
+    # Whether an output that opens no tag, after a prompt that opened none, is still reasoning up to a
+    # closing tag found later. True costs streaming: such text is held back until the closing tag or
+    # the end of the output tells which part it is.
+    lone_end_tag_marks_reasoning: ClassVar[bool] = False
 
     def __init__(self, prompt_text: str = "") -> None:
         self._prompt_text = prompt_text
         self._phase = _Phase.UNDECIDED
-        self._untagged_is_reasoning = self.untagged_output_is_reasoning(prompt_text)
+        self._prompt_opened = self.prompt_leaves_tag_open(prompt_text)
         self._pending = ""
+        self._held: list[str] = []  # untagged text already known to hold no closing tag
         self._reasoning_started = False
         self._content_started = False
-
-    def untagged_output_is_reasoning(self, prompt_text: str) -> bool:
-        """Whether an output that does not open with the start tag begins inside the reasoning part."""
-        raise NotImplementedError
 
     def prompt_leaves_tag_open(self, prompt_text: str) -> bool:
         """True when the rendered prompt opened a reasoning block that it did not close."""
@@ -66,6 +74,8 @@ class ReasoningParser:
         content: list[str] = []
         if self._phase is _Phase.UNDECIDED:
             self._decide(finished)
+        if self._phase is _Phase.UNTAGGED:
+            self._scan_untagged(finished)
         if self._phase is _Phase.REASONING:
             self._scan_reasoning(reasoning, finished)
         if self._phase is _Phase.CONTENT:
@@ -79,8 +89,28 @@ class ReasoningParser:
             self._phase = _Phase.REASONING
         elif self.start_tag.startswith(head) and not finished:
             return  # still could become the start tag: wait for more text
+        elif self._prompt_opened:
+            self._phase = _Phase.REASONING
+        elif self.lone_end_tag_marks_reasoning:
+            self._phase = _Phase.UNTAGGED
         else:
-            self._phase = _Phase.REASONING if self._untagged_is_reasoning else _Phase.CONTENT
+            self._phase = _Phase.CONTENT
+
+    def _scan_untagged(self, finished: bool) -> None:
+        """Holds the text back until a closing tag (all before it is reasoning) or the end (all content).
+
+        `_pending` keeps only the last `len(end_tag) - 1` characters (a tag split across deltas still
+        shows up whole), so each delta is searched once however long the held text grows.
+        """
+        found = self.end_tag in self._pending
+        if found or finished:
+            self._pending = "".join(self._held) + self._pending
+            self._held = []
+            self._phase = _Phase.REASONING if found else _Phase.CONTENT
+            return
+        keep = min(len(self._pending), len(self.end_tag) - 1)
+        self._held.append(self._pending[: len(self._pending) - keep])
+        self._pending = self._pending[len(self._pending) - keep :]
 
     def _scan_reasoning(self, out: list[str], finished: bool) -> None:
         end = self._pending.find(self.end_tag)
