@@ -21,7 +21,6 @@ import torch
 
 from fitserve.arg_parser import json_object, nullable_str
 from fitserve.config import (
-    DEFAULT_CPU_KV_CACHE_SPACE_GIB,
     FP8_KV_CACHE_DTYPES,
     CacheConfig,
     CompilationConfig,
@@ -31,6 +30,7 @@ from fitserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from fitserve.cpu_kv_cache import check_cpu_kv_cache_space
 from fitserve.logger import configure_default_logging
 
 logger = logging.getLogger("fitserve")
@@ -165,8 +165,11 @@ class EngineArgs:
         "CUDA graphs).",
         type=json_object,
     )
-    cpu_kv_cache_space: float = _flag(
-        DEFAULT_CPU_KV_CACHE_SPACE_GIB, "GiB of KV cache when running on the CPU.", type=float
+    cpu_kv_cache_space: float | None = _flag(
+        None,
+        "GiB of KV cache when running on the CPU. Default: 2 requests of max_model_len, within half the RAM "
+        "available (docs/engine.md).",
+        type=float,
     )
     disable_log_stats: bool = _flag(False, "Do not log throughput and cache statistics.", **_BOOL)
     device: str = _flag(
@@ -232,6 +235,8 @@ class EngineArgs:
             served_model_name=_served_names(self.served_model_name),
             revision=self.revision,
             cpu_offload_gb=_resolve_cpu_offload_gb(self.cpu_offload_gb, device),
+            card_sampling=resolved.card_sampling,
+            card_sampling_source=resolved.card_sampling_source,
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -240,7 +245,9 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space=float(self.swap_space),
             kv_cache_dtype=self.kv_cache_dtype,
-            cpu_kv_cache_space_gib=float(self.cpu_kv_cache_space),
+            cpu_kv_cache_space_gib=(
+                None if self.cpu_kv_cache_space is None else float(self.cpu_kv_cache_space)
+            ),
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -299,11 +306,7 @@ class EngineArgs:
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is outside (0, 1]: set "
                 "--gpu-memory-utilization to a fraction such as 0.9"
             )
-        if self.cpu_kv_cache_space <= 0:
-            raise ValueError(
-                f"cpu_kv_cache_space={self.cpu_kv_cache_space} GiB is not above 0: set --cpu-kv-cache-space "
-                f"to a size in GiB such as {DEFAULT_CPU_KV_CACHE_SPACE_GIB}"
-            )
+        check_cpu_kv_cache_space(self.cpu_kv_cache_space)
         budget = self.max_num_batched_tokens
         if budget is not None and budget < self.max_num_seqs:
             raise ValueError(
@@ -312,34 +315,65 @@ class EngineArgs:
                 "or lower --max-num-seqs"
             )
 
-    def _refuse_unsupported(self) -> None:
-        """Features asked for that fitserve cannot do yet stop here; none is silently ignored."""
-        refusals = [
-            (self.quantization is not None, f"--quantization {self.quantization}", "drop --quantization"),
+    def _refuse_unsupported(self, config_keys: dict[str, str] | None = None) -> None:
+        """Features asked for that fitserve cannot do yet stop here; none is silently ignored.
+
+        `config_keys`: field -> where a --config file set it ("the 'quantization' key of --config
+        x.yaml"), so the fix names the file's key rather than a flag the user never typed."""
+        refusals = [  # (field, asked, flag, fix, fix when a --config key set it)
             (
+                "quantization",
+                self.quantization is not None,
+                f"--quantization {self.quantization}",
+                "drop --quantization",
+                "delete that key",
+            ),
+            (
+                "tensor_parallel_size",
                 self.tensor_parallel_size > 1,
                 f"--tensor-parallel-size {self.tensor_parallel_size}",
                 "set --tensor-parallel-size 1",
+                "set it to 1",
             ),
             (
+                "pipeline_parallel_size",
                 self.pipeline_parallel_size > 1,
                 f"--pipeline-parallel-size {self.pipeline_parallel_size}",
                 "set --pipeline-parallel-size 1",
+                "set it to 1",
             ),
             (
+                "enable_chunked_prefill",
                 self.enable_chunked_prefill is False,
                 "--no-enable-chunked-prefill",
                 "drop it: chunked prefill is always on",
+                "delete that key: chunked prefill is always on",
             ),
-            (self.enable_lora, "--enable-lora", "merge the adapter into the weights, or drop --enable-lora"),
-            (self.speculative_config is not None, "--speculative-config", "drop --speculative-config"),
             (
+                "enable_lora",
+                self.enable_lora,
+                "--enable-lora",
+                "merge the adapter into the weights, or drop --enable-lora",
+                "merge the adapter into the weights, or delete that key",
+            ),
+            (
+                "speculative_config",
+                self.speculative_config is not None,
+                "--speculative-config",
+                "drop --speculative-config",
+                "delete that key",
+            ),
+            (
+                "download_dir",
                 self.download_dir is not None,
                 f"--download-dir {self.download_dir}",
                 "give --model a local folder",
+                "delete that key and give --model a local folder",
             ),
         ]
-        for asked, flag, fix in refusals:
+        for name, asked, flag, fix, key_fix in refusals:
+            if asked and config_keys and name in config_keys:
+                raise ValueError(f"not supported yet: {flag}, set by {config_keys[name]} ({key_fix})")
             if asked:
                 raise ValueError(f"not supported yet: {flag} ({fix})")
 

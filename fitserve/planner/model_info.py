@@ -68,7 +68,7 @@ def inspect_model(
     if path is not None and path.is_dir():
         folder, name, source = path.resolve(), model or "", f"local folder {path.resolve()}"
     elif model is None:
-        resolved = resolve_model(None, revision)
+        resolved = resolve_model(None, revision, log=False)
         folder, name, source = Path(resolved.model_path), resolved.model_path, resolved.source
     else:
         return _inspect_hub(model, revision, trust_remote_code, load_format)

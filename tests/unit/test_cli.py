@@ -235,3 +235,20 @@ def test_generate_refuses_an_explicit_max_model_len_that_cannot_fit(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "max_model_len" in error and "256" in error
+
+
+def test_startup_log_says_each_thing_once(
+    tiny_chat_model: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One "Model:" line (the plan and the engine both resolve the model), and an explicit setting's line
+    says "set by you" once."""
+    argv = ["generate", str(tiny_chat_model), "--prompt", "Hi", "--no-chat", "--device", "cpu"]
+    argv += ["--max-tokens", "2", "--max-model-len", "256", "--cpu-kv-cache-space", "0.05"]
+    with caplog.at_level("INFO", logger="fitserve"):
+        assert main(argv) == 0
+    messages = [record.getMessage() for record in caplog.records]
+    assert len([m for m in messages if m.startswith("Model: ")]) == 1
+    length_lines = [m for m in messages if m.startswith("max_model_len = 256")]
+    assert length_lines == ["max_model_len = 256 (set by you)"]
+    assert not [m for m in messages if "set by you: set by you" in m]
+    assert capsys.readouterr().out.strip()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fitserve import LLM
 from fitserve.models.default_model import PYPI_PACKAGE
 from fitserve.models.loader import (
     load_generation_defaults,
@@ -105,3 +106,25 @@ def test_default_model_answers_a_question(default_model_cache: DefaultModelCache
         answer.append(int(logits.argmax()))
         logits = runner.step([("q", answer[-1:])])[0][-1]
     assert "Paris" in tokenizer.decode(answer)
+
+
+def test_default_model_samples_as_its_model_card_says(
+    default_model_cache: DefaultModelCache,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SmolLM2-135M-Instruct's generation_config.json sets no sampling; its model card samples at
+    temperature 0.2, top_p 0.9. Those are the defaults (logged), under the file's own values, and
+    --generation-config vllm turns them off."""
+    hub_off_env(monkeypatch, default_model_cache.root, tmp_path)
+    args = {"max_model_len": 256, "cpu_kv_cache_space": 0.05}
+    with caplog.at_level("INFO", logger="fitserve"):
+        defaults = LLM(**args).get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    logged = [r.getMessage() for r in caplog.records if "model card" in r.getMessage()]
+    assert logged and "temperature=0.2, top_p=0.9" in logged[0]
+    vllm_defaults = LLM(generation_config="vllm", **args).get_default_sampling_params()
+    assert (vllm_defaults.temperature, vllm_defaults.top_p) == (1.0, 1.0)
+    named = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", **args).get_default_sampling_params()
+    assert (named.temperature, named.top_p) == (0.2, 0.9)
