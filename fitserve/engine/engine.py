@@ -22,7 +22,12 @@ from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.logger import configure_default_logging
-from fitserve.models.loader import load_generation_defaults, load_tokenizer, read_generation_config
+from fitserve.models.loader import (
+    find_tokenizer,
+    load_generation_defaults,
+    load_tokenizer,
+    read_generation_config,
+)
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep
 
@@ -58,9 +63,11 @@ class Engine:
         self.config = config
         mc = config.model
         started = time.perf_counter()
-        # The tokenizer (importing transformers: ~10 s from a cold disk) loads while the model does.
+        # A folder without a tokenizer is refused now, before any weight loads; the tokenizer itself
+        # (importing transformers: ~10 s from a cold disk) then loads while the model does.
+        tokenizer_folder = find_tokenizer(mc.tokenizer)
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
-        tokenizer = tokenizer_loader.submit(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
+        tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code)
         try:
             self.executor = create_executor(config)
             if tokenizer.done() and tokenizer.exception() is not None:
@@ -115,11 +122,22 @@ class Engine:
         setting = self.config.model.generation_config
         if setting == "vllm":
             return {}
-        folder = self.config.model.model_path if setting == "auto" else setting
+        model = self.config.model
+        folder = model.model_path if setting == "auto" else setting
         defaults = load_generation_defaults(folder)
         if defaults:
             logger.info("Default sampling parameters from the model's generation_config.json: %s", defaults)
-        return defaults
+        if setting != "auto":
+            return defaults
+        from_card = {name: value for name, value in model.card_sampling.items() if name not in defaults}
+        if from_card:
+            logger.info(
+                "Default sampling parameters from %s: %s (a request's own values win; "
+                "--generation-config vllm turns them off)",
+                model.card_sampling_source,
+                ", ".join(f"{name}={value}" for name, value in from_card.items()),
+            )
+        return {**from_card, **defaults}
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams.from_optional(**self._generation_defaults)

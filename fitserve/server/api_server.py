@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import resource
 import signal
 import socket
@@ -26,7 +27,7 @@ from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.engine import Engine
 from fitserve.server.app import ROUTES, build_app
-from fitserve.server.args import ServerSettings
+from fitserve.server.args import API_KEY_ENV_VARS, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,13 @@ class _Server(uvicorn.Server):
     (uvicorn alone would wait for them to finish), and the signal is not raised again after a clean
     shutdown (uvicorn re-raises it, which would end the process with the signal's status, not 0)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, base_url: str) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, base_url: str, auth_header: str = ""
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.base_url = base_url
+        self.auth_header = auth_header
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_stopping = False
 
@@ -51,7 +55,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             freeze_startup_heap()
-            _log_ready(self.engine, self.base_url)
+            _log_ready(self.engine, self.base_url, self.auth_header)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -102,7 +106,22 @@ def _kv_cache_gib(engine: AsyncEngine) -> float:
     return stats.num_kv_blocks * stats.block_size * bytes_per_token / 2**30
 
 
-def _log_ready(engine: AsyncEngine, base_url: str) -> None:
+# The startup hint asks for a short answer: with no max_tokens a chat request may generate until the
+# context is full (vLLM's semantics), minutes on a CPU.
+HINT_MAX_TOKENS = 64
+
+
+def _auth_header(api_key: str | None) -> str:
+    """The curl option that sends the API key, for the startup hint: it names the environment variable
+    the key came from, never the key itself."""
+    if not api_key:
+        return ""
+    variable = next((name for name in API_KEY_ENV_VARS if os.environ.get(name) == api_key), None)
+    key = f"${variable}" if variable else "<your --api-key>"
+    return f' -H "Authorization: Bearer {key}"'
+
+
+def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> None:
     model = engine.config.model
     stats = engine.get_stats()
     max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
@@ -117,12 +136,14 @@ def _log_ready(engine: AsyncEngine, base_url: str) -> None:
     names = tuple(model.served_model_name) or (model.model,)
     logger.info(
         "Serving %s at %s/v1 (OpenAI-compatible). Try:\n  curl %s/v1/chat/completions "
-        '-H \'Content-Type: application/json\' -d \'{"model": "%s", "messages": '
-        '[{"role": "user", "content": "Hello!"}]}\'',
+        '-H \'Content-Type: application/json\'%s -d \'{"model": "%s", "messages": '
+        '[{"role": "user", "content": "Hello!"}], "max_tokens": %d}\'',
         names[0],
         base_url,
         base_url,
+        auth_header,
         names[0],
+        HINT_MAX_TOKENS,
     )
 
 
@@ -154,7 +175,7 @@ def run_server(namespace: argparse.Namespace) -> None:
             ssl_ca_certs=settings.ssl_ca_certs,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         )
-        _Server(config, async_engine, settings.base_url).run(sockets=[sock])
+        _Server(config, async_engine, settings.base_url, _auth_header(settings.api_key)).run(sockets=[sock])
     except KeyboardInterrupt:
         logger.info("Interrupted while starting: exiting")
     finally:
