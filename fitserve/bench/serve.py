@@ -163,14 +163,16 @@ def choose_model(
 
 
 def resolve_tokenizer_path(tokenizer: str | None, model_id: str, model_root: str | None) -> str:
-    """--tokenizer; else the model (or its server-side root) when it is a local folder with a tokenizer;
-    else fitserve's default model's tokenizer."""
+    """--tokenizer (found as the engine finds one: the default model's id works offline, a folder
+    without tokenizer files is refused with the fix); else the model (or its server-side root) when it
+    is a local folder with a tokenizer; else fitserve's default model's tokenizer."""
+    from fitserve.models.loader import find_tokenizer, resolve_model
+
     if tokenizer:
-        return tokenizer
+        return find_tokenizer(tokenizer)
     for candidate in (model_id, model_root):
         if candidate and any((Path(candidate) / name).is_file() for name in TOKENIZER_FILES):
             return candidate
-    from fitserve.models.loader import resolve_model
 
     return resolve_model(None).tokenizer_path
 

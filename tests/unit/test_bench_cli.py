@@ -113,7 +113,16 @@ def test_tokenizer_choice(tmp_path):
     with_tokenizer = tmp_path / "model"
     with_tokenizer.mkdir()
     (with_tokenizer / "tokenizer.json").write_text("{}")
-    assert resolve_tokenizer_path("/explicit/tok", str(with_tokenizer), None) == "/explicit/tok"
+    explicit = tmp_path / "explicit"
+    explicit.mkdir()
+    (explicit / "tokenizer_config.json").write_text("{}")
+    assert resolve_tokenizer_path(str(explicit), str(with_tokenizer), None) == str(explicit)
+    # an explicit folder with no tokenizer files is refused, naming the fix, before any request is sent
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has none of tokenizer.json.*pass --tokenizer PATH_OR_ID"):
+        resolve_tokenizer_path(str(config_only), "served-name", None)
     assert resolve_tokenizer_path(None, str(with_tokenizer), None) == str(with_tokenizer)
     # a served name that is no folder: the server's root folder for it
     assert resolve_tokenizer_path(None, "served-name", str(with_tokenizer)) == str(with_tokenizer)
