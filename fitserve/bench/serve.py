@@ -178,10 +178,10 @@ def resolve_tokenizer_path(tokenizer: str | None, model_id: str, model_root: str
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
+    from fitserve.models import loader
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return loader.load_tokenizer(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split())[:200]
         raise ValueError(f"cannot load the tokenizer {path} ({reason}): pass --tokenizer FOLDER") from None

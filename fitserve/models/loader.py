@@ -92,7 +92,33 @@ def load_tokenizer(tokenizer_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     folder = find_tokenizer(tokenizer_path)
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **_class_choice(folder))
+
+
+def _class_choice(folder: str) -> dict[str, Any]:
+    """What AutoTokenizer needs to choose the tokenizer class without building the model's config.
+
+    Given no config, AutoTokenizer builds the model's transformers config only to read its model_type
+    and name, and a Llama-family config module imports transformers' modeling stack on the way
+    (torch.distributed among it: about 1 s of a 6 s start of the default model on 2 cores). When
+    tokenizer_config.json names its class and loads no remote code, a bare config with the folder's
+    model_type and path leads AutoTokenizer to the same class (tests/unit/test_tokenizer_class_choice.py
+    compares the two); otherwise {} (AutoTokenizer reads the config itself)."""
+    from transformers import PretrainedConfig
+
+    try:
+        tokenizer_config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+        model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(tokenizer_config, dict) or not tokenizer_config.get("tokenizer_class"):
+        return {}
+    if "auto_map" in tokenizer_config or not isinstance(model_type, str) or not model_type:
+        return {}
+    config = PretrainedConfig()
+    config.model_type = model_type
+    config._name_or_path = folder
+    return {"config": config}
 
 
 def find_tokenizer(tokenizer_path: str) -> str:
