@@ -72,6 +72,17 @@ def raw_text(
     return post(server, "/v1/completions", body).json()["choices"][0]["text"]
 
 
+def streamed_deltas(live_server: LiveServer, body: dict) -> list[dict]:
+    """The message deltas of the same chat request, streamed."""
+    events = httpx.post(
+        live_server.url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=live_server.headers,
+        timeout=120,
+    ).text.splitlines()
+    return [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+
+
 def test_reasoning_split(live_server: LiveServer) -> None:
     body = {"messages": THINK_HISTORY, "chat_template": THINK_TEMPLATE, "max_tokens": 24, "temperature": 0}
     message = post(live_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
@@ -82,13 +93,7 @@ def test_reasoning_split(live_server: LiveServer) -> None:
     assert message["content"] == content.strip()
     assert message["reasoning_content"] and message["content"]
 
-    events = httpx.post(
-        live_server.url + "/v1/chat/completions",
-        json={**body, "stream": True},
-        headers=live_server.headers,
-        timeout=120,
-    ).text.splitlines()
-    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    deltas = streamed_deltas(live_server, body)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
 
@@ -98,13 +103,7 @@ def test_plain_chat_is_untouched_by_the_reasoning_parser(live_server: LiveServer
     message = post(live_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"]
 
-    events = httpx.post(
-        live_server.url + "/v1/chat/completions",
-        json={**body, "stream": True},
-        headers=live_server.headers,
-        timeout=120,
-    ).text.splitlines()
-    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    deltas = streamed_deltas(live_server, body)
     assert not any("reasoning_content" in d for d in deltas)
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
 
