@@ -100,9 +100,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _kv_cache_gib(engine: AsyncEngine) -> float:
+    """The pool's bytes in GiB, every block counted, in the cache's own element type (fp8: one byte)."""
     stats = engine.get_stats()
-    model = engine.config.model
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+    model, cache = engine.config.model, engine.config.cache
+    element_bytes = cache.torch_kv_cache_dtype(model.dtype).itemsize
+    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element_bytes
     return stats.num_kv_blocks * stats.block_size * bytes_per_token / 2**30
 
 
@@ -126,10 +128,11 @@ def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> Non
     stats = engine.get_stats()
     max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     logger.info(
-        "Memory: KV cache %.2f GiB (%d tokens in %d blocks), process peak RSS %.2f GiB",
+        "Memory: KV cache %.2f GiB (%d tokens in %d blocks of %d, one reserved), process peak RSS %.2f GiB",
         _kv_cache_gib(engine),
-        stats.num_kv_blocks * stats.block_size,
+        (stats.num_kv_blocks - 1) * stats.block_size,  # the tokens requests can use, as the engine says
         stats.num_kv_blocks,
+        stats.block_size,
         max_rss_gib,
     )
     logger.info("Routes: %s", ", ".join(ROUTES))
