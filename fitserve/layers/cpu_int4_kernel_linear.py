@@ -65,15 +65,18 @@ class Int4KernelCpuLinearMethod:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def convert_for_kernel(layer: nn.Module) -> Int4KernelCpuLinearMethod | None:
-    """Packs `layer.weight` for the C kernel when the kernel is available here and the weight is 4-bit
-    groups that float16 steps and minimums reproduce; returns the layer's new method, or None."""
+def convert_for_kernel(layer: nn.Module, values: torch.Tensor) -> Int4KernelCpuLinearMethod | None:
+    """Packs `layer.weight`, whose values are `values` (the weight itself, or its bfloat16 checkpoint
+    tensor), for the C kernel when the kernel is available here and the weight is 4-bit groups that
+    float16 steps and minimums reproduce; returns the layer's new method, or None."""
     kernels = load_cpu_kernels()
-    if kernels is None or not packable_shape(layer.weight, stored_as="kernel"):
+    if kernels is None or not packable_shape(values, stored_as="kernel"):
         return None
+    if values.dtype not in (torch.float32, torch.bfloat16):
+        values = values.float()
     # The C packer finds and packs the groups in one pass (int4_pack.c); torch's find_int4_groups and
     # pack_for_kernel compute the same bytes in about a dozen.
-    packed = kernels.int4_pack(layer.weight.float(), INT4_TOLERANCE)
+    packed = kernels.int4_pack(values, INT4_TOLERANCE)
     if packed is None:
         return None
     out_features, in_features = layer.weight.shape

@@ -242,9 +242,11 @@ def pack_fp16_copy(weight: torch.Tensor) -> Any | None:
         return None
 
 
-def convert_to_int4(layer: nn.Module) -> Any | None:
+def convert_to_int4(layer: nn.Module, source: torch.Tensor | None = None) -> Any | None:
     """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups, for
     fitserve's C kernel where it builds on this machine (cpu_int4_kernel_linear.py), else for torch's.
+    `source`: the weight's values as loaded (a bfloat16 checkpoint's), when they were not copied into
+    `layer.weight` (linear.LinearBase._holds).
 
     Returns the linear method the layer now needs, or None when the weight was left as it is.
     """
@@ -252,13 +254,14 @@ def convert_to_int4(layer: nn.Module) -> Any | None:
         return None
     from fitserve.layers.cpu_int4_kernel_linear import convert_for_kernel
 
-    method = convert_for_kernel(layer)
+    values = layer.weight if source is None else source
+    method = convert_for_kernel(layer, values)
     if method is not None or not kernel_available():
         return method
-    groups = find_int4_groups(layer.weight)
+    groups = find_int4_groups(values)
     if groups is None:
         return None
-    fp16_weight = pack_fp16_copy(layer.weight)  # from the loaded values, before they are replaced
+    fp16_weight = pack_fp16_copy(values)  # from the loaded values, before they are replaced
     packed, scales_and_zeros = pack(groups)
     # Memory outside parameters and buffers, for the loading log (ModelRunner counts it).
     layer.packed_copy_bytes = layer.weight.numel() * 2 if fp16_weight is not None else 0

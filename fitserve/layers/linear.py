@@ -33,13 +33,17 @@ SWAPPED_MAX_ROWS = 32
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copies a checkpoint tensor into `param` (or a view of it), casting its dtype; shapes must match."""
-    if param.shape != loaded_weight.shape:
-        raise ValueError(
-            f"checkpoint tensor has shape {tuple(loaded_weight.shape)} but the parameter expects "
-            f"{tuple(param.shape)}: the checkpoint does not match the model's config.json"
-        )
+    check_loaded_shape(param.shape, loaded_weight)
     with torch.no_grad():
         param.copy_(loaded_weight)
+
+
+def check_loaded_shape(expected: torch.Size, loaded_weight: torch.Tensor) -> None:
+    if expected != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded_weight.shape)} but the parameter expects "
+            f"{tuple(expected)}: the checkpoint does not match the model's config.json"
+        )
 
 
 def dense_linear(
@@ -104,10 +108,15 @@ class UnquantizedLinearMethod:
             return
         from fitserve.layers.cpu_int4_linear import convert_to_int4
 
-        int4_method = convert_to_int4(layer)
+        held = layer.take_held_weight()
+        int4_method = convert_to_int4(layer, held)
         if int4_method is not None:
             layer.linear_method = int4_method
-        elif layer.weight.dtype == torch.float32 and layer.weight.dim() == 2:
+            return
+        if held is not None:  # not 4-bit groups: the float32 weight after all
+            with torch.no_grad():
+                layer.weight.copy_(held)
+        if layer.weight.dtype == torch.float32 and layer.weight.dim() == 2:
             layer.weight.data = layer.weight.data.t().contiguous().t()
 
 
@@ -133,6 +142,9 @@ class LinearBase(nn.Module):
         self.linear_method: LinearMethod = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(self, input_size, output_size, bias)
         self._loaded_shards: set[ShardId | None] = set()
+        # Checkpoint tensors (or shards) of the weight held as loaded until the weight is whole; see
+        # `_holds`.
+        self._held: dict[ShardId | None, torch.Tensor] = {}
 
     @property
     def shard_ids(self) -> tuple[ShardId, ...]:
@@ -144,8 +156,41 @@ class LinearBase(nn.Module):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not packed: it takes no shard id (got {shard_id!r})")
         self._check_loadable(param)
-        default_weight_loader(param, loaded_weight)
+        if self._holds(param, loaded_weight):
+            check_loaded_shape(param.shape, loaded_weight)
+            self._held[None] = loaded_weight
+        else:
+            default_weight_loader(param, loaded_weight)
         self._after_load(param, shard_id)
+
+    def _holds(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> bool:
+        """Whether a checkpoint tensor of the weight is held as loaded instead of copied in: a bfloat16
+        checkpoint's matrix for a float32 weight on the CPU (a converted GGUF's, say). Once the weight is
+        whole it is packed as int4 straight from the held tensors when it is 4-bit groups, and copied into
+        the float32 weight only when it is not: the default model's 106 M projection weights skip a
+        float32 copy (about 0.8 s of its start on 2 cores, and 0.4 GB of memory) that packing discards."""
+        return (
+            param is self.weight
+            and loaded_weight.dtype == torch.bfloat16
+            and param.dtype == torch.float32
+            and loaded_weight.device.type == "cpu"
+            and isinstance(self.linear_method, UnquantizedLinearMethod)
+            and _owns_cpu_storage(param)
+        )
+
+    def take_held_weight(self) -> torch.Tensor | None:
+        """The held checkpoint tensors as the whole weight (bfloat16 [out, in]), forgotten here; None
+        when the weight was copied in as it loaded."""
+        held, self._held = self._held, {}
+        if not held:
+            return None
+        if None in held:
+            return held[None]
+        whole = torch.empty(self.weight.shape, dtype=torch.bfloat16)
+        for shard_id, tensor in held.items():
+            start, size = self.shard_offsets[shard_id]  # type: ignore[attr-defined]
+            whole.narrow(0, start, size).copy_(tensor)
+        return whole
 
     def _check_loadable(self, param: nn.Parameter) -> None:
         repacked = not isinstance(self.linear_method, UnquantizedLinearMethod)
@@ -203,15 +248,17 @@ class PackedColumnLinear(ColumnParallelLinear):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
     ) -> None:
         self._check_loadable(param)
-        if shard_id is None:  # a checkpoint that already stores the packed matrix
-            default_weight_loader(param, loaded_weight)
-        elif shard_id not in self.shard_offsets:
+        if shard_id is not None and shard_id not in self.shard_offsets:
             raise ValueError(
                 f"shard id {shard_id!r} is not one of {list(self.shard_offsets)} for {type(self).__name__}"
             )
+        # shard None: a checkpoint that already stores the packed matrix
+        target = param if shard_id is None else param.narrow(0, *self.shard_offsets[shard_id])
+        if self._holds(param, loaded_weight):
+            check_loaded_shape(target.shape, loaded_weight)
+            self._held[shard_id] = loaded_weight
         else:
-            start, size = self.shard_offsets[shard_id]
-            default_weight_loader(param.narrow(0, start, size), loaded_weight)
+            default_weight_loader(target, loaded_weight)
         self._after_load(param, shard_id)
 
 

@@ -58,6 +58,20 @@ def test_bf16_rounded_q4_weights_as_loaded_from_a_conversion() -> None:
     assert_same_as_torch(q4_matrix(64, 256, seed=5).bfloat16().float())
 
 
+@pytest.mark.parametrize("spoil", [False, True])
+def test_a_bf16_weight_packs_as_its_float32_values_do(spoil: bool) -> None:
+    stored = q4_matrix(64, 256, seed=8).bfloat16()
+    if spoil:
+        stored[3, 9] = 0.123  # off its group's grid: refused from either dtype
+    from_bf16 = KERNELS.int4_pack(stored, INT4_TOLERANCE)
+    from_float32 = KERNELS.int4_pack(stored.float(), INT4_TOLERANCE)
+    assert (from_bf16 is None) == (from_float32 is None) == spoil
+    if not spoil:
+        assert torch.equal(from_bf16.codes, from_float32.codes)
+        assert torch.equal(from_bf16.scales, from_float32.scales)
+        assert from_bf16.max_deviation == from_float32.max_deviation
+
+
 @pytest.mark.parametrize("spoil", ["random", "nan", "inf", "one_value_off"])
 def test_matrices_that_are_not_4_bit_groups_are_refused(spoil: str) -> None:
     weight = q4_matrix(32, 64, seed=6)

@@ -1,5 +1,6 @@
-/* fitserve's int4 packer: a float32 weight [N, K] made of 4-bit groups of 32 (a converted Q4_1 GGUF's)
- * -> the int4 GEMM's codes and scales (int4_gemm.c's layout), in one pass over the weight.
+/* fitserve's int4 packer: a float32 or bfloat16 weight [N, K] made of 4-bit groups of 32 (a converted
+ * Q4_1 GGUF's) -> the int4 GEMM's codes and scales (int4_gemm.c's layout), in one pass over the weight.
+ * A bfloat16 weight (a converted checkpoint as stored) is read as the float32 values it holds exactly.
  *
  * It computes exactly what int4_layout.pack_for_kernel(find_int4_groups(w, "kernel")) does in torch
  * (cpu_int4_linear.py; a unit test compares every byte): per group of 32,
@@ -18,6 +19,15 @@
 #define GROUP 32
 #define BLOCK_COLUMNS 16
 
+/* 16 weights as float32: from float32, or from bfloat16 (its upper 16 bits, exactly) */
+static inline __m512 load16(const void *w, int64_t index, int bf16) {
+  if (bf16) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  return _mm512_loadu_ps((const float *)w + index);
+}
+
 static inline float round_to_half(float value, uint16_t *half) {
   *half = _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
   return _cvtsh_ss(*half);
@@ -26,8 +36,8 @@ static inline float round_to_half(float value, uint16_t *half) {
 /* Returns 0 when w is int4 groups within tolerance (codes and scales written), 1 when it is not, 2 when
  * its shape does not fit the layout. *max_deviation receives the largest deviation (NaN when a value is
  * not finite: torch's version refuses those too). */
-int fs_int4_pack(const float *w, int64_t N, int64_t K, float tolerance, uint8_t *codes, uint16_t *scales,
-                 float *max_deviation, int threads) {
+int fs_int4_pack(const void *w, int bf16, int64_t N, int64_t K, float tolerance, uint8_t *codes,
+                 uint16_t *scales, float *max_deviation, int threads) {
   if (N % BLOCK_COLUMNS != 0 || K % GROUP != 0) return 2;
   const int64_t groups = K / GROUP, chunks = K / 8;
   float worst = 0.0f;
@@ -36,9 +46,9 @@ int fs_int4_pack(const float *w, int64_t N, int64_t K, float tolerance, uint8_t 
   for (int64_t n = 0; n < N; n++) {
     const int64_t block = n / BLOCK_COLUMNS, column = n % BLOCK_COLUMNS;
     for (int64_t g = 0; g < groups; g++) {
-      const float *x = w + n * K + g * GROUP;
+      const int64_t first = n * K + g * GROUP;
       const __m512 zero = _mm512_setzero_ps();
-      const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+      const __m512 a = load16(w, first, bf16), b = load16(w, first + 16, bf16);
       /* v - v is 0 exactly for finite v, NaN for an infinity or a NaN */
       const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), zero, _CMP_EQ_OQ) &
                                _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_EQ_OQ);

@@ -27,14 +27,15 @@ class Int4Pack:
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.fs_int4_pack
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        function.argtypes = [ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+        function.argtypes = [ptr, ctypes.c_int, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         function.restype = ctypes.c_int
         self._function = function
 
     def __call__(self, weight: torch.Tensor, tolerance: float) -> PackedInt4 | None:
-        """The packed form of a float32 [N, K] weight made of 4-bit groups of 32 reproduced within
-        `tolerance` of each group's largest |weight| by float16 steps and minimums; None for any other."""
-        if weight.dim() != 2 or weight.dtype != torch.float32:
+        """The packed form of a float32 or bfloat16 [N, K] weight made of 4-bit groups of 32 reproduced
+        within `tolerance` of each group's largest |weight| by float16 steps and minimums; None for any
+        other. A bfloat16 weight packs as the float32 one holding the same values does."""
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_cuda:
             return None
         out_features, in_features = weight.shape
         if out_features % BLOCK_COLUMNS or in_features % GROUP_SIZE:
@@ -46,6 +47,7 @@ class Int4Pack:
         deviation = ctypes.c_float()
         status = self._function(
             weight.data_ptr(),
+            int(weight.dtype == torch.bfloat16),
             out_features,
             in_features,
             tolerance,
