@@ -72,15 +72,20 @@ def raw_text(
     return post(server, "/v1/completions", body).json()["choices"][0]["text"]
 
 
-def streamed_deltas(live_server: LiveServer, body: dict) -> list[dict]:
-    """The message deltas of the same chat request, streamed."""
+def streamed_chunks(live_server: LiveServer, body: dict) -> list[dict]:
+    """The chunks of the same chat request, streamed."""
     events = httpx.post(
         live_server.url + "/v1/chat/completions",
         json={**body, "stream": True},
         headers=live_server.headers,
         timeout=120,
     ).text.splitlines()
-    return [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    return [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+
+
+def streamed_deltas(live_server: LiveServer, body: dict) -> list[dict]:
+    """The message deltas of the same chat request, streamed."""
+    return [chunk["choices"][0]["delta"] for chunk in streamed_chunks(live_server, body)]
 
 
 def test_reasoning_split(live_server: LiveServer) -> None:
@@ -134,13 +139,7 @@ def test_tool_call_round_trip(live_server: LiveServer) -> None:
     assert call["function"]["name"] == expected["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == expected["arguments"]
 
-    events = httpx.post(
-        live_server.url + "/v1/chat/completions",
-        json={**request, "stream": True},
-        headers=live_server.headers,
-        timeout=120,
-    ).text.splitlines()
-    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    chunks = streamed_chunks(live_server, request)
     fragments = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
     assert "".join(f["function"].get("name", "") for f in fragments) == "get_weather"
     assert json.loads("".join(f["function"].get("arguments", "") for f in fragments)) == expected["arguments"]
