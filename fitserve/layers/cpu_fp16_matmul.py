@@ -28,7 +28,7 @@ def pack_fp16_if_exact(weight: torch.Tensor) -> Any | None:
     would change a value or the fbgemm kernels are not available."""
     if not fp16_holds_exactly(weight):
         return None
-    packed = _prepack(weight)
+    packed = prepack_fp16(weight)
     if packed is not None:
         _announce(tuple(weight.shape))
     return packed
@@ -42,7 +42,7 @@ def pack_fp16_in_background(weight: torch.Tensor) -> Future | None:
         return None
     _announce(tuple(weight.shape))
     packer = ThreadPoolExecutor(1, thread_name_prefix="fitserve-fp16-pack")
-    future = packer.submit(_prepack, weight)
+    future = packer.submit(prepack_fp16, weight)
     packer.shutdown(wait=False)
     return future
 
@@ -57,10 +57,12 @@ def fp16_holds_exactly(weight: torch.Tensor) -> bool:
         return torch.equal(weight.to(torch.float16).to(torch.float32), weight)
 
 
-def _prepack(weight: torch.Tensor) -> Any | None:
+def prepack_fp16(weight: torch.Tensor) -> Any | None:
+    """`weight` [N, K] rounded to float16 and prepacked for fbgemm's fp16 GEMM, or None when fbgemm
+    refuses it."""
     try:
         with torch.no_grad():
-            return torch.ops.quantized.linear_prepack_fp16(weight.detach(), None)
+            return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
 

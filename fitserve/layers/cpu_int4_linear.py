@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_fp16_matmul import fp16_linear_op
+from fitserve.layers.cpu_fp16_matmul import fp16_linear_op, prepack_fp16
 from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS as KERNEL_BLOCK_COLUMNS
 
 logger = logging.getLogger("fitserve")
@@ -236,10 +236,7 @@ def pack_fp16_copy(weight: torch.Tensor) -> Any | None:
     (FITSERVE_CPU_INT4_FP16=0) or fbgemm is not available."""
     if not fp16_copy_enabled() or "fbgemm" not in torch.backends.quantized.supported_engines:
         return None
-    try:
-        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return None
+    return prepack_fp16(weight)
 
 
 def convert_to_int4(layer: nn.Module, source: torch.Tensor | None = None) -> Any | None:
