@@ -34,7 +34,6 @@ from fitserve.bench.report import (
 from fitserve.bench.serve_args import check_serve_args, resolve_api_key
 
 PROBE_TIMEOUT_S = 10.0
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class ServerUnreachable(Exception):
@@ -166,15 +165,14 @@ def resolve_tokenizer_path(tokenizer: str | None, model_id: str, model_root: str
     """--tokenizer (found as the engine finds one: the default model's id works offline, a folder
     without tokenizer files is refused with the fix); else the model (or its server-side root) when it
     is a local folder with a tokenizer; else fitserve's default model's tokenizer."""
-    from fitserve.models.loader import find_tokenizer, resolve_model
+    from fitserve.models import resolve
 
     if tokenizer:
-        return find_tokenizer(tokenizer)
+        return resolve.resolve_tokenizer_path(tokenizer)
     for candidate in (model_id, model_root):
-        if candidate and any((Path(candidate) / name).is_file() for name in TOKENIZER_FILES):
+        if candidate and any((Path(candidate) / name).is_file() for name in resolve.TOKENIZER_FILES):
             return candidate
-
-    return resolve_model(None).tokenizer_path
+    return resolve.resolve_model(None).tokenizer_path
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:

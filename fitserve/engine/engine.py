@@ -23,10 +23,10 @@ from fitserve.engine.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.logger import configure_default_logging
 from fitserve.models.loader import (
-    find_tokenizer,
     load_generation_defaults,
     load_tokenizer,
     read_generation_config,
+    resolve_tokenizer_path,
 )
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep
@@ -65,7 +65,7 @@ class Engine:
         started = time.perf_counter()
         # A folder without a tokenizer is refused now, before any weight loads; the tokenizer itself
         # (importing transformers: ~10 s from a cold disk) then loads while the model does.
-        tokenizer_folder = find_tokenizer(mc.tokenizer)
+        tokenizer_folder = resolve_tokenizer_path(mc.tokenizer)
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
         tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code)
         try:

