@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from fitserve.config import EngineConfig
 
 GiB = 1 << 30
-# Requests of max_model_len the automatic pool holds (see above).
+# Requests of max_model_len the automatic pool holds (see above); auto-fit keeps the model's own
+# max_model_len when the KV cache holds this many (planner/fit.py).
 FULL_LENGTH_REQUESTS = 2
 # The automatic pool takes at most this fraction of the RAM available once the weights are loaded.
 RAM_FRACTION = 0.5

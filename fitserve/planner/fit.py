@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.args import EngineArgs, check_fp8_kv_cache_on_gpu, default_max_num_batched_tokens
-from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS as CPU_KV_REQUESTS
-from fitserve.cpu_kv_cache import RAM_FRACTION
+from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS, RAM_FRACTION
 from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
@@ -41,10 +40,9 @@ from fitserve.planner.memory import MemoryInputs, MemoryPlan, cpu_kept_forms, pl
 from fitserve.planner.model_info import ModelInfo
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
-# The model's own max_model_len is kept when the KV cache holds this many requests of that length
-# (one long request then never stalls all the others); else the largest length that many fit. The CPU's
-# automatic KV cache holds as many (fitserve/cpu_kv_cache.py).
-FULL_LENGTH_REQUESTS = 2
+# The model's own max_model_len is kept when the KV cache holds FULL_LENGTH_REQUESTS (2) requests of that
+# length (one long request then never stalls all the others); else the largest length that many fit. The
+# constant lives with the CPU's automatic KV cache (fitserve/cpu_kv_cache.py), which holds as many.
 # An automatic max_model_len is never below min(the model's own, this).
 MIN_AUTO_MAX_MODEL_LEN = 1024
 # With max_model_len unset, the weights must leave KV room for one request of min(own, this) tokens.
@@ -373,7 +371,7 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
     if not inputs.on_gpu:
         notes.append(
             "on the CPU gpu_memory_utilization has no effect: the KV cache is --cpu-kv-cache-space GiB, or, "
-            f"unset, {CPU_KV_REQUESTS} requests of max_model_len within {RAM_FRACTION:.0%} of the RAM "
+            f"unset, {FULL_LENGTH_REQUESTS} requests of max_model_len within {RAM_FRACTION:.0%} of the RAM "
             "available"
         )
     return notes

@@ -13,7 +13,7 @@ On the CPU the engine then keeps some of them in a smaller form (`CpuKeptForms`)
 are 4-bit groups of 32 (a Q4_0 / Q4_1 GGUF's) stay int4 (layers/cpu_int4_linear.py), and an LM head whose
 values float16 holds exactly gets a float16 copy (layers/cpu_fp16_matmul.py). The engine checks the
 values; the plan, which reads no values, goes by the GGUF's tensor types: from its header for a .gguf
-file, from the file name its cache record (fitserve_cache_entry.json) names for a converted folder.
+file, from the matrix types its cache record (fitserve_cache_entry.json) counts for a converted folder.
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ def inventory_from_headers(
         source=source + (f"; converted from a {int4_gguf_type} GGUF" if int4_gguf_type else ""),
         checkpoint_quantization=checkpoint_quantization,
         file_tensor_types=tuple(sorted(types)),
-        cpu_forms=cpu_kept_forms(int4, bool(int4_gguf_type), int4_gguf_type or ""),
+        cpu_forms=forms_kept_on_this_host(int4, bool(int4_gguf_type), int4_gguf_type or ""),
     )
 
 
-def cpu_kept_forms(int4_params: int, fp16_head: bool, gguf_type: str) -> CpuKeptForms:
+def forms_kept_on_this_host(int4_params: int, fp16_head: bool, gguf_type: str) -> CpuKeptForms:
     """The forms the CPU engine keeps on this host: no int4 with FITSERVE_CPU_INT4=0; torch's int4 kernel
     (where fitserve's C kernel cannot run) adds a float16 copy of each int4 matrix; both float16 forms
     need fbgemm."""
@@ -287,7 +287,7 @@ def inventory_from_gguf(path: Path) -> WeightInventory:
         file_bytes=file_bytes,
         source=f"GGUF header ({path.name}; dequantized to the model dtype when fitserve converts it)",
         file_tensor_types=tuple(sorted(types)),
-        cpu_forms=cpu_kept_forms(int4, fp16_head, "/".join(int4_types) or head_type),
+        cpu_forms=forms_kept_on_this_host(int4, fp16_head, "/".join(int4_types) or head_type),
     )
 
 
