@@ -178,24 +178,25 @@ def _recording(action_class: type[argparse.Action]) -> type[argparse.Action]:
 def explicit_engine_fields(namespace: argparse.Namespace) -> frozenset[str]:
     """The EngineArgs fields the user set: flags on the command line and keys of the --config file."""
     explicit = set(getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset()))
-    config = getattr(namespace, "config", None)
-    if config:
-        content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-        explicit |= {str(key).replace("-", "_") for key in content} & _ENGINE_FIELDS
-    return frozenset(explicit)
+    return frozenset(explicit | _config_engine_keys(namespace).keys())
 
 
 def config_key_sources(namespace: argparse.Namespace) -> dict[str, str]:
     """EngineArgs field -> "the 'key' key of --config FILE", for each field the --config file set and
     the command line did not: a refusal then names the file's key, not a flag the user never typed."""
+    on_command_line = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
+    return {
+        name: f"the '{key}' key of --config {namespace.config}"
+        for name, key in _config_engine_keys(namespace).items()
+        if name not in on_command_line
+    }
+
+
+def _config_engine_keys(namespace: argparse.Namespace) -> dict[str, str]:
+    """EngineArgs field -> the key that sets it in the --config file ({} without one)."""
     config = getattr(namespace, "config", None)
     if not config:
         return {}
     content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-    on_command_line = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
-    sources = {}
-    for key in content:
-        name = str(key).replace("-", "_")
-        if name in _ENGINE_FIELDS and name not in on_command_line:
-            sources[name] = f"the '{key}' key of --config {config}"
-    return sources
+    fields = {str(key).replace("-", "_"): str(key) for key in content}
+    return {name: key for name, key in fields.items() if name in _ENGINE_FIELDS}
