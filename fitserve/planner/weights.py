@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import platform
 import re
-import shutil
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -148,11 +145,9 @@ def forms_kept_on_this_host(int4_params: int, fp16_head: bool, gguf_type: str) -
 def c_int4_kernel_expected() -> bool:
     """Whether fitserve's C int4 kernel should build here (layers/cpu_kernels/library.py decides by
     building it; the plan goes by the switch, the machine, a compiler and the CPU's flags)."""
-    from fitserve.layers.cpu_kernels.library import kernels_enabled
+    from fitserve.layers.cpu_kernels.library import build_blocker, kernels_enabled
 
-    if not kernels_enabled() or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    return shutil.which(os.environ.get("CC", "cc")) is not None and _cpu_flags() >= _C_KERNEL_CPU_FLAGS
+    return kernels_enabled() and build_blocker() is None and _cpu_flags() >= _C_KERNEL_CPU_FLAGS
 
 
 @functools.cache

@@ -90,14 +90,26 @@ def _set_answer(answer: tuple[str | None, CpuKernels | None] | None) -> None:
     _answer = answer
 
 
-def _build_and_check() -> CpuKernels | None:
+def build_blocker() -> str | None:
+    """Why the kernels cannot even be built here (not x86-64, no C compiler), or None; found without
+    building (the planner predicts from it, with the CPU's flags)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return _unavailable(f"the C kernels are written for x86-64 AVX-512, not {platform.machine()}")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return _unavailable("no C compiler found (set CC, or install gcc)")
+        return f"the C kernels are written for x86-64 AVX-512, not {platform.machine()}"
+    if _compiler() is None:
+        return "no C compiler found (set CC, or install gcc)"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _build_and_check() -> CpuKernels | None:
+    blocker = build_blocker()
+    if blocker is not None:
+        return _unavailable(blocker)
     try:
-        path = _built_library(compiler)
+        path = _built_library(str(_compiler()))  # build_blocker found it
         kernels = CpuKernels(ctypes.CDLL(str(path)), path)
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
         return _unavailable(f"building {', '.join(s.name for s in SOURCES)} failed ({_first_line(error)})")
