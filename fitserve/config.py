@@ -128,3 +128,10 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     quantization: str | None = None
     disable_log_stats: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token over all layers: K and V, in the cache's element type."""
+        model = self.model
+        element = self.cache.torch_kv_cache_dtype(model.dtype).itemsize
+        return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element

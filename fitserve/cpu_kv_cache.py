@@ -170,14 +170,13 @@ def cpu_kv_cache_size(
 def engine_cpu_kv_cache_size(config: EngineConfig, available_bytes: int | None) -> CpuKvCacheSize:
     """`cpu_kv_cache_size` for a resolved EngineConfig (fitserve/config.py): the engine's pool."""
     model, cache = config.model, config.cache
-    element = cache.torch_kv_cache_dtype(model.dtype).itemsize
     return cpu_kv_cache_size(
         cache.cpu_kv_cache_space_gib,
         max_model_len=model.max_model_len,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_num_seqs=config.scheduler.max_num_seqs,
         block_size=cache.block_size,
-        kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim * element,
+        kv_bytes_per_token=config.kv_bytes_per_token,
         available_bytes=available_bytes,
     )
 

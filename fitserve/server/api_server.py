@@ -102,10 +102,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _kv_cache_gib(engine: AsyncEngine) -> float:
     """The pool's bytes in GiB, every block counted, in the cache's own element type (fp8: one byte)."""
     stats = engine.get_stats()
-    model, cache = engine.config.model, engine.config.cache
-    element_bytes = cache.torch_kv_cache_dtype(model.dtype).itemsize
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element_bytes
-    return stats.num_kv_blocks * stats.block_size * bytes_per_token / 2**30
+    return stats.num_kv_blocks * stats.block_size * engine.config.kv_bytes_per_token / 2**30
 
 
 # The startup hint asks for a short answer: with no max_tokens a chat request may generate until the

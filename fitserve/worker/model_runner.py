@@ -112,9 +112,7 @@ class ModelRunner:
         return self.config.cache.torch_kv_cache_dtype(self.config.model.dtype)
 
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model
-        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return self.config.kv_bytes_per_token * self.block_size
 
     def determine_num_blocks(self) -> int:
         return self.platform.determine_num_blocks(self)
