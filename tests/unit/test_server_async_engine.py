@@ -145,7 +145,11 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
 
 
 def test_an_out_of_memory_output_passes_through_and_the_others_go_on() -> None:
-    engine = OutOfMemoryReplayEngine(lambda p, i: LONG, fails=lambda prompt: "Explode" in prompt)
+    # 20 ms a step: r2 is surely in flight before r1's second token sets off its failing step (with no
+    # delay the engine thread could step r1 twice before the event loop added r2).
+    engine = OutOfMemoryReplayEngine(
+        lambda p, i: LONG, fails=lambda prompt: "Explode" in prompt, step_delay_s=0.02
+    )
     seen: list[RequestOutput] = []
 
     async def scenario() -> tuple[RequestOutput, RequestOutput, bool]:
