@@ -122,8 +122,8 @@ def weight_formats(llm) -> dict:
         "float16 (exact copy)" if getattr(head, "_fp16_weight", None) is not None else str(head.weight.dtype)
     )
     fp16_copies = sum(getattr(m, "fp16_weight", None) is not None for m in model.modules())
-    from fitserve.layers.cpu_int4_linear import FP16_MIN_ROWS
-    from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+    from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+    from fitserve.layers.cpu.int4_linear import FP16_MIN_ROWS
 
     kernels = load_cpu_kernels()
     formats = {

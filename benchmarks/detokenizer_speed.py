@@ -26,8 +26,8 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer
 
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
-from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.token_bytes import token_byte_table
 
 TOKENIZER = "/work/shared/tokenizers/smollm2"

@@ -14,7 +14,6 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -238,9 +237,7 @@ MID_BATCH_SWEEP = [
 def bench_mid_batches(rng: random.Random) -> list[dict[str, Any]]:
     """Launch configs at the batch sizes where nano's batch shrinks and serving runs (32 to 128 rows)."""
     rows = []
-    fused = DecodeLaunchConfig(fused_reduce=True)
     sweep = [(config, None) for config in MID_BATCH_SWEEP]
-    sweep += [(fused, 2), (fused, 3), (fused, 4), (DecodeLaunchConfig(32, 4, 3, fused_reduce=True), 4)]
     mixed = [rng.randint(200, 2048) for _ in range(128)]
     rows += bench_decode("mid: batch 128, ctx in [200, 2048], Qwen3-0.6B", mixed, 16, 8, 128, sweep)
     rows += bench_decode("mid: batch 64, ctx in [200, 2048], Qwen3-0.6B", mixed[:64], 16, 8, 128, sweep)
@@ -262,7 +259,6 @@ def main() -> None:
         report(bench_mid_batches(rng), [], copy_gbs, args.output)
         return
     default = DEFAULT_DECODE_CONFIG
-    fused = replace(default, fused_reduce=True)
     config_sweep = [(config, None) for config in DECODE_SWEEP]
     decode = bench_decode("single8b_decode: batch 1, ctx 384, Llama-3.1-8B", [384], 32, 8, 128, config_sweep)
     decode += bench_decode(
@@ -271,7 +267,7 @@ def main() -> None:
         32,
         8,
         128,
-        [(default, 1), (fused, None), (default, 12)],
+        [(default, 1), (default, 12)],
     )
     nano_lens = [rng.randint(900, 1100) for _ in range(256)]
     decode += bench_decode(
@@ -283,7 +279,7 @@ def main() -> None:
         32,
         8,
         128,
-        [(default, None), (fused, None), (default, 32), (default, 16)],
+        [(default, None), (default, 32), (default, 16)],
     )
     decode += bench_decode(
         "batch 16, ctx 2048, Llama-3.1-8B", [2048] * 16, 32, 8, 128, [(default, None), (default, 1)]
@@ -291,28 +287,16 @@ def main() -> None:
     decode += bench_decode(
         "batch 32, ctx 2048, Qwen3-0.6B", [2048] * 32, 16, 8, 128, [(default, None), (default, 2)]
     )
-    sequences_first = replace(default, heads_first=False)
-    grid_orders = [(sequences_first, None), (default, None), (sequences_first, 2), (default, 2), (default, 4)]
-    decode += bench_decode(
-        "nano_decode, grid order: batch 256, ctx ~1000", nano_lens, 16, 8, 128, grid_orders[:2]
-    )
+    partition_counts = [(default, None), (default, 2), (default, 4)]
     mixed = [rng.randint(200, 2048) for _ in range(256)]
     decode += bench_decode(
-        "nano mixed: batch 256, ctx in [200, 2048], Qwen3-0.6B", mixed, 16, 8, 128, grid_orders
+        "nano mixed: batch 256, ctx in [200, 2048], Qwen3-0.6B", mixed, 16, 8, 128, partition_counts
     )
     decode += bench_decode(
-        "nano mixed: batch 64, ctx in [200, 2048], Qwen3-0.6B", mixed[:64], 16, 8, 128, grid_orders
+        "nano mixed: batch 64, ctx in [200, 2048], Qwen3-0.6B", mixed[:64], 16, 8, 128, partition_counts
     )
     decode += bench_decode(
-        "serve c32: batch 32, ctx 1536, Llama-3.1-8B", [1536] * 32, 32, 8, 128, grid_orders
-    )
-    decode += bench_decode(
-        "batch 1, ctx 1536, Llama-3.1-8B, grid order",
-        [1536],
-        32,
-        8,
-        128,
-        [(sequences_first, None), (default, None)],
+        "serve c32: batch 32, ctx 1536, Llama-3.1-8B", [1536] * 32, 32, 8, 128, partition_counts
     )
     prefill = bench_prefill("prefill: 16 x 1024 fresh prompts, Qwen3-0.6B", [1024] * 16, 16, 8, 128)
     report(decode, prefill, copy_gbs, args.output)
@@ -341,9 +325,7 @@ def report(decode: list[dict], prefill: list[dict], copy_gbs: float, output: Pat
         config = row["config"]
         print(
             f"{row['case'][:44]:44s} tile={config['tile_tokens']:3d} warps={config['num_warps']} "
-            f"stages={config['num_stages']} fused={config['fused_reduce']:d} "
-            f"heads1st={config['heads_first']:d} "
-            f"parts={row['num_partitions']:2d} graph {row['us_graph']:7.1f} us "
+            f"stages={config['num_stages']} parts={row['num_partitions']:2d} graph {row['us_graph']:7.1f} us "
             f"{row['kv_read_gbs']:6.0f} GB/s ({row['fraction_of_copy_bandwidth']:.0%}) "
             f"eager {row['us_eager']:7.1f} us err={row['relative_error_vs_reference']:.1e} {row['kernel_us']}"
         )

@@ -8,15 +8,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fitserve.args import EngineArgs
+    from fitserve.core.outputs import CompletionOutput, RequestOutput
+    from fitserve.core.sampling_params import SamplingParams
     from fitserve.engine.llm import LLM
-    from fitserve.engine.outputs import CompletionOutput, RequestOutput
-    from fitserve.engine.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "fitserve.engine.llm",
-    "SamplingParams": "fitserve.engine.sampling_params",
-    "RequestOutput": "fitserve.engine.outputs",
-    "CompletionOutput": "fitserve.engine.outputs",
+    "SamplingParams": "fitserve.core.sampling_params",
+    "RequestOutput": "fitserve.core.outputs",
+    "CompletionOutput": "fitserve.core.outputs",
     "EngineArgs": "fitserve.args",
 }
 

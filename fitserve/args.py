@@ -1,55 +1,31 @@
 """Engine arguments with vLLM's flag names, and their command-line flags.
 
-`EngineArgs` holds what the user asked for, unresolved; `create_engine_config()` resolves it once into
-the frozen `EngineConfig`. Each field's flag (name, type, choices, help) is declared next to the field,
-so the dataclass, the flags and the YAML keys (fitserve/arg_parser.py) cannot drift apart.
+`EngineArgs` holds what the user asked for, unresolved, and which fields the user set.
+`fitserve.planner.create_engine_config(args)` resolves it once into the frozen `EngineConfig`, for
+`LLM()`, `fitserve serve`, `generate` and `bench` alike. Each field's flag (name, type, choices, help)
+is declared next to the field, so the dataclass, the flags and the YAML keys (fitserve/arg_parser.py)
+cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import logging
+import functools
 import math
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from fitserve.arg_parser import json_object, nullable_str
-from fitserve.config import (
-    FP8_KV_CACHE_DTYPES,
-    CacheConfig,
-    CompilationConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from fitserve.capture_sizes import parse_capture_sizes
+from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import check_cpu_kv_cache_space
-from fitserve.logger import configure_default_logging
-
-logger = logging.getLogger("fitserve")
-
-# Token budget per step when --max-num-batched-tokens is not given. Chunked prefill is always on,
-# so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
-# prompt length. CPUs get a smaller step so that decodes of a running batch are not held up for long.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
-# `fitserve serve` on a GPU: short prefill chunks. A step that prefills 8,192 tokens of an 8B model takes
-# ~195 ms on an H100, stalling every stream's next token and the first token of each request behind it;
-# 1,024-token chunks keep such a step near 30 ms (docs/performance.md, "Serving: the prefill chunk").
-SERVE_MAX_NUM_BATCHED_TOKENS = {"cuda": 1024, "cpu": 2048}
-
-
-def default_max_num_batched_tokens(device: str, max_num_seqs: int, serving: bool) -> int:
-    """The step's token budget when the user set none: at least max_num_seqs (one token each)."""
-    table = SERVE_MAX_NUM_BATCHED_TOKENS if serving else DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return max(table[device], max_num_seqs)
-
 
 DTYPES = {
     "half": torch.float16,
@@ -58,7 +34,8 @@ DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-COMPILATION_CONFIG_KEYS = ("cudagraph_capture_sizes",)
+# Set on a parsed namespace by the engine flags' actions: the EngineArgs fields given on the command line.
+EXPLICIT_FLAGS_DEST = "explicit_engine_flags"
 
 
 def _flag(default: Any, help_text: str, **argparse_kwargs: Any) -> Any:
@@ -114,7 +91,9 @@ class EngineArgs:
         None, "Use exactly this many KV cache blocks instead of sizing the cache from free memory.", type=int
     )
     gpu_memory_utilization: float = _flag(
-        0.9, "Fraction of GPU memory this engine may use (weights, activations, KV cache).", type=float
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "Fraction of GPU memory this engine may use (weights, activations, KV cache).",
+        type=float,
     )
     swap_space: float = _flag(4, f"GiB of CPU swap per GPU. {_NO_EFFECT}: preemption recomputes.", type=float)
     cpu_offload_gb: float = _flag(
@@ -183,93 +162,31 @@ class EngineArgs:
         None, "Speculative decoding, JSON object (not supported yet).", type=json_object
     )
     download_dir: str | None = _flag(None, "Hub download folder (not supported yet).", type=nullable_str)
+    # Not flags. The fields the user set (None: those that differ from their default), and, for fields a
+    # --config file set, "the 'key' key of --config FILE": a refusal then names the file's key.
+    explicit_fields: frozenset[str] | None = field(default=None, compare=False, repr=False)
+    config_keys: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
-        """The engine fields of a parsed namespace; other attributes (server, sampling) are left out."""
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)})
+        """The engine fields of a parsed namespace (other attributes, server or sampling, are left out),
+        with the fields the user set: flags on the command line and keys of the --config file."""
+        values = {f.name: getattr(namespace, f.name) for f in _flag_fields() if hasattr(namespace, f.name)}
+        return cls(
+            **values,
+            explicit_fields=explicit_engine_fields(namespace),
+            config_keys=config_key_sources(namespace),
+        )
 
-    def create_engine_config(self) -> EngineConfig:
-        """Check every value, resolve the model, device and defaults; the one place that does so."""
-        configure_default_logging()  # so the model's source and the resolved settings reach the log
-        started = time.perf_counter()
-        self.check_ranges()
-        self._refuse_unsupported()
-        device = _resolve_device(self.device)
-        if device == "cuda" and self.block_size < MIN_CUDA_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size={self.block_size} is below {MIN_CUDA_BLOCK_SIZE}, the smallest block the CUDA "
-                f"attention kernels take: set --block-size {MIN_CUDA_BLOCK_SIZE} (or 32, 64, 128)"
-            )
-        if device == "cuda":
-            check_fp8_kv_cache_on_gpu(self.kv_cache_dtype, torch.cuda.get_device_capability())
-        compilation = CompilationConfig(
-            enforce_eager=self.enforce_eager, cudagraph_capture_sizes=_capture_sizes(self.compilation_config)
-        )
-        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
-            raise ValueError(
-                f"generation_config={self.generation_config!r} is neither 'auto', 'vllm' nor a folder: "
-                "give a folder holding generation_config.json, or auto / vllm"
-            )
-        # Imported here: parsing flags needs no model code.
-        from fitserve.models.default_model import DEFAULT_MODEL_ID
-        from fitserve.models.loader import load_hf_config, model_max_length, resolve_model
-
-        # The requested dtype only matters for a .gguf model: what its weights are dequantized to.
-        resolved = resolve_model(self.model, self.revision)
-        hf_config = load_hf_config(resolved.model_path, trust_remote_code=self.trust_remote_code)
-        _refuse_quantized_checkpoint(hf_config, resolved.model_path)
-        max_model_len = self._resolve_max_model_len(model_max_length(hf_config), resolved.model_path)
-        model = ModelConfig(
-            model=DEFAULT_MODEL_ID if self.model is None else self.model,
-            model_path=resolved.model_path,
-            model_source=resolved.source,
-            tokenizer=self.tokenizer or resolved.tokenizer_path,
-            hf_config=hf_config,
-            dtype=resolve_dtype(self.dtype, hf_config, device),
-            max_model_len=max_model_len,
-            load_format=self.load_format,
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-            generation_config=self.generation_config,
-            served_model_name=_served_names(self.served_model_name),
-            revision=self.revision,
-            cpu_offload_gb=_resolve_cpu_offload_gb(self.cpu_offload_gb, device),
-            card_sampling=resolved.card_sampling,
-            card_sampling_source=resolved.card_sampling_source,
-        )
-        cache = CacheConfig(
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            swap_space=float(self.swap_space),
-            kv_cache_dtype=self.kv_cache_dtype,
-            cpu_kv_cache_space_gib=(
-                None if self.cpu_kv_cache_space is None else float(self.cpu_kv_cache_space)
-            ),
-        )
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self._resolve_max_num_batched_tokens(device),
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-        )
-        config = EngineConfig(
-            model=model,
-            cache=cache,
-            scheduler=scheduler,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
-            device=DeviceConfig(device),
-            compilation=compilation,
-            quantization=self.quantization,
-            disable_log_stats=self.disable_log_stats,
-        )
-        logger.info("Resolved the model and the engine settings in %.1f s", time.perf_counter() - started)
-        return config
+    def explicit(self) -> frozenset[str]:
+        """The fields the user set. Without a record (EngineArgs built in Python with no `explicit_fields`),
+        those whose value differs from the default."""
+        if self.explicit_fields is not None:
+            return frozenset(self.explicit_fields)
+        return frozenset(f.name for f in _flag_fields() if getattr(self, f.name) != f.default)
 
     def check_ranges(self) -> None:
-        for engine_field in fields(self):  # argparse checks choices for flags; this covers Python callers
+        for engine_field in _flag_fields():  # argparse checks choices for flags; this covers Python callers
             choices = engine_field.metadata["argparse"].get("choices")
             value = getattr(self, engine_field.name)
             if choices is not None and value not in choices:
@@ -307,6 +224,13 @@ class EngineArgs:
                 "--gpu-memory-utilization to a fraction such as 0.9"
             )
         check_cpu_kv_cache_space(self.cpu_kv_cache_space)
+        parse_capture_sizes(self.compilation_config)
+        served_names(self.served_model_name)
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"generation_config={self.generation_config!r} is neither 'auto', 'vllm' nor a folder: "
+                "give a folder holding generation_config.json, or auto / vllm"
+            )
         budget = self.max_num_batched_tokens
         if budget is not None and budget < self.max_num_seqs:
             raise ValueError(
@@ -315,11 +239,10 @@ class EngineArgs:
                 "or lower --max-num-seqs"
             )
 
-    def _refuse_unsupported(self, config_keys: dict[str, str] | None = None) -> None:
-        """Features asked for that fitserve cannot do yet stop here; none is silently ignored.
-
-        `config_keys`: field -> where a --config file set it ("the 'quantization' key of --config
-        x.yaml"), so the fix names the file's key rather than a flag the user never typed."""
+    def refuse_unsupported(self) -> None:
+        """Features asked for that fitserve cannot do yet stop here; none is silently ignored. A field a
+        --config file set is named by its key there, not by a flag the user never typed."""
+        config_keys = self.config_keys
         refusals = [  # (field, asked, flag, fix, fix when a --config key set it)
             (
                 "quantization",
@@ -377,131 +300,19 @@ class EngineArgs:
             if asked:
                 raise ValueError(f"not supported yet: {flag} ({fix})")
 
-    def _resolve_max_model_len(self, model_limit: int, model_path: str) -> int:
-        if self.max_model_len is None:
-            return model_limit
-        if self.max_model_len > model_limit:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is above the model's own limit {model_limit} "
-                f"({model_path}): set --max-model-len {model_limit} or less"
-            )
-        return self.max_model_len
 
-    def _resolve_max_num_batched_tokens(self, device: str) -> int:
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return default_max_num_batched_tokens(device, self.max_num_seqs, serving=False)
+def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+    """EngineArgs from Python keywords (`LLM(model, max_model_len=...)`); the keywords given are the
+    explicit fields. An unknown keyword is refused with the closest engine argument."""
+    names = [f.name for f in _flag_fields()]
+    for key in kwargs:
+        if key not in names:
+            raise ValueError(f"{key!r} is not an engine argument{_closest_choice(key, names)}")
+    explicit = frozenset(kwargs) | ({"model"} if model is not None else frozenset())
+    return EngineArgs(model=model, **kwargs, explicit_fields=explicit)
 
 
-# The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
-MIN_CUDA_BLOCK_SIZE = 16
-# Triton converts to float8 e4m3 (fp8e4nv) from this compute capability on; e5m2 works on older GPUs.
-FP8_E4M3_MIN_CAPABILITY = (8, 9)
-
-
-def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
-    """The dtype to run in; `requested` is "auto" or a key of DTYPES (see the --dtype help for "auto")."""
-    if requested != "auto":
-        dtype = DTYPES[requested]
-        if device == "cuda" and dtype == torch.bfloat16 and not _cuda_has_bf16():
-            raise ValueError(
-                f"dtype=bfloat16 needs compute capability 8.0, this GPU has "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: set --dtype half"
-            )
-        return dtype
-    if device == "cpu":
-        return torch.float32
-    model_dtype = _model_dtype(hf_config)
-    if model_dtype not in (torch.float16, torch.bfloat16):
-        model_dtype = torch.bfloat16
-    if model_dtype == torch.bfloat16 and not _cuda_has_bf16():
-        return torch.float16
-    return model_dtype
-
-
-def _model_dtype(hf_config: Any) -> torch.dtype | None:
-    # transformers >= 4.56 names it `dtype`; older configs only have `torch_dtype`.
-    value = hf_config.dtype if hasattr(hf_config, "dtype") else getattr(hf_config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else None
-
-
-def _refuse_quantized_checkpoint(hf_config: Any, model_path: str) -> None:
-    quantization_config = getattr(hf_config, "quantization_config", None)
-    if quantization_config is None:
-        return
-    method = (
-        quantization_config.get("quant_method")
-        if isinstance(quantization_config, dict)
-        else getattr(quantization_config, "quant_method", None)
-    )
-    raise ValueError(
-        f"not supported yet: a quantized checkpoint (quant_method {method} in {model_path}) "
-        "(pick the model's unquantized release)"
-    )
-
-
-def check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
-    """The Triton kernels convert to float8 e4m3 only from compute capability 8.9 (Ada, Hopper) on."""
-    is_e4m3 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
-    if is_e4m3 and capability < FP8_E4M3_MIN_CAPABILITY:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype} (float8 e4m3) needs compute capability "
-            f"{'.'.join(map(str, FP8_E4M3_MIN_CAPABILITY))}, this GPU has {'.'.join(map(str, capability))}: "
-            "set --kv-cache-dtype fp8_e5m2 (also one byte per element) or auto"
-        )
-
-
-def _resolve_cpu_offload_gb(cpu_offload_gb: float, device: str) -> float:
-    """GiB of decoder layers the loader keeps in CPU memory: as asked on CUDA; on the CPU nothing to move."""
-    if device == "cpu" and cpu_offload_gb > 0:
-        logger.warning(
-            "cpu_offload_gb=%g is ignored on the CPU device: every weight is already in CPU memory "
-            "(drop --cpu-offload-gb to silence this)",
-            cpu_offload_gb,
-        )
-        return 0.0
-    return float(cpu_offload_gb)
-
-
-def _cuda_has_bf16() -> bool:
-    return torch.cuda.get_device_capability() >= (8, 0)
-
-
-def _resolve_device(requested: str) -> str:
-    has_cuda = torch.cuda.is_available()
-    if requested == "auto":
-        return "cuda" if has_cuda else "cpu"
-    if requested == "cuda" and not has_cuda:
-        raise ValueError("device=cuda but torch sees no CUDA GPU: set --device cpu or --device auto")
-    return requested
-
-
-def _capture_sizes(compilation_config: str | dict | None) -> tuple[int, ...]:
-    """Batch sizes to capture as CUDA graphs, ascending and unique; () = the runner's default."""
-    if compilation_config is None:
-        return ()
-    options = json_object(compilation_config)
-    unknown = sorted(set(options) - set(COMPILATION_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"not supported yet: --compilation-config key(s) {', '.join(unknown)} (fitserve reads only "
-            f"{', '.join(COMPILATION_CONFIG_KEYS)}: drop the others)"
-        )
-    sizes = options.get("cudagraph_capture_sizes", [])
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
-        raise ValueError(
-            f"cudagraph_capture_sizes={sizes!r} is not a list of integers: write e.g. [1, 2, 4, 8]"
-        )
-    if min(sizes, default=1) < 1:
-        raise ValueError(
-            f"cudagraph_capture_sizes={sizes} holds {min(sizes)}, below the minimum 1: use sizes of 1 or more"
-        )
-    return tuple(sorted(set(sizes)))
-
-
-def _served_names(names: str | Sequence[str] | None) -> tuple[str, ...]:
+def served_names(names: str | Sequence[str] | None) -> tuple[str, ...]:
     if names is None:
         return ()
     result = (names,) if isinstance(names, str) else tuple(names)
@@ -528,7 +339,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="YAML file of flags (keys with dashes or underscores); flags on the command line win over it.",
     )
-    for engine_field in fields(EngineArgs):
+    for engine_field in _flag_fields():
         kwargs = dict(engine_field.metadata["argparse"])
         names = [f"--{_dashed(engine_field.name)}", *kwargs.pop("aliases", [])]
         group.add_argument(
@@ -538,4 +349,59 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help=engine_field.metadata["help"],
             **kwargs,
         )
+    _record_explicit_flags(parser)
     return parser
+
+
+@functools.cache
+def _flag_fields() -> tuple[Field, ...]:
+    return tuple(f for f in fields(EngineArgs) if "argparse" in f.metadata)
+
+
+def _record_explicit_flags(parser: argparse.ArgumentParser) -> None:
+    """Makes each engine flag record its field in the namespace when it appears on the command line."""
+    parser.set_defaults(**{EXPLICIT_FLAGS_DEST: frozenset()})
+    names = {f.name for f in _flag_fields()}
+    for action in parser._actions:
+        if action.option_strings and action.dest in names:
+            action.__class__ = _recording(type(action))
+
+
+@functools.cache
+def _recording(action_class: type[argparse.Action]) -> type[argparse.Action]:
+    def __call__(
+        self: argparse.Action, parser: Any, namespace: Any, values: Any, option_string: Any = None
+    ) -> None:
+        action_class.__call__(self, parser, namespace, values, option_string)
+        given = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
+        setattr(namespace, EXPLICIT_FLAGS_DEST, frozenset(given) | {self.dest})
+
+    return type(f"Recording{action_class.__name__}", (action_class,), {"__call__": __call__})
+
+
+def explicit_engine_fields(namespace: argparse.Namespace) -> frozenset[str]:
+    """The EngineArgs fields the user set: flags on the command line and keys of the --config file."""
+    explicit = set(getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset()))
+    return frozenset(explicit | _config_engine_keys(namespace).keys())
+
+
+def config_key_sources(namespace: argparse.Namespace) -> dict[str, str]:
+    """EngineArgs field -> "the 'key' key of --config FILE", for each field the --config file set and
+    the command line did not."""
+    on_command_line = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
+    return {
+        name: f"the '{key}' key of --config {namespace.config}"
+        for name, key in _config_engine_keys(namespace).items()
+        if name not in on_command_line
+    }
+
+
+def _config_engine_keys(namespace: argparse.Namespace) -> dict[str, str]:
+    """EngineArgs field -> the key that sets it in the --config file ({} without one)."""
+    config = getattr(namespace, "config", None)
+    if not config:
+        return {}
+    content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+    names = {f.name for f in _flag_fields()}
+    keys = {str(key).replace("-", "_"): str(key) for key in content}
+    return {name: key for name, key in keys.items() if name in names}

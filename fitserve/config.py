@@ -1,8 +1,9 @@
 """Frozen, resolved engine configuration.
 
-`EngineArgs` (fitserve/args.py) holds what the user asked for, with vLLM's names; its
-`create_engine_config()` resolves it once into an `EngineConfig`. Nothing writes to a config after
-that: a component that needs a different value builds a new one with `dataclasses.replace`.
+`EngineArgs` (fitserve/args.py) holds what the user asked for, with vLLM's names;
+`fitserve.planner.create_engine_config(args)` resolves it once into an `EngineConfig`, which records
+which values the user set and each value the planner chose, with its reason. Nothing writes to a config
+after that: a component that needs a different value builds a new one with `dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,30 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+# The fraction of GPU memory an engine takes when --gpu-memory-utilization is unset (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One resolved setting as the startup log and `fitserve plan` print it."""
+
+    setting: str  # an EngineArgs field, or cudagraph_capture_sizes
+    value: Any
+    reason: str
+    explicit: bool = False  # the user set it
+
+    def origin(self) -> str:
+        """How the log line names where the value came from: the user (and why it matters, when the
+        plan says), or auto-fit with why this value."""
+        if not self.explicit:
+            return f"auto-fit: {self.reason}"
+        if self.reason.startswith("set by you"):
+            return self.reason
+        return f"set by you: {self.reason}"
+
+    def log_line(self) -> str:
+        return f"{self.setting} = {self.value} ({self.origin()})"
 
 
 @dataclass(frozen=True)
@@ -76,7 +101,7 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     swap_space: float = 4.0  # GiB, accepted for vLLM compatibility (preemption is by recompute)
     kv_cache_dtype: str = "auto"  # auto | a key of FP8_KV_CACHE_DTYPES
     # --cpu-kv-cache-space; None: sized to max_model_len within the RAM available (fitserve/cpu_kv_cache.py)
@@ -128,6 +153,9 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     quantization: str | None = None
     disable_log_stats: bool = False
+    # The EngineArgs fields the user set, and every setting as resolved, with its reason (the log's lines).
+    explicit: frozenset[str] = frozenset()
+    choices: tuple[Choice, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -22,7 +22,7 @@ from common import MODELS, TOKENIZER, save  # noqa: I001
 from step_profile import time_engine_phases
 
 from fitserve import LLM, SamplingParams
-from fitserve.engine.sampling_params import RequestOutputKind
+from fitserve.core.sampling_params import RequestOutputKind
 
 WINDOW = 12
 DECODE_WINDOWS = 5

@@ -23,7 +23,7 @@ import torch
 from common import MODELS, TOKENIZER, save  # noqa: I001
 
 from fitserve import LLM, SamplingParams
-from fitserve.engine.sampling_params import RequestOutputKind
+from fitserve.core.sampling_params import RequestOutputKind
 
 STEPS = 50
 PREFILL_STEPS = 8

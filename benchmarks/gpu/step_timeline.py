@@ -22,7 +22,7 @@ from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, save  # noqa: 
 
 from fitserve import LLM, SamplingParams
 from fitserve.bench.workloads import named_workload
-from fitserve.engine.sampling_params import RequestOutputKind
+from fitserve.core.sampling_params import RequestOutputKind
 
 DECODE_BUCKETS = [(1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256)]
 

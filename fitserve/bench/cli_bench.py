@@ -18,6 +18,7 @@ from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
 from fitserve.bench.latency import add_latency_args, run_latency
 from fitserve.bench.serve_args import add_serve_args
 from fitserve.bench.throughput import add_throughput_args, run_throughput
+from fitserve.server.args import server_only_keys
 
 EXIT_OK = 0
 EXIT_UNREACHABLE = 1
@@ -88,7 +89,6 @@ def bench_main(argv: Sequence[str]) -> int:
     if argv[0] == "serve":
         args = leaf.parse_args(argv[1:])
     else:
-        from fitserve.cli import server_only_keys
         from fitserve.logger import setup_logging
 
         setup_logging()

@@ -48,8 +48,8 @@ def check_latency_args(args: argparse.Namespace) -> None:
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     check_latency_args(args)
+    from fitserve.core.sampling_params import SamplingParams
     from fitserve.engine.llm import LLM
-    from fitserve.engine.sampling_params import SamplingParams
 
     llm = LLM.from_engine_args(EngineArgs.from_cli(args))
     model = llm.engine.config.model

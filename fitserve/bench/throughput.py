@@ -72,13 +72,17 @@ def check_throughput_args(args: argparse.Namespace) -> None:
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     check_throughput_args(args)
+    from fitserve.core.sampling_params import SamplingParams
     from fitserve.engine.llm import LLM
-    from fitserve.engine.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli(args)
     workload = named_workload(args.workload) if args.workload else None
     if workload is not None and workload.max_model_len is not None and engine_args.max_model_len is None:
-        engine_args = dataclasses.replace(engine_args, max_model_len=workload.max_model_len)
+        engine_args = dataclasses.replace(
+            engine_args,
+            max_model_len=workload.max_model_len,
+            explicit_fields=engine_args.explicit() | {"max_model_len"},
+        )
         print(f"Workload {workload.name}: max_model_len {workload.max_model_len}")
     llm = LLM.from_engine_args(engine_args)
     vocab_size = llm.engine.config.model.vocab_size
@@ -132,7 +136,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _warm_up(llm: Any, vocab_size: int) -> None:
-    from fitserve.engine.sampling_params import SamplingParams
+    from fitserve.core.sampling_params import SamplingParams
 
     prompts = [
         {"prompt_token_ids": [(index * 7 + offset) % vocab_size for offset in range(WARMUP_PROMPT_LEN)]}

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fitserve.engine.outputs import CompletionOutput, RequestOutput
+from fitserve.core.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fitserve.engine.sampling_params import SamplingParams
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.token_bytes import TokenByteStream, token_byte_table
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from fitserve.config import EngineConfig
+from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.outputs import RequestMetrics, RequestOutput
+from fitserve.core.request import Request, RequestStatus
+from fitserve.core.sampling_params import SamplingParams
+from fitserve.core.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.detokenizer import IncrementalDetokenizer
-from fitserve.engine.kv_cache import KVCacheManager
 from fitserve.engine.out_of_memory import out_of_memory_message
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
-from fitserve.engine.outputs import RequestMetrics, RequestOutput
-from fitserve.engine.request import Request, RequestStatus
-from fitserve.engine.sampling_params import SamplingParams
-from fitserve.engine.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.logger import configure_default_logging
 from fitserve.models.loader import (
@@ -28,6 +28,7 @@ from fitserve.models.loader import (
     read_generation_config,
     resolve_tokenizer_path,
 )
+from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep
 
@@ -72,10 +73,12 @@ class Engine:
             self.executor = create_executor(config)
             if tokenizer.done() and tokenizer.exception() is not None:
                 raise tokenizer.exception()  # a bad tokenizer stops the start before the profiling
-            num_blocks = self.executor.initialize_kv_cache()
+            # the one memory model: every report of the KV cache's bytes, blocks and tokens reads it
+            self.memory_plan = self.executor.initialize_kv_cache()
             self.tokenizer = tokenizer.result()
         finally:
             tokenizer_loader.shutdown(wait=False, cancel_futures=True)
+        num_blocks = self.memory_plan.num_kv_blocks
         self.kv_manager = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -93,13 +96,15 @@ class Engine:
             "max concurrency %.1fx at full length",
             time.perf_counter() - started,
             mc.max_model_len,
-            (num_blocks - 1) * config.cache.block_size,
-            (num_blocks - 1) * config.cache.block_size / mc.max_model_len,
+            self.memory_plan.kv_cache_tokens,
+            self.memory_plan.max_concurrency,
         )
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> Engine:
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, serving: bool = False) -> Engine:
+        """The engine for `args`, resolved by the planner (fitserve/planner/resolve.py); `serving`: with
+        `fitserve serve`'s defaults."""
+        return cls(create_engine_config(args, serving=serving))
 
     # ---- configuration views ------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:

@@ -10,10 +10,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fitserve.args import EngineArgs
+from fitserve.args import EngineArgs, engine_args_from_kwargs
+from fitserve.core.outputs import RequestOutput
+from fitserve.core.sampling_params import RequestOutputKind, SamplingParams
 from fitserve.engine.engine import Engine
-from fitserve.engine.outputs import RequestOutput
-from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from fitserve.planner.resolve import create_engine_config
 
 PromptType = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -24,52 +25,16 @@ logger = logging.getLogger("fitserve")
 class LLM:
     """An engine in this process. `model=None` serves the default SmolLM2-135M-Instruct."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        swap_space: float = 4,
-        load_format: str = "auto",
-        seed: int = 0,
-        enforce_eager: bool = False,
-        trust_remote_code: bool = False,
-        generation_config: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            gpu_memory_utilization=gpu_memory_utilization,
-            swap_space=swap_space,
-            load_format=load_format,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            trust_remote_code=trust_remote_code,
-            generation_config=generation_config,
-            **kwargs,
-        )
-        self.engine = Engine.from_engine_args(args)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: engine arguments by vLLM's names (fitserve/args.py), e.g. max_model_len=4096. What is
+        not given is chosen by the planner, exactly as `fitserve serve` would for the same flags."""
+        self.engine = Engine(create_engine_config(engine_args_from_kwargs(model, kwargs)))
         self._next_request_id = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = Engine.from_engine_args(args)
+        llm.engine = Engine(create_engine_config(args))
         llm._next_request_id = 0
         return llm
 

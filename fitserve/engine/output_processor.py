@@ -5,11 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from fitserve.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
+from fitserve.core.request import Request
+from fitserve.core.sampling_params import RequestOutputKind, SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
-from fitserve.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from fitserve.engine.request import Request
-from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams
-from fitserve.worker.sampler import TokenLogprobs
 
 
 @dataclass

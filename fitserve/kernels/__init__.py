@@ -1,19 +1,20 @@
-"""GPU kernels (Triton) and the torch reference each one is tested against.
+"""GPU kernels (Triton) and the torch reference each one is tested against. The layers call them (the CUDA
+attention backend is fitserve/layers/attention/triton_backend.py); nothing here imports the layers.
 
-`reference` and `attention_inputs` are plain torch and import on any machine. Every other module
-here imports triton at import time, so only CUDA code paths may import them (fitserve never imports
-this package's Triton modules on a CPU-only machine):
+`reference`, `kv_format` (how the KV cache stores keys and values, float8 included) and `attention_inputs`
+are plain torch and import on any machine. Every other module here imports triton at import time, so only
+CUDA code paths may import them (fitserve never imports this package's Triton modules on a CPU-only
+machine):
 
 | module | kernel | reference |
 | --- | --- | --- |
 | `cache_write` | `reshape_and_cache` | `reshape_and_cache_reference` |
-| `decode_attention` | `paged_decode_attention` (split-K, fused merge) | `paged_attention_reference` |
+| `decode_attention` | `paged_decode_attention` (split-K, a merge kernel) | `paged_attention_reference` |
 | `prefill_attention` | `paged_prefill_attention` (varlen, causal) | `paged_attention_reference` |
 | `norm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_reference`, `fused_add_rms_norm_reference` |
 | `rotary` | `rotary_embedding` (neox, in place) | `rotary_embedding_reference` |
 | `rotary_cache_write` | `rotary_cache_write` (+ q/k RMSNorm) | `rotary_embedding_reference`, then the write |
 | `activation` | `silu_and_mul` | `silu_and_mul_reference` |
-| `triton_attention` | `TritonAttentionBackend` | the attention backend protocol |
 | `skinny_gemm` | `skinny_gemm` (1 to 16 rows; `l2_prefetch` asks for its weight rows early) | `F.linear` |
 | `swapped_gemm` | `swapped_gemm` (17 to 32 rows: y.T = W x.T) | `F.linear` |
 | `argmax` | `argmax_rows` (greedy sampling) | `torch.argmax` |

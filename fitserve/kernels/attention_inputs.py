@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.layers.attention.backend import is_fp8_kv_cache
+from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
 def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """Write a step's new keys and values into the paged KV cache (reshape_and_cache).
 
 A float8 cache stores clamp(x * (1 / scale), -max, max), rounded to nearest even (the convention in
-fitserve/layers/attention/backend.py); the reciprocal scales are runtime arguments.
+kv_format.py); the reciprocal scales are runtime arguments.
 
 Reference: fitserve.kernels.reference.reshape_and_cache_reference.
 """
@@ -16,7 +16,7 @@ from fitserve.kernels.attention_inputs import kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import next_power_of_2
-from fitserve.layers.attention.backend import is_fp8_kv_cache
+from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
 @fast_launch

@@ -5,9 +5,7 @@ that KV head (GQA), so every key and value is read from HBM once. When the batch
 GPU there is one partition and the program writes the output directly (on WHOLE_CONTEXT_CONFIG's wider
 tiles while that is at most two programs per SM: choose_config); otherwise each sequence's
 context is cut into up to `num_partitions` pieces (flash-decoding), each piece stores its (max, sum,
-output) triple, and a second kernel merges them, one program per (sequence, query head). With
-`fused_reduce=True` the merge happens inside the same launch instead, by whichever program of a
-(sequence, KV head) finishes last (an atomic arrival counter, reset to zero by that program).
+output) triple, and a second kernel merges them, one program per (sequence, query head).
 
 CUDA-graph safety: seq_lens and block_tables are read on the device only, and the grid depends only
 on (batch size, num_kv_heads, block_tables.shape[1]). Each sequence's partition size is derived on
@@ -43,17 +41,6 @@ class DecodeLaunchConfig:
     tile_tokens: int = 64  # keys per inner-loop step; a power of two >= 16
     num_warps: int = 4
     num_stages: int = 2
-    # Merge split-K partitions inside the partition kernel (the last program of each (sequence, KV
-    # head) to finish merges, found with an atomic counter) instead of in a second launch. It saves
-    # the launch but merges partition by partition in one program. H100, graph replay, Llama-8B shape:
-    # batch 1 ctx 384 11.1 us fused vs 11.4 us with the reduce kernel; batch 1 ctx 4096 31 us vs 19 us.
-    fused_reduce: bool = False
-    # Grid order: the KV heads of one sequence as neighbouring programs (program_id 0) instead of the
-    # sequences of one KV head. Neighbouring programs run at the same time, and a cache block holds
-    # every head of a token side by side, so with heads first they read whole rows of a block together.
-    # H100, CUDA graph, Qwen3-0.6B shape, batch 256 with contexts in [200, 2048]: 408 us against 415;
-    # batch 256 at ~1000: 361.5 against 363.3; Llama-8B batch 32 at 1536: 85.8 against 86.1.
-    heads_first: bool = True
 
 
 DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
@@ -62,10 +49,7 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # A program then takes 140 KB of shared memory (Triton 3.6), so one fits an SM and the rest queue: an SM
 # done with a short context takes the next one. With the default tile (39 KB) every program is resident
 # from the start, two per SM, and an SM given two short contexts idles while those given the longest
-# read on alone. H100, one layer of the 8B shape, contexts evenly spread over 1,024 to 2,048 tokens,
-# default -> this: batch 17 63.8 -> 53.4 us, 24 70.4 -> 58.1, 32 79.9 -> 72.8; all at 1,536 tokens
-# 71.7 -> 71.2. At 512 programs (Qwen3-0.6B's batch 64) the default was faster, 92.0 against 94.5 us
-# (benchmarks/gpu/decode_attention_configs.py, docs/performance.md).
+# read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
 
@@ -76,44 +60,6 @@ def _partition_size(seq_len, num_partitions, TILE_N: tl.constexpr):
     per_partition = tl.cdiv(seq_len, num_partitions)
     per_partition = tl.cdiv(per_partition, TILE_N) * TILE_N
     return tl.maximum(per_partition, TILE_N)
-
-
-@triton.jit
-def _merge_partitions(
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    first_index,
-    num_used,
-    row_mask,
-    dims,
-    BLOCK_D: tl.constexpr,
-    PARTITION_BLOCK: tl.constexpr,
-):
-    """The fused merge: rows' (max, sum, normalised output) over partitions 0..num_used-1 -> [rows, BLOCK_D].
-
-    first_index [rows]: each row's partition-0 index into the partial buffers. Rows are heads.
-    Loads bypass L1 (.cg): other programs wrote the partials during this launch.
-    """
-    parts = tl.arange(0, PARTITION_BLOCK)
-    mask = row_mask[:, None] & (parts[None, :] < num_used)
-    index = first_index[:, None] + parts[None, :]
-    m = tl.load(part_max_ptr + index, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    s = tl.load(part_sum_ptr + index, mask=mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    weights = tl.where(mask, s * tl.exp2(m - m_max[:, None]), 0.0)
-    total = tl.sum(weights, axis=1)
-    acc = tl.zeros([first_index.shape[0], BLOCK_D], dtype=tl.float32)
-    for part in range(0, num_used):
-        weight = tl.sum(tl.where(parts[None, :] == part, weights, 0.0), axis=1)
-        partial = tl.load(
-            part_out_ptr + (first_index + part)[:, None] * BLOCK_D + dims[None, :],
-            mask=row_mask[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += partial * weight[:, None]
-    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
 
 # Values that change with the batch size are not specialized on (Triton would compile one variant per
@@ -129,7 +75,6 @@ def _decode_partition_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
-    counters_ptr,
     qk_scale_log2,
     v_scale,
     num_partitions,
@@ -149,20 +94,15 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     WRITE_DIRECT: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
-    PARTITION_BLOCK: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    if HEADS_FIRST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+    # Grid (KV head, sequence, partition): a sequence's KV heads are neighbouring programs, which run at
+    # the same time and together read whole token rows of a cache block (docs/performance.md, section
+    # "Decode attention: grid order and the fused merge").
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    num_kv_heads = tl.num_programs(0)
     partition = tl.program_id(2)
     num_q_heads = num_kv_heads * QUERIES_PER_KV
 
@@ -178,8 +118,6 @@ def _decode_partition_kernel(
     out_ptrs = out_ptr + seq64 * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :]
     out_mask = group_mask[:, None] & dim_mask[None, :]
     if not WRITE_DIRECT and start >= seq_len:  # the merge skips partitions past the context
-        if FUSED_REDUCE and ((seq_len == 0) & (partition == 0)):  # a padded batch row gets zeros
-            tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         return
     end = tl.minimum(start + part_size, seq_len)
 
@@ -227,26 +165,6 @@ def _decode_partition_kernel(
             acc * (v_scale / l_i)[:, None],
             mask=group_mask[:, None],
         )
-        if FUSED_REDUCE:
-            # every thread's partial stores happen before the release; the last arrival acquires them all
-            tl.debug_barrier()
-            counter = counters_ptr + seq64 * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            num_used = tl.cdiv(seq_len, part_size)
-            if arrived == num_used - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                out = _merge_partitions(
-                    part_out_ptr,
-                    part_max_ptr,
-                    part_sum_ptr,
-                    first_index,
-                    num_used,
-                    group_mask,
-                    dims,
-                    BLOCK_D,
-                    PARTITION_BLOCK,
-                )
-                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @fast_launch
@@ -298,27 +216,6 @@ def _decode_reduce_kernel(
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# every buffer ever handed out stays referenced: a captured CUDA graph keeps using the one it saw
-_counters_by_device: dict[int, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Per-(sequence, KV head) arrival counters for the fused merge; each launch leaves them at zero.
-
-    One buffer per device, shared by every launch on it: launches must not run concurrently on
-    different streams. Grown (outside CUDA-graph capture) when a larger batch needs more.
-    """
-    buffers = _counters_by_device.setdefault(device.index or 0, [])
-    if not buffers or buffers[-1].numel() < needed:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"fused decode needs {needed} arrival counters, more than allocated; run the largest batch "
-                "once before capturing CUDA graphs"
-            )
-        buffers.append(torch.zeros(max(needed, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def choose_num_partitions(
@@ -389,7 +286,6 @@ def paged_decode_attention(
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1
-    fused_reduce = config.fused_reduce and not write_direct
     if write_direct:
         part_out = part_max = part_sum = out  # unused by the kernel
     else:
@@ -398,10 +294,8 @@ def paged_decode_attention(
         part_out = torch.empty(
             (num_seqs, num_q_heads, num_partitions, block_d), dtype=torch.float32, device=q.device
         )
-    counters = _arrival_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else part_max
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
-    grid = (num_kv_heads, num_seqs) if config.heads_first else (num_seqs, num_kv_heads)
-    _decode_partition_kernel[(*grid, num_partitions)](
+    _decode_partition_kernel[(num_kv_heads, num_seqs, num_partitions)](
         q,
         kv_cache,
         block_tables,
@@ -410,7 +304,6 @@ def paged_decode_attention(
         part_out,
         part_max,
         part_sum,
-        counters,
         scale * k_scale * math.log2(math.e),
         v_scale,
         num_partitions,
@@ -430,14 +323,11 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=config.tile_tokens,
         WRITE_DIRECT=write_direct,
-        FUSED_REDUCE=fused_reduce,
-        PARTITION_BLOCK=partition_block,
-        HEADS_FIRST=config.heads_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q.device),
     )
-    if not write_direct and not fused_reduce:
+    if not write_direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             out,
             part_out,

@@ -20,9 +20,10 @@ reads bypass L1 (`.cg`). Moving them before the wait takes their round trips off
 two kernels (an RMSNorm at batch 1 added 2.7 us to the step, now 1.4; docs/performance.md). Below SM
 9.0 the instructions do not exist: kernels compile without them and launch as usual.
 
-Measured (H100, single8b): 167.3 -> 171.6 tok/s. Loading the skinny GEMM's first weight chunk into
-registers before the wait measured slower (166.1) and was left out; asking the L2 for it instead
-(kernels/l2_prefetch.py) took 170.3-171.9 to 173.2-174.3.
+It speeds up single8b on an H100. Loading the skinny GEMM's first weight chunk into registers before
+the wait measured slower and was left out; asking the L2 for it instead (kernels/l2_prefetch.py) pays.
+Figures: docs/performance.md, sections "Programmatic dependent launch" and "Prefetching weights into
+L2, and the step's tail".
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Torch reference semantics of every kernel in fitserve.kernels: plain torch, no triton, any device.
 
 Each function computes in float32 from the same low-precision inputs and rounds once to the input
-dtype, which is what the kernels do; the kernels' tests compare against these. A float8 KV cache
-follows fitserve/layers/attention/backend.py: written as clamp(x / scale), read as stored * scale in
+dtype, which is what the kernels do; the kernels' tests (tests/gpu) and benchmarks compare against
+these. A float8 KV cache follows kv_format.py: written as clamp(x / scale), read as stored * scale in
 float32; k_scale / v_scale are ignored for a cache in the model dtype.
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view
-from fitserve.layers.attention.metadata import AttentionMetadata
-from fitserve.layers.attention.torch_reference import write_kv_cache
+from fitserve.kernels.kv_format import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, write_kv_cache
 
 
 def reshape_and_cache_reference(
@@ -82,7 +80,8 @@ def paged_attention_reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of query [T, Hq, D] over the paged cache, the token layout of AttentionMetadata.
+    """Attention of query [T, Hq, D] over the paged cache, in the token layout of the layers'
+    AttentionMetadata (query_start_loc, seq_lens, block_tables).
 
     Covers decode (every query length 1) and prefill/mixed batches alike. A sequence with
     seq_len 0 and one query row (a padded decode row) gets zeros.
@@ -97,26 +96,6 @@ def paged_attention_reference(
         keys, values = gather_sequence_kv(kv_cache, block_tables[i], context_len, k_scale, v_scale)
         out[start:end] = causal_attention_reference(query[start:end], keys, values, scale).to(query.dtype)
     return out
-
-
-def attention_reference_from_metadata(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    return paged_attention_reference(
-        query,
-        kv_cache,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        metadata.block_tables,
-        scale,
-        k_scale,
-        v_scale,
-    )
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ from fitserve.kernels.attention_inputs import kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import next_power_of_2
-from fitserve.layers.attention.backend import is_fp8_kv_cache
+from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
 @triton.jit

@@ -2,17 +2,16 @@
 
 At batch 1 to 64, a linear layer's time is the time to stream its weight [N, K] from memory once.
 cuBLAS picks tile shapes made for large M; measured on an H100 its kernels reach ~80% of the copy
-bandwidth there (benchmarks/results/skinny_gemm_h100.json). Here each program owns BLOCK_N output
+bandwidth there (docs/performance.md, section "The skinny GEMM kernel"). Here each program owns BLOCK_N output
 features and every row of x: it streams its BLOCK_N x K slice of W in BLOCK_K chunks (pipelined over
 NUM_STAGES loads) and multiplies on the tensor cores with x padded to BLOCK_M rows. W is read exactly
 once; x (at most 16 x K) stays in cache. No split over K, so no second pass and no workspace: the
 N / BLOCK_N programs alone must fill the GPU, which holds for the 7B-class and larger weights this is
 used for (`worth_it`: N >= 4096 gives >= 128 programs); smaller ones stay on cuBLAS.
 
-Measured on an H100 (benchmarks/gpu/skinny_gemm.py), Llama-3.1-8B shapes, batch 1, fraction of the copy
-bandwidth cuBLAS -> this kernel: qkv 0.81 -> 0.84, o 0.72 -> 0.79, gate_up 0.96 -> 0.98, down 0.90 ->
-0.94, lm_head 0.93 -> 1.03 (a pure read outruns a copy). At 32 and 64 rows the two are within ~3%, so
-only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias). Before
+At batch 1 it reads most Llama-3.1-8B weights faster than cuBLAS does (benchmarks/gpu/skinny_gemm.py;
+figures in docs/performance.md, section "The skinny GEMM kernel"). At 32 and 64 rows the two are within
+~3%, so only up to MAX_ROWS rows come here (one BLOCK_M, one compiled variant per bias / no bias). Before
 waiting for the previous kernel, each program asks the L2 for the head of its weight rows
 (kernels/l2_prefetch.py).
 

@@ -8,12 +8,9 @@ its BLOCK_N x K slice of W once in BLOCK_K chunks, NUM_STAGES loads in flight; x
 As skinny_gemm does, it launches with programmatic dependent launch and asks the L2 for the head of
 its weight rows before waiting for the previous kernel (kernels/l2_prefetch.py).
 
-Measured on an H100 (benchmarks/gpu/skinny_gemm.py --rows 24 32, Llama-3.1-8B weights, each timed
-alone at 32 rows, us, cuBLAS -> this kernel): qkv 21.3 -> 20.3, o 14.2 -> 15.0, gate_up 86.7 -> 82.1,
-down 44.9 -> 44.9, lm_head 379.1 -> 352.9. In the decode graph, where each kernel overlaps its
-neighbours, the batch-32 step at 1,536 tokens of context took 8.04 -> 7.66 ms, batch 24 7.57 -> 7.15
-(benchmarks/gpu/decode_graph.py; docs/performance.md). Past 32 rows (x padded to 64) the step was
-slower than on cuBLAS: 8.63 against 8.58 ms at 40 rows, 10.31 against 10.21 at 64.
+On an H100 the decode graph's batch-24 and batch-32 steps are faster with it than on cuBLAS; past 32 rows
+(x padded to 64) the step was slower (benchmarks/gpu/skinny_gemm.py and decode_graph.py; figures in
+docs/performance.md, section "Serving: the batch-32 decode step").
 
 Reference: torch.nn.functional.linear.
 """

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
 
 
 class SiluAndMul(nn.Module):
@@ -19,6 +19,6 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         kernels = load_cpu_kernels()
         if kernels is not None and kernels.elementwise.silu_and_mul_supports(x):
-            return kernels.elementwise.silu_and_mul(x)  # one C call (cpu_kernels/elementwise.c)
+            return kernels.elementwise.silu_and_mul(x)  # one C call (cpu/c_kernels/elementwise.c)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
-from fitserve.layers.cpu_rms_norm import cpu_rms_norm
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.rms_norm import cpu_rms_norm
 from fitserve.layers.linear import default_weight_loader
 
 
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     both forms run as one Triton kernel (fitserve.kernels.norm); the fused one works in place, so x
     and residual must not be read again by the caller.
 
-    On the CPU, contiguous float32 rows take fitserve's C kernel where it builds (cpu_kernels/elementwise.c:
+    On the CPU, contiguous float32 rows take fitserve's C kernel where it builds (cpu/c_kernels/elementwise.c:
     the add and the norm in one call, in place like CUDA's; HF's formula with the squares summed in
     another order), else
     `cpu_rms_norm` (the kernels of torch's `F.rms_norm` in fewer calls): for float32 it computes the same

@@ -12,7 +12,7 @@ weight loaders) and its own `apply`.
 
 Once a layer's whole weight is loaded (every shard of a packed one), its method's
 `process_weights_after_loading` may store it in another form for the device. On the CPU, a matrix
-made of 4-bit groups (a converted Q4 GGUF's) becomes int4 (cpu_int4_linear.py); a float32 one keeps
+made of 4-bit groups (a converted Q4 GGUF's) becomes int4 (cpu/int4_linear.py); a float32 one keeps
 its values in a transposed memory layout.
 """
 
@@ -106,7 +106,7 @@ class UnquantizedLinearMethod:
         decode steps) on 2 threads, and no slower for 1 or hundreds."""
         if not _owns_cpu_storage(layer.weight):
             return
-        from fitserve.layers.cpu_int4_linear import convert_to_int4
+        from fitserve.layers.cpu.int4_linear import convert_to_int4
 
         held = layer.take_held_weight()
         int4_method = convert_to_int4(layer, held)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitserve.layers.cpu_fp16_matmul import fp16_matmul, pack_fp16_in_background
+from fitserve.layers.cpu.fp16_matmul import fp16_matmul, pack_fp16_in_background
 from fitserve.layers.linear import default_weight_loader, dense_linear
 
 
@@ -49,7 +49,7 @@ class ParallelLMHead(nn.Module):
     kernels read bf16 as the same float32 values, so the tokens are the ones float32 logits give).
 
     On the CPU, a float32 head whose loaded weights float16 holds exactly also gets a prepacked float16
-    copy that the matmul reads instead (cpu_fp16_matmul.py): same weights, half the bytes per token.
+    copy that the matmul reads instead (cpu/fp16_matmul.py): same weights, half the bytes per token.
     """
 
     def __init__(

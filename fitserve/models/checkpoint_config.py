@@ -86,6 +86,11 @@ class CheckpointConfig:
         if dtype is not None:
             self.dtype = dtype
 
+    def __eq__(self, other: object) -> bool:  # two reads of one config.json are the same config
+        return isinstance(other, CheckpointConfig) and vars(self) == vars(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like a transformers config
+
     @classmethod
     def from_folder(cls, folder: str | Path) -> CheckpointConfig | None:
         """The folder's config, or None when fitserve must ask transformers (another architecture,

@@ -1,5 +1,5 @@
 """--cpu-offload-gb on the model: whole decoder layers' weights stay in CPU memory and are copied to the
-device right before each of those layers runs. Which layers is fitserve/planner/offload.py's arithmetic,
+device right before each of those layers runs. Which layers is fitserve/offload_split.py's arithmetic,
 shared with the planner.
 
 1. `make_layers` builds the decoder layers (decoder_blocks.py). Inside the loader's `offloading(...)`
@@ -7,7 +7,7 @@ shared with the planner.
    at least cpu_offload_gb GiB are there, so the GPU never holds every weight at once. An offloaded
    layer's parameters become views of one flat host buffer per dtype; those buffers are views of a few
    large chunks of page-locked memory from torch's own pinned allocator on CUDA (plain CPU memory
-   elsewhere), laid out by `HostChunks` (fitserve/planner/offload.py), which keeps that allocator's
+   elsewhere), laid out by `HostChunks` (fitserve/offload_split.py), which keeps that allocator's
    power-of-two rounding to less than one layer per chunk.
 2. The weights load into those views like into any parameter.
 3. `CpuOffload.attach(model)` then allocates the device staging buffers once (one set per layer layout:
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fitserve.planner.offload import (
+from fitserve.offload_split import (
     HOST_ALIGN_BYTES,
     GiB,
     HostChunks,

@@ -55,11 +55,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-_FLOAT_GGML_TYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
 
 
 def parse_conversion_dtype(dtype: str | torch.dtype) -> torch.dtype | None:

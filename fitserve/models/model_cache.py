@@ -1,6 +1,6 @@
 """fitserve's on-disk cache: where converted models and downloads live, and how a folder is published.
 
-Layout under `fitserve_cache_dir()` (env FITSERVE_CACHE_DIR, default ~/.cache/fitserve):
+Layout under `fitserve_cache_dir()` (fitserve/paths.py: env FITSERVE_CACHE_DIR, default ~/.cache/fitserve):
   converted/<name>/   an HF-style model folder made from a GGUF file (see gguf_convert.py)
   downloads/          files fetched from PyPI (the default model's wheel)
 
@@ -20,16 +20,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-CACHE_DIR_ENV = "FITSERVE_CACHE_DIR"
+from fitserve.paths import fitserve_cache_dir
+
 # Written last into every published folder; its presence marks the folder complete.
 COMPLETE_MARKER = "fitserve_cache_entry.json"
 _TEMP_INFIX = ".partial-"
-
-
-def fitserve_cache_dir() -> Path:
-    configured = os.environ.get(CACHE_DIR_ENV)
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "fitserve"
-    return root.resolve()
 
 
 def converted_models_dir() -> Path:
@@ -42,10 +37,6 @@ def downloads_dir() -> Path:
 
 def is_complete_entry(folder: Path) -> bool:
     return (folder / COMPLETE_MARKER).is_file()
-
-
-def read_entry_record(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / COMPLETE_MARKER).read_text())
 
 
 @contextmanager

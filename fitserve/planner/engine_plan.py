@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fitserve.capture_sizes import decode_capture_sizes
 from fitserve.config import EngineConfig
-from fitserve.planner.fit_knobs import capture_sizes_for
 from fitserve.planner.formats import canonical_dtype
 from fitserve.planner.hardware import DeviceSpec, gpu_device_spec
 
@@ -40,7 +40,7 @@ def inputs_from_engine_config(
     compilation = config.compilation
     sizes: tuple[int, ...] = ()
     if on_gpu and not compilation.enforce_eager:
-        sizes = capture_sizes_for(compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)
+        sizes = decode_capture_sizes(compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)
     return MemoryInputs(
         shape=shape,
         weights=weights,

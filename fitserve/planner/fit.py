@@ -2,8 +2,8 @@
 what cannot fit, naming the numbers and what would.
 
 Explicit settings always win: `explicit` names the EngineArgs fields the user set (flags or YAML
-keys); only the others are chosen here. The result's `engine_args` has every choice written in,
-ready for `EngineArgs.create_engine_config()`.
+keys); only the others are chosen here. The result's plan holds every resolved value; planner/resolve.py
+turns it into the engine's config.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from fitserve.args import EngineArgs, check_fp8_kv_cache_on_gpu, default_max_num_batched_tokens
+from fitserve.args import EngineArgs
+from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, Choice
 from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS, RAM_FRACTION
 from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
+    check_block_size,
     check_devices,
+    check_fp8_kv_cache_on_gpu,
     check_host_memory,
     check_quantization,
     kv_cache_error,
@@ -29,6 +31,7 @@ from fitserve.planner.fit_errors import (
 from fitserve.planner.fit_knobs import (
     auto_settings,
     capped,
+    default_max_num_batched_tokens,
     display_setting,
     initial_capture_sizes,
     shrink_to_fit,
@@ -39,7 +42,6 @@ from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.memory import MemoryInputs, MemoryPlan, cpu_kept_forms, plan_memory, with_settings
 from fitserve.planner.model_info import ModelInfo
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The model's own max_model_len is kept when the KV cache holds FULL_LENGTH_REQUESTS (2) requests of that
 # length (one long request then never stalls all the others); else the largest length that many fit. The
 # constant lives with the CPU's automatic KV cache (fitserve/cpu_kv_cache.py), which holds as many.
@@ -52,21 +54,12 @@ __all__ = ["Choice", "FitResult", "PlanError", "auto_fit"]
 
 
 @dataclass(frozen=True)
-class Choice:
-    setting: str  # the EngineArgs field
-    value: Any
-    reason: str
-    explicit: bool = False
-
-
-@dataclass(frozen=True)
 class FitResult:
     plan: MemoryPlan
     model: ModelInfo
     devices: tuple[DeviceSpec, ...]  # the devices the plan uses
     choices: tuple[Choice, ...]
     notes: tuple[str, ...]
-    engine_args: EngineArgs  # the user's args with every choice written in
 
 
 def auto_fit(
@@ -80,6 +73,7 @@ def auto_fit(
     """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix. `serving`: plan
     for `fitserve serve` (its defaults), else for offline generation (`fitserve generate`, LLM)."""
     used = check_devices(args, devices, model.shape)
+    check_block_size(args.block_size, used)
     device = min(used, key=lambda d: (d.total_bytes, d.free_bytes))
     on_gpu = device.kind == "cuda"
     choices: list[Choice] = []
@@ -149,7 +143,6 @@ def auto_fit(
         devices=tuple(used),
         choices=tuple(choices),
         notes=tuple(_notes(plan, model, args, devices)),
-        engine_args=_filled_args(args, plan),
     )
 
 
@@ -231,6 +224,11 @@ def _choose_max_model_len(
         return args.max_model_len, "set by you"
     own = model.max_model_len
     own_blocks = math.ceil(own / block)
+    if plan.inputs.num_gpu_blocks_override is not None:
+        return own, (
+            f"the model's own; --num-gpu-blocks-override fixes the KV cache at {usable_tokens:,} tokens "
+            "(requests that outgrow it are preempted and recomputed)"
+        )
     if FULL_LENGTH_REQUESTS * own_blocks <= usable_blocks:
         return (
             own,
@@ -281,6 +279,8 @@ def _choose_num_seqs(
     seqs = inputs.max_num_seqs
     if "max_num_seqs" not in auto:
         return seqs, "set by you"
+    if inputs.num_gpu_blocks_override is not None:
+        return seqs, "default; --num-gpu-blocks-override fixes the KV cache, so it is not sized to it"
 
     def usable_blocks(count: int) -> int:
         changed = with_settings(inputs, max_num_seqs=count, cudagraph_capture_sizes=capped(inputs, count))
@@ -375,20 +375,3 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             "available"
         )
     return notes
-
-
-def _filled_args(args: EngineArgs, plan: MemoryPlan) -> EngineArgs:
-    inputs = plan.inputs
-    changes: dict[str, Any] = {
-        "dtype": inputs.dtype,
-        "max_model_len": inputs.max_model_len,
-        "max_num_seqs": inputs.max_num_seqs,
-        "max_num_batched_tokens": inputs.max_num_batched_tokens,
-        "gpu_memory_utilization": inputs.gpu_memory_utilization,
-    }
-    if inputs.on_gpu and not args.enforce_eager:
-        if inputs.cudagraph_capture_sizes:
-            changes["compilation_config"] = {"cudagraph_capture_sizes": list(inputs.cudagraph_capture_sizes)}
-        else:
-            changes["enforce_eager"] = True
-    return dataclasses.replace(args, **changes)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
 from fitserve.args import EngineArgs
+from fitserve.config import FP8_KV_CACHE_DTYPES
 from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE, vllm_only
 from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.formats import format_capability, quant_method
@@ -14,6 +17,10 @@ from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.model_shape import ModelShape
 
+# The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
+MIN_CUDA_BLOCK_SIZE = 16
+# Triton converts to float8 e4m3 (fp8e4nv) from this compute capability on; e5m2 works on older GPUs.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
 # A smaller --cpu-kv-cache-space is suggested down to this many GiB, holding at least one request of
 # this many tokens (or of max_model_len when that is shorter).
 MIN_SUGGESTED_KV_GIB = 0.1
@@ -69,6 +76,26 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
             f"use one of {', '.join(sizes[:8])}",
         )
     return list(devices[:tp])
+
+
+def check_block_size(block_size: int, used: Sequence[DeviceSpec]) -> None:
+    if used[0].kind == "cuda" and block_size < MIN_CUDA_BLOCK_SIZE:
+        raise PlanError(
+            "block_size",
+            f"block_size={block_size} is below {MIN_CUDA_BLOCK_SIZE}, the smallest block the CUDA "
+            f"attention kernels take: set --block-size {MIN_CUDA_BLOCK_SIZE} (or 32, 64, 128)",
+        )
+
+
+def check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
+    """The Triton kernels convert to float8 e4m3 only from compute capability 8.9 (Ada, Hopper) on."""
+    is_e4m3 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
+    if is_e4m3 and capability < FP8_E4M3_MIN_CAPABILITY:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype} (float8 e4m3) needs compute capability "
+            f"{format_capability(FP8_E4M3_MIN_CAPABILITY)}, this GPU has {format_capability(capability)}: "
+            "set --kv-cache-dtype fp8_e5m2 (also one byte per element) or auto"
+        )
 
 
 def check_quantization(quantization: str | None, model: ModelInfo, used: Sequence[DeviceSpec]) -> None:

@@ -7,6 +7,7 @@ sequences; only knobs the user left unset move.
 from __future__ import annotations
 
 from fitserve.args import EngineArgs
+from fitserve.capture_sizes import decode_capture_sizes, parse_capture_sizes
 from fitserve.planner.fit_options import holds
 from fitserve.planner.hardware import GiB
 from fitserve.planner.memory import MemoryInputs, plan_memory, with_settings
@@ -14,24 +15,27 @@ from fitserve.planner.memory import MemoryInputs, plan_memory, with_settings
 _SHRINK_GRAPH_CAPS = (128, 64, 32, 16, 8)
 _SHRINK_BATCHED_TOKENS = (4096, 2048, 1024, 512)
 _SHRINK_NUM_SEQS = (128, 64, 32, 16, 8)
+# Token budget per step when --max-num-batched-tokens is not given. Chunked prefill is always on,
+# so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
+# prompt length. CPUs get a smaller step so that decodes of a running batch are not held up for long.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+# `fitserve serve` on a GPU: short prefill chunks. A step that prefills 8,192 tokens of an 8B model takes
+# ~195 ms on an H100, stalling every stream's next token and the first token of each request behind it;
+# 1,024-token chunks keep such a step near 30 ms (docs/performance.md, "Serving: the prefill chunk").
+SERVE_MAX_NUM_BATCHED_TOKENS = {"cuda": 1024, "cpu": 2048}
+
+
+def default_max_num_batched_tokens(device: str, max_num_seqs: int, serving: bool) -> int:
+    """The step's token budget when the user set none: at least max_num_seqs (one token each)."""
+    table = SERVE_MAX_NUM_BATCHED_TOKENS if serving else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(table[device], max_num_seqs)
 
 
 def initial_capture_sizes(args: EngineArgs, on_gpu: bool) -> tuple[int, ...]:
-    from fitserve.args import _capture_sizes
-
+    """The decode graphs' batch sizes before any shrinking: none on the CPU or with --enforce-eager."""
     if not on_gpu or args.enforce_eager:
         return ()
-    return capture_sizes_for(_capture_sizes(args.compilation_config), args.max_num_seqs)
-
-
-def capture_sizes_for(explicit_sizes: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
-    """The sizes the CUDA graph runner captures (worker/platforms.py): the given ones up to max_num_seqs
-    (at least batch 1), or vLLM's ladder."""
-    from fitserve.worker.cuda_graphs import default_capture_sizes
-
-    if explicit_sizes:
-        return tuple(size for size in explicit_sizes if size <= max_num_seqs) or (1,)
-    return tuple(default_capture_sizes(max_num_seqs))
+    return decode_capture_sizes(parse_capture_sizes(args.compilation_config), args.max_num_seqs)
 
 
 def auto_settings(args: EngineArgs, explicit: frozenset[str]) -> frozenset[str]:

@@ -174,7 +174,7 @@ def cpu_device(host: HostInfo) -> DeviceSpec:
 
 
 def probe_host(cache_dir: str | None = None) -> HostInfo:
-    from fitserve.models.model_cache import fitserve_cache_dir
+    from fitserve.paths import fitserve_cache_dir
 
     meminfo = read_meminfo()
     cache = cache_dir or str(fitserve_cache_dir())

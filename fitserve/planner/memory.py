@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from fitserve.capture_sizes import piecewise_capture_sizes
+from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import CpuKvCacheSize, cpu_kv_cache_size
+from fitserve.offload_split import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
 from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.model_shape import ModelShape
-from fitserve.planner.offload import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
 from fitserve.planner.weights import NO_CPU_FORMS, CpuKeptForms, WeightInventory
 
 MiB = 1024**2
@@ -57,7 +59,7 @@ class MemoryInputs:
     quantization: str | None = None
     tensor_parallel_size: int = 1
     cpu_offload_gb: float = 0.0  # per GPU, as vLLM's --cpu-offload-gb
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cudagraph_capture_sizes: tuple[int, ...] = ()  # () = eager
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space_gib: float | None = None  # None: sized by fitserve/cpu_kv_cache.py's rule
@@ -256,7 +258,7 @@ def decoder_layer_bytes_per_gpu(inputs: MemoryInputs) -> int:
 
 
 def offload_split(inputs: MemoryInputs) -> tuple[OffloadSplit, str | None]:
-    """The engine's --cpu-offload-gb choice of layers (fitserve/planner/offload.py), and a note when more
+    """The engine's --cpu-offload-gb choice of layers (fitserve/offload_split.py), and a note when more
     is asked than the decoder layers hold (the plan then offloads them all; the engine refuses it)."""
     if not inputs.on_gpu or inputs.cpu_offload_gb <= 0:
         return NO_OFFLOAD, None
@@ -333,8 +335,6 @@ def cuda_graph_bytes(inputs: MemoryInputs) -> int:
     decode = pool + len(sizes) * inputs.shape.num_layers * CUDA_GRAPH_BYTES_PER_LAYER
     if inputs.cpu_offload_gb > 0:
         return decode
-    from fitserve.worker.piecewise_graphs import piecewise_capture_sizes
-
     piece_sizes = piecewise_capture_sizes(inputs.max_num_batched_tokens)
     # a piece is about one layer; a model of L layers is cut into L + 1 of them
     pieces = len(piece_sizes) * (inputs.shape.num_layers + 1) * CUDA_GRAPH_BYTES_PER_LAYER

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitserve.planner.model_shape import ModelShape
 from fitserve.planner.weights import (
@@ -21,6 +21,9 @@ from fitserve.planner.weights import (
     inventory_from_hub_metadata,
 )
 
+if TYPE_CHECKING:
+    from fitserve.models.resolve import ResolvedModel
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -30,16 +33,24 @@ class ModelInfo:
     shape: ModelShape
     weights: WeightInventory
     max_model_len: int  # the model's own context limit
+    # The local folder the engine loads, when inspecting found it (the default model, a local folder);
+    # None for a .gguf file (converted only when the engine starts) and a hub id (fetched then).
+    resolved: ResolvedModel | None = None
 
     @classmethod
     def from_hf_config(
-        cls, name: str, source: str, hf_config: Any, weights: WeightInventory | None = None
+        cls,
+        name: str,
+        source: str,
+        hf_config: Any,
+        weights: WeightInventory | None = None,
+        resolved: ResolvedModel | None = None,
     ) -> ModelInfo:
         from fitserve.models.loader import model_max_length
 
         shape = ModelShape.from_hf_config(hf_config)
         inventory = weights or inventory_from_config(shape, checkpoint_quantization(hf_config))
-        return cls(name, source, hf_config, shape, inventory, model_max_length(hf_config))
+        return cls(name, source, hf_config, shape, inventory, model_max_length(hf_config), resolved)
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
@@ -60,16 +71,17 @@ def inspect_model(
 
     `load_format == "dummy"` skips the weight files: dummy weights have the config's shapes.
     """
-    from fitserve.models.loader import load_hf_config, resolve_model
+    from fitserve.models.default_model import DEFAULT_MODEL_ID
+    from fitserve.models.loader import load_hf_config
+    from fitserve.models.resolve import resolve_model
 
     path = Path(model).expanduser() if model is not None else None
     if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
         return _inspect_gguf(path)
-    if path is not None and path.is_dir():
-        folder, name, source = path.resolve(), model or "", f"local folder {path.resolve()}"
-    elif model is None:
-        resolved = resolve_model(None, revision, log=False)
-        folder, name, source = Path(resolved.model_path), resolved.model_path, resolved.source
+    if (path is not None and path.is_dir()) or model in (None, DEFAULT_MODEL_ID):
+        resolved = resolve_model(model, revision, log=False)
+        folder, source = Path(resolved.model_path), resolved.source
+        name = resolved.model_path if model is None else model
     else:
         return _inspect_hub(model, revision, trust_remote_code, load_format)
     hf_config = load_hf_config(str(folder), trust_remote_code=trust_remote_code)
@@ -79,7 +91,7 @@ def inspect_model(
         weights = inventory_from_config(shape, quant, source="config.json shapes (--load-format dummy)")
     else:
         weights = inventory_from_folder(folder, shape, quant)
-    return ModelInfo.from_hf_config(name, source, hf_config, weights)
+    return ModelInfo.from_hf_config(name, source, hf_config, weights, resolved)
 
 
 def _inspect_gguf(path: Path) -> ModelInfo:

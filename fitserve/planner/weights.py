@@ -10,8 +10,8 @@ weights) are counted in bytes: they are loaded as stored. GGUF tensors are all c
 fitserve dequantizes a GGUF file into the model dtype when it converts it (models/gguf_convert.py).
 
 On the CPU the engine then keeps some of them in a smaller form (`CpuKeptForms`): decoder matrices that
-are 4-bit groups of 32 (a Q4_0 / Q4_1 GGUF's) stay int4 (layers/cpu_int4_linear.py), and an LM head whose
-values float16 holds exactly gets a float16 copy (layers/cpu_fp16_matmul.py). The engine checks the
+are 4-bit groups of 32 (a Q4_0 / Q4_1 GGUF's) stay int4 (layers/cpu/int4_linear.py), and an LM head whose
+values float16 holds exactly gets a float16 copy (layers/cpu/fp16_matmul.py). The engine checks the
 values; the plan, which reads no values, goes by the GGUF's tensor types: from its header for a .gguf
 file, from the matrix types its cache record (fitserve_cache_entry.json) counts for a converted folder.
 """
@@ -43,7 +43,7 @@ INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32
 # One of those types in a GGUF file's name: "SmolLM2-135M-Instruct.Q4_1.gguf" -> Q4_1 (not Q4_K_M).
 _INT4_TYPE_IN_NAME = re.compile(r"(?<![A-Za-z0-9])Q4_[01](?![A-Za-z0-9])", re.IGNORECASE)
-# What fitserve's C int4 kernel needs (cpu_kernels/int4_gemm.c is built with -march=native).
+# What fitserve's C int4 kernel needs (layers/cpu/c_kernels/int4_gemm.c is built with -march=native).
 _C_KERNEL_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 
 
@@ -129,7 +129,7 @@ def forms_kept_on_this_host(int4_params: int, fp16_head: bool, gguf_type: str) -
     """The forms the CPU engine keeps on this host: no int4 with FITSERVE_CPU_INT4=0; torch's int4 kernel
     (where fitserve's C kernel cannot run) adds a float16 copy of each int4 matrix; both float16 forms
     need fbgemm."""
-    from fitserve.layers.cpu_int4_linear import cpu_int4_enabled, fp16_copy_enabled
+    from fitserve.layers.cpu.int4_linear import cpu_int4_enabled, fp16_copy_enabled
 
     if not int4_params and not fp16_head:
         return NO_CPU_FORMS
@@ -143,9 +143,9 @@ def forms_kept_on_this_host(int4_params: int, fp16_head: bool, gguf_type: str) -
 
 
 def c_int4_kernel_expected() -> bool:
-    """Whether fitserve's C int4 kernel should build here (layers/cpu_kernels/library.py decides by
+    """Whether fitserve's C int4 kernel should build here (layers/cpu/c_kernels/library.py decides by
     building it; the plan goes by the switch, the machine, a compiler and the CPU's flags)."""
-    from fitserve.layers.cpu_kernels.library import build_blocker, kernels_enabled
+    from fitserve.layers.cpu.c_kernels.library import build_blocker, kernels_enabled
 
     return kernels_enabled() and build_blocker() is None and _cpu_flags() >= _C_KERNEL_CPU_FLAGS
 
@@ -164,15 +164,15 @@ def _cpu_flags() -> frozenset[str]:
 
 def int4_row_block() -> int:
     """Rows an int4 matrix is packed in blocks of: 16 for the C kernel, else torch's layout's 32 or 64."""
-    from fitserve.layers.cpu_int4_linear import torch_block_rows
-    from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS
+    from fitserve.layers.cpu.c_kernels.int4_layout import BLOCK_COLUMNS
+    from fitserve.layers.cpu.int4_linear import torch_block_rows
 
     return BLOCK_COLUMNS if c_int4_kernel_expected() else torch_block_rows()
 
 
 def int4_packable(out_features: int, in_features: int, row_block: int) -> bool:
     """The engine's shape rule for an int4 matrix: groups of 32 along a row, whole blocks of rows."""
-    from fitserve.layers.cpu_int4_linear import GROUP_SIZE
+    from fitserve.layers.cpu.int4_linear import GROUP_SIZE
 
     return out_features % row_block == 0 and in_features % GROUP_SIZE == 0
 

@@ -26,6 +26,7 @@ import uvicorn
 from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.engine import Engine
+from fitserve.planner.memory import MemoryPlan
 from fitserve.server.app import ROUTES, build_app
 from fitserve.server.args import API_KEY_ENV_VARS, ServerSettings
 
@@ -99,10 +100,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _kv_cache_gib(engine: AsyncEngine) -> float:
-    """The pool's bytes in GiB, every block counted, in the cache's own element type (fp8: one byte)."""
-    stats = engine.get_stats()
-    return stats.num_kv_blocks * stats.block_size * engine.config.kv_bytes_per_token / 2**30
+def memory_line(plan: MemoryPlan, max_rss_bytes: int) -> str:
+    """The startup "Memory:" line: the KV cache as the engine sized it (the planner's memory plan: bytes
+    in the cache's own element type, the tokens requests can use, block 0 being reserved)."""
+    return (
+        f"Memory: KV cache {plan.kv_cache_gib_per_gpu:.2f} GiB ({plan.kv_cache_tokens} tokens in "
+        f"{plan.num_kv_blocks} blocks of {plan.inputs.block_size}, one reserved), process peak RSS "
+        f"{max_rss_bytes / 2**30:.2f} GiB"
+    )
 
 
 # The startup hint asks for a short answer: with no max_tokens a chat request may generate until the
@@ -122,16 +127,8 @@ def _auth_header(api_key: str | None) -> str:
 
 def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> None:
     model = engine.config.model
-    stats = engine.get_stats()
-    max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
-    logger.info(
-        "Memory: KV cache %.2f GiB (%d tokens in %d blocks of %d, one reserved), process peak RSS %.2f GiB",
-        _kv_cache_gib(engine),
-        (stats.num_kv_blocks - 1) * stats.block_size,  # the tokens requests can use, as the engine says
-        stats.num_kv_blocks,
-        stats.block_size,
-        max_rss_gib,
-    )
+    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    logger.info("%s", memory_line(engine.engine.memory_plan, max_rss_bytes))
     logger.info("Routes: %s", ", ".join(ROUTES))
     names = tuple(model.served_model_name) or (model.model,)
     logger.info(
@@ -147,10 +144,10 @@ def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> Non
     )
 
 
-def run_server(namespace: argparse.Namespace) -> None:
-    """Serve until SIGINT/SIGTERM. Bad flags raise ValueError before anything loads."""
+def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM; `namespace` holds the server flags. Bad flags raise ValueError before
+    anything loads."""
     settings = ServerSettings.from_namespace(namespace)
-    engine_args = EngineArgs.from_cli(namespace)
     if settings.exposed_without_key:
         logger.warning(
             "Listening on %s without an API key: anyone who can reach this machine can use the server. "
@@ -160,7 +157,7 @@ def run_server(namespace: argparse.Namespace) -> None:
     sock = bind_socket(settings.host, settings.port)
     try:
         with _sigterm_as_interrupt():
-            engine = Engine.from_engine_args(engine_args)
+            engine = Engine.from_engine_args(engine_args, serving=True)
         async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
         app = build_app(async_engine, settings)
         config = uvicorn.Config(

@@ -195,3 +195,12 @@ class ServerSettings:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"{scheme}://{host}:{self.port}{self.root_path or ''}"
+
+
+def server_only_keys(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The option names (dests) of `fitserve serve`'s server flags that `parser` lacks: the keys of a serve
+    config.yaml (host, port, api-key, ...) that a command running the engine alone skips."""
+    server = argparse.ArgumentParser(add_help=False)
+    add_server_args(server)
+    known = {action.dest for action in parser._actions}
+    return frozenset(action.dest for action in server._actions if action.option_strings) - known

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.async_engine import AsyncEngine
-from fitserve.engine.sampling_params import SamplingParams
 from fitserve.server.args import ServerSettings
 from fitserve.server.chat import ChatRenderer
 from fitserve.server.errors import APIError

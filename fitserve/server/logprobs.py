@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitserve.core.outputs import Logprob, PositionLogprobs
 from fitserve.engine.detokenizer import decode_token
-from fitserve.engine.outputs import Logprob, PositionLogprobs
 from fitserve.server.responses import ChatLogprobEntry, ChatTopLogprob, CompletionLogprobs
 
 LOGPROB_FLOOR = -9999.0

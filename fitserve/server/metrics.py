@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fitserve.engine.outputs import RequestOutput
+from fitserve.core.outputs import RequestOutput
 
 PREFIX = "fitserve:"
 _LATENCY_BUCKETS = (
@@ -78,8 +78,7 @@ class ServerMetrics:
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
             """The histogram's one labelled series, looked up once: `.labels(...)` per observation (a lock
             and a dict, once per generated token for the inter-token latency) made one cost about twice
-            as much: 3.3 us against 1.6 on the 2-core development machine
-            (benchmarks/results/cpu_metrics_observe.json; 2.9 against 0.9 in an earlier run there)."""
+            as much (docs/performance.md, section "On the CPU")."""
             parent = Histogram(PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry)
             return parent.labels(model_name)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fitserve.engine.outputs import RequestOutput
+from fitserve.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -38,15 +38,6 @@ def smallest_size_holding(sizes: list[int], count: int, what: str) -> int:
     raise ValueError(f"{what} exceeds the largest captured size {sizes[-1]}")
 
 
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's ladder: 1, 2, 4, then every 8 up to 512, capped by max_num_seqs."""
-    sizes = [1, 2, 4] + list(range(8, 513, 8))
-    capped = [s for s in sizes if s <= max_num_seqs]
-    if max_num_seqs not in capped and max_num_seqs < 512:
-        capped.append(max_num_seqs)
-    return sorted(capped)
-
-
 class CudaGraphRunner:
     def __init__(
         self,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from fitserve.config import EngineConfig
-from fitserve.engine.scheduler import SchedulerOutput
+from fitserve.core.scheduler import SchedulerOutput
+from fitserve.planner.memory import MemoryPlan
 from fitserve.worker.model_runner import LaunchedStep, ModelRunner
 
 
@@ -13,11 +14,11 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
 
-    def initialize_kv_cache(self) -> int:
-        """Sizes and allocates the KV cache; returns the number of blocks."""
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        return num_blocks
+    def initialize_kv_cache(self) -> MemoryPlan:
+        """Sizes and allocates the KV cache; returns the memory plan it was sized by."""
+        plan = self.runner.size_kv_cache()
+        self.runner.allocate_kv_cache(plan)
+        return plan
 
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Starts the step; its result() waits for it (see ModelRunner.launch)."""

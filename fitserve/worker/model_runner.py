@@ -16,15 +16,17 @@ import numpy as np
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.engine.sampling_params import SamplingParams
-from fitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from fitserve.core.outputs import TokenLogprobs
+from fitserve.core.sampling_params import SamplingParams
+from fitserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
+from fitserve.planner.memory import MemoryPlan
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 from fitserve.worker.platforms import make_platform
-from fitserve.worker.sampler import Sampler, SamplingRow, TokenLogprobs, compute_prompt_logprobs
+from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from fitserve.worker.transfer import PinnedStagingRing
 
 logger = logging.getLogger("fitserve")
@@ -89,9 +91,11 @@ class ModelRunner:
         self.platform = make_platform(self.device)
         started = time.perf_counter()
         self.model = load_model(config.model, self.device)
-        weight_bytes = loaded_model_bytes(self.model)
+        self.weight_bytes = loaded_model_bytes(self.model)
         logger.info(
-            "Model loading took %.2f GiB and %.1f seconds", weight_bytes / GiB, time.perf_counter() - started
+            "Model loading took %.2f GiB and %.1f seconds",
+            self.weight_bytes / GiB,
+            time.perf_counter() - started,
         )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -114,29 +118,30 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         return self.config.kv_bytes_per_token * self.block_size
 
-    def determine_num_blocks(self) -> int:
-        return self.platform.determine_num_blocks(self)
+    def size_kv_cache(self) -> MemoryPlan:
+        """The memory plan with the KV cache sized from what this process measured (the planner's
+        formula): its num_kv_blocks is the pool `allocate_kv_cache` takes."""
+        return self.platform.size_kv_cache(self)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, plan: MemoryPlan) -> None:
         mc = self.config.model
+        num_blocks = plan.num_kv_blocks
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
         ]
-        total = num_blocks * self.kv_bytes_per_block() / GiB
-        num_tokens = (num_blocks - 1) * self.block_size  # block 0 is the reserved null block
         logger.info(
             "KV cache size: %d tokens (%d blocks of %d, %.2f GiB, %s)",
-            num_tokens,
+            plan.kv_cache_tokens,
             num_blocks,
             self.block_size,
-            total,
+            plan.kv_cache_gib_per_gpu,
             str(self.kv_cache_dtype).replace("torch.", ""),
         )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
             mc.max_model_len,
-            num_tokens / mc.max_model_len,
+            plan.kv_cache_tokens / mc.max_model_len,
         )
         self.graph_runner = self.platform.make_graph_runner(self)
         self.piecewise_runner = self.platform.make_piecewise_runner(self)

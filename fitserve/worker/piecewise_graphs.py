@@ -30,15 +30,6 @@ from fitserve.worker.cuda_graphs import keep_allocator_cache, smallest_size_hold
 
 logger = logging.getLogger("fitserve")
 
-# Token counts captured: fine steps where padding is cheap to compute, coarser ones above. Beyond 512
-# tokens a step's GPU time outgrows its host time on most models, and padding would cost compute.
-PIECEWISE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-
-
-def piecewise_capture_sizes(max_num_batched_tokens: int) -> list[int]:
-    """The sizes a step of up to max_num_batched_tokens can use (all of them, past the largest)."""
-    return [size for size in PIECEWISE_SIZES if size <= max_num_batched_tokens] or [PIECEWISE_SIZES[0]]
-
 
 class PiecewiseGraphRunner:
     def __init__(

@@ -1,24 +1,37 @@
 """What differs between devices, behind one small interface: KV sizing and graph capture.
 
-CpuPlatform: the KV pool is --cpu-kv-cache-space GiB of RAM, or, unset, sized to max_model_len within the
-RAM available (fitserve/cpu_kv_cache.py, the planner's rule too), unless num_gpu_blocks_override is
-given; no graphs.
-CudaPlatform: the KV pool is what gpu_memory_utilization leaves after the measured weights, the
-activation peak of a dummy step at max_num_batched_tokens, memory outside torch that this engine added
-since it started, and the CUDA graph pool (vLLM's accounting); decode steps replay CUDA graphs
-unless enforce_eager.
+Both size the KV cache with the planner's formula (fitserve/planner/memory.py), fed what this process
+measured, so `fitserve plan`, the startup log and the server read one memory model:
+CpuPlatform: the RAM available now that the weights are loaded; the pool is --cpu-kv-cache-space GiB,
+or, unset, sized to max_model_len within that RAM (fitserve/cpu_kv_cache.py), unless
+num_gpu_blocks_override is given; no graphs.
+CudaPlatform: the pool is what gpu_memory_utilization leaves after the measured weights, the activation
+peak of a dummy step at max_num_batched_tokens, memory outside torch that this engine added since it
+started, and the CUDA graph reserve (vLLM's accounting); decode steps replay CUDA graphs unless
+enforce_eager.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from fitserve.cpu_kv_cache import available_ram_bytes, check_fits_in_ram, engine_cpu_kv_cache_size
-from fitserve.worker.cuda_graphs import CudaGraphRunner, default_capture_sizes
-from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner, piecewise_capture_sizes
+from fitserve.capture_sizes import decode_capture_sizes, piecewise_capture_sizes
+from fitserve.cpu_kv_cache import available_ram_bytes, check_fits_in_ram
+from fitserve.planner.engine_plan import inputs_from_engine_config
+from fitserve.planner.hardware import DeviceSpec, cpu_device, gpu_device_spec, probe_host
+from fitserve.planner.memory import (
+    CPU_RUNTIME_OVERHEAD_BYTES,
+    MemoryPlan,
+    MemoryTerms,
+    plan_memory,
+    planned_vs_measured,
+)
+from fitserve.worker.cuda_graphs import CudaGraphRunner
+from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 
 if TYPE_CHECKING:
     from fitserve.worker.model_runner import ModelRunner
@@ -33,24 +46,48 @@ CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 
 
 class Platform(Protocol):
-    def determine_num_blocks(self, runner: ModelRunner) -> int: ...
+    def size_kv_cache(self, runner: ModelRunner) -> MemoryPlan: ...
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None: ...
 
     def make_piecewise_runner(self, runner: ModelRunner) -> PiecewiseGraphRunner | None: ...
 
 
+def _sized_from_measurements(
+    runner: ModelRunner, device: DeviceSpec, measured_terms: MemoryTerms
+) -> MemoryPlan:
+    """The plan of `runner.config` on `device`, its KV cache sized from `measured_terms`; logs the plan
+    made from the shapes beside it, term by term."""
+    inputs = inputs_from_engine_config(runner.config, device)
+    planned = plan_memory(inputs)
+    measured = plan_memory(inputs, measured_terms)
+    for line in planned_vs_measured(planned, measured):
+        logger.info("Plan vs measured: %s", line)
+    if measured.block_bytes != runner.kv_bytes_per_block():
+        raise RuntimeError(
+            f"the plan counts {measured.block_bytes} bytes per KV block, the engine allocates "
+            f"{runner.kv_bytes_per_block()}: a fitserve bug, please report it"
+        )
+    return measured
+
+
 class CpuPlatform:
-    def determine_num_blocks(self, runner: ModelRunner) -> int:
+    def size_kv_cache(self, runner: ModelRunner) -> MemoryPlan:
         cache = runner.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
         # Read now, with the weights loaded: what is left for the KV cache and the steps.
         available = available_ram_bytes()
-        check_fits_in_ram(cache.cpu_kv_cache_space_gib, available)
-        size = engine_cpu_kv_cache_size(runner.config, available)
-        logger.info("%s", size.log_line())
-        return size.num_blocks
+        if cache.num_gpu_blocks_override is None:
+            check_fits_in_ram(cache.cpu_kv_cache_space_gib, available)
+        host = cpu_device(probe_host())
+        weights = runner.weight_bytes
+        if available is not None:  # the RAM before the weights loaded: what the plan subtracts them from
+            host = dataclasses.replace(host, free_bytes=available + weights)
+        # the process itself is in neither figure: the plan's estimate of it stands
+        terms = MemoryTerms(weights, 0, 0, CPU_RUNTIME_OVERHEAD_BYTES)
+        plan = _sized_from_measurements(runner, host, terms)
+        if plan.cpu_kv is not None:
+            logger.info("%s", plan.cpu_kv.log_line())
+        return plan
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
         return None
@@ -72,7 +109,7 @@ class CudaPlatform:
         # Tensors this process already held (e.g. another engine not yet collected) are not ours either.
         self.baseline_allocated = torch.cuda.memory_allocated()
 
-    def determine_num_blocks(self, runner: ModelRunner) -> int:
+    def size_kv_cache(self, runner: ModelRunner) -> MemoryPlan:
         config = runner.config
         total = torch.cuda.mem_get_info()[1]
         torch.cuda.synchronize()
@@ -86,58 +123,42 @@ class CudaPlatform:
         non_torch = max(0, used_since_start - (torch.cuda.memory_reserved() - self.baseline_reserved))
         activation = peak - weights
         graph_reserve = 0 if config.compilation.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
-        budget = total * config.cache.gpu_memory_utilization
-        kv_bytes = budget - weights - activation - non_torch - graph_reserve
         torch.cuda.empty_cache()
         self.weights_bytes = weights
-        self._log_planned_vs_measured(config, weights, activation, graph_reserve, non_torch)
+        device = gpu_device_spec(torch.cuda.current_device())
+        plan = _sized_from_measurements(
+            runner, device, MemoryTerms(weights, activation, graph_reserve, non_torch)
+        )
         logger.info(
             "Memory profiling: total %.2f GiB x utilization %.2f = %.2f GiB; weights %.2f GiB, "
             "activation peak %.2f GiB, non-torch %.2f GiB, CUDA graph reserve %.2f GiB",
             total / GiB,
             config.cache.gpu_memory_utilization,
-            budget / GiB,
+            plan.budget_bytes / GiB,
             weights / GiB,
             activation / GiB,
             non_torch / GiB,
             graph_reserve / GiB,
         )
-        logger.info("Available KV cache memory: %.2f GiB", max(kv_bytes, 0) / GiB)
-        override = config.cache.num_gpu_blocks_override
-        if override is not None:
-            return override
-        num_blocks = int(kv_bytes // runner.kv_bytes_per_block())
-        if num_blocks < 2:
+        logger.info("Available KV cache memory: %.2f GiB", max(plan.free_for_kv_bytes, 0) / GiB)
+        if config.cache.num_gpu_blocks_override is None and plan.num_kv_blocks < 2:
             raise ValueError(
                 "no memory is left for the KV cache: "
-                f"gpu_memory_utilization={config.cache.gpu_memory_utilization} gives {budget / GiB:.2f} GiB, "
-                f"of which weights take {weights / GiB:.2f} GiB and the activation peak at "
-                f"max_num_batched_tokens={config.scheduler.max_num_batched_tokens} takes "
+                f"gpu_memory_utilization={config.cache.gpu_memory_utilization} gives "
+                f"{plan.budget_bytes / GiB:.2f} GiB, of which weights take {weights / GiB:.2f} GiB and the "
+                f"activation peak at max_num_batched_tokens={config.scheduler.max_num_batched_tokens} takes "
                 f"{activation / GiB:.2f} GiB: raise --gpu-memory-utilization, "
                 "lower --max-num-batched-tokens, or use a smaller model"
             )
-        return num_blocks
-
-    @staticmethod
-    def _log_planned_vs_measured(config, weights: int, activation: int, graphs: int, non_torch: int) -> None:
-        """The planner's numbers (fitserve plan) beside what profiling measured, term by term."""
-        from fitserve.planner.engine_plan import gpu_device_spec, inputs_from_engine_config
-        from fitserve.planner.memory import MemoryTerms, plan_memory, planned_vs_measured
-
-        inputs = inputs_from_engine_config(config, gpu_device_spec(torch.cuda.current_device()))
-        planned = plan_memory(inputs)
-        measured = plan_memory(inputs, MemoryTerms(weights, activation, graphs, non_torch))
-        for line in planned_vs_measured(planned, measured):
-            logger.info("Plan vs measured: %s", line)
+        return plan
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
         config = runner.config
         if config.compilation.enforce_eager:
             return None
-        sizes = list(config.compilation.cudagraph_capture_sizes) or default_capture_sizes(
-            config.scheduler.max_num_seqs
+        sizes = list(
+            decode_capture_sizes(config.compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)
         )
-        sizes = sorted(s for s in sizes if s <= config.scheduler.max_num_seqs) or [1]
         mc = config.model
         graph_runner = CudaGraphRunner(
             model=runner.model,
@@ -168,7 +189,7 @@ class CudaPlatform:
         piecewise = PiecewiseGraphRunner(
             model=runner.model,
             kv_caches=runner.kv_caches,
-            sizes=piecewise_capture_sizes(config.scheduler.max_num_batched_tokens),
+            sizes=list(piecewise_capture_sizes(config.scheduler.max_num_batched_tokens)),
             num_heads=runner.model.attention_layers[0].num_heads,
             head_dim=mc.head_dim,
             dtype=mc.dtype,

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from fitserve.engine.sampling_params import SamplingParams, SamplingType
+from fitserve.core.outputs import TokenLogprobs
+from fitserve.core.sampling_params import SamplingParams, SamplingType
 from fitserve.worker.transfer import start_copies_to_host_aside, tensor_to_device, to_device
 
 TOP_P_ROWS_PER_CHUNK = 64
@@ -50,18 +51,6 @@ class SamplingRow:
         """Penalties read the exact output tokens, so the next step must wait for this one's."""
         p = self.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-@dataclass
-class TokenLogprobs:
-    """Index 0 is the sampled (or given) token; then the top-k tokens by raw logprob, most likely first.
-
-    rank = 1 + the number of other tokens whose logprob is at least this token's (1 = most likely).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
 
 
 @dataclass

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from fitserve.engine.sampling_params import SamplingParams  # noqa: E402
+from fitserve.core.sampling_params import SamplingParams  # noqa: E402
 from fitserve.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
 from fitserve.worker.sampler import Sampler, SamplingRow  # noqa: E402
 

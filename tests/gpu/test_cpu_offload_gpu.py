@@ -90,7 +90,7 @@ def _compare(resident: Any, offloaded: Any) -> dict[str, Any]:
 
 def test_the_seed_gives_the_same_weights_with_and_without_offload() -> None:
     from fitserve.models.loader import load_model
-    from fitserve.planner.offload import pinned_host_bytes
+    from fitserve.offload_split import pinned_host_bytes
 
     _free_gpu()
     resident = load_model(_model_config(0.0), "cuda")

@@ -162,9 +162,10 @@ def test_graphs_prefix_cache_chunking_and_preemption_change_nothing(model_folder
 
 def test_block_size_below_16_is_refused_before_loading():
     from fitserve.args import EngineArgs
+    from fitserve.planner.resolve import create_engine_config
 
     args = EngineArgs(
         model=str(SHARED / "models" / "qwen3-0.6b"), load_format="dummy", block_size=8, device="cuda"
     )
     with pytest.raises(ValueError, match=r"block_size=8 is below 16.*set --block-size 16"):
-        args.create_engine_config()
+        create_engine_config(args)

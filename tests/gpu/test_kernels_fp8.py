@@ -16,18 +16,21 @@ from fitserve.kernels import reference  # noqa: E402
 from fitserve.kernels.cache_write import reshape_and_cache  # noqa: E402
 from fitserve.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from fitserve.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-from fitserve.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
-from fitserve.layers.attention.torch_reference import TorchReferenceBackend  # noqa: E402
+from fitserve.layers.attention.cpu_backend import CpuAttentionBackend  # noqa: E402
+from fitserve.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.gpu.test_kernels import (  # noqa: E402
     DEVICE,
-    FUSED,
     MAX_CONTEXT,
     TWO_KERNELS,
     cdiv,
     make_paged_cache,
     to_device_int32,
 )
-from tests.unit.model_helpers import ChunkSpec, build_attention_metadata  # noqa: E402
+from tests.unit.model_helpers import (  # noqa: E402
+    ChunkSpec,
+    attention_reference_from_metadata,
+    build_attention_metadata,
+)
 
 pytestmark = pytest.mark.gpu
 E4M3 = pytest.param(
@@ -125,7 +128,7 @@ def test_decode_attention_fp8_matches_reference(
     expected = reference.paged_attention_reference(
         q, kv_cache, query_start_loc, seq_lens_gpu, block_tables, scale, k_scale, v_scale
     )
-    for num_partitions, config in ((None, TWO_KERNELS), (1, TWO_KERNELS), (5, TWO_KERNELS), (5, FUSED)):
+    for num_partitions, config in ((None, TWO_KERNELS), (1, TWO_KERNELS), (5, TWO_KERNELS)):
         out = torch.full_like(q, float("nan"))
         paged_decode_attention(
             q,
@@ -249,8 +252,8 @@ def test_triton_backend_fp8_matches_the_reference_backend(dtype) -> None:
         v = (3 * torch.randn(num_tokens, kv_heads, head_dim, device=DEVICE)).to(torch.bfloat16)
         args = (metadata, head_dim**-0.5, k_scale, v_scale)
         out = TritonAttentionBackend().forward(q, k, v, triton_cache, *args)
-        expected = TorchReferenceBackend().forward(q, k, v, reference_cache, *args)
+        expected = CpuAttentionBackend().forward(q, k, v, reference_cache, *args)
         assert torch.equal(triton_cache.view(torch.uint8), reference_cache.view(torch.uint8))
-        exact = reference.attention_reference_from_metadata(q, triton_cache, *args)
+        exact = attention_reference_from_metadata(q, triton_cache, *args)
         assert_fp8_attention_close(out, exact, triton_cache, v_scale)
         assert_fp8_attention_close(expected, exact, triton_cache, v_scale)

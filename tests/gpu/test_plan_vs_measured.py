@@ -40,18 +40,20 @@ RESULT_PREFIX = "PLAN_VS_MEASURED "
 def plan_then_measure(shape: str, gpu_memory_utilization: float) -> dict[str, int]:
     """In this process: plan as `fitserve serve` does (before loading a byte), start the engine from
     the plan's settings, and read what it measured."""
-    from fitserve.cli import parse_command
-    from fitserve.engine.llm import LLM
-    from fitserve.planner.cli_plan import plan_from_namespace
+    from fitserve.args import EngineArgs
+    from fitserve.cli.main import parse_command
+    from fitserve.engine.engine import Engine
+    from fitserve.planner.resolve import PlanRequest, engine_config_from_fit, plan_settings
 
     argv = [
         "serve", str(MODELS_DIR / shape), "--load-format", "dummy", "--tokenizer", str(SMOLLM2_TOKENIZER_DIR),
         "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", str(gpu_memory_utilization),
     ]  # fmt: skip
     _, _, namespace = parse_command(argv)
-    fit = plan_from_namespace(namespace)
+    args = EngineArgs.from_cli(namespace)
+    fit = plan_settings(args, PlanRequest(serving=True))
     plan = fit.plan
-    engine = LLM.from_engine_args(fit.engine_args).engine
+    engine = Engine(engine_config_from_fit(args, fit))
     stats = engine.get_stats()
     return {
         "planned_weights_bytes": plan.terms.weights,

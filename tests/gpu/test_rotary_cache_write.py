@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
 
 from fitserve.kernels import reference  # noqa: E402
 from fitserve.kernels.cache_write import reshape_and_cache  # noqa: E402
+from fitserve.kernels.kv_format import dequantize_kv  # noqa: E402
 from fitserve.kernels.norm import rms_norm  # noqa: E402
 from fitserve.kernels.rotary import rotary_embedding  # noqa: E402
 from fitserve.kernels.rotary_cache_write import rotary_cache_write  # noqa: E402
-from fitserve.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
-from fitserve.layers.attention.backend import dequantize_kv  # noqa: E402
+from fitserve.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from fitserve.layers.rotary_embedding import StepRope  # noqa: E402
 from tests.gpu.test_kernels import DEVICE  # noqa: E402
 from tests.gpu.test_kernels_fp8 import E4M3, E5M2  # noqa: E402

@@ -16,6 +16,7 @@ import torch
 import transformers
 from torch import nn
 
+from fitserve.kernels import reference
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.registry import get_model_class
 
@@ -121,6 +122,27 @@ def build_attention_metadata(chunks: list[ChunkSpec], block_size: int) -> Attent
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+    )
+
+
+def attention_reference_from_metadata(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """The kernels' torch reference (kernels/reference.py) over a step's AttentionMetadata."""
+    return reference.paged_attention_reference(
+        query,
+        kv_cache,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        scale,
+        k_scale,
+        v_scale,
     )
 
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from fitserve.config import DeviceConfig
+from fitserve.core.outputs import RequestOutput
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.out_of_memory import out_of_memory_message
-from fitserve.engine.outputs import RequestOutput
-from fitserve.engine.sampling_params import SamplingParams
 from tests.unit.server_helpers import ReplayEngine, _Replay
 
 TORCH_OOM_TEXT = (

@@ -19,9 +19,9 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from fitserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from fitserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
-from fitserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from fitserve.engine.sampling_params import SamplingParams
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 
 TOKENIZER_PATH = str(SMOLLM2_TOKENIZER_DIR)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -11,12 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
-from fitserve.args import EngineArgs, add_engine_args, resolve_dtype
+from fitserve.args import EngineArgs, add_engine_args
+from fitserve.planner.fit import auto_fit
+from fitserve.planner.hardware import DeviceSpec, parse_assume_gpus
+from fitserve.planner.model_info import ModelInfo
+from fitserve.planner.resolve import create_engine_config
 from fitserve.server.args import add_server_args
 from tests.paths import FIXTURES_DIR
+from tests.unit.planner_helpers import fixture_path
 
 FIXTURES = FIXTURES_DIR
 TINY_MAX_POSITIONS = 256
@@ -91,9 +95,12 @@ def test_fixture_configs_parse_with_typed_values(name: str, expected: dict) -> N
 def test_fixture_configs_stop_at_the_first_unsupported_feature(name: str) -> None:
     namespace = parse_args_with_config(serve_parser(), ["--config", str(FIXTURES / name)])
     with pytest.raises(
-        ValueError, match=r"^not supported yet: --quantization bitsandbytes \(drop --quantization\)$"
+        ValueError,
+        match=r"^not supported yet: --quantization bitsandbytes, set by the 'quantization' key of --config "
+        + re.escape(str(FIXTURES / name))
+        + r" \(delete that key\)$",
     ):
-        EngineArgs.from_cli(namespace).create_engine_config()
+        create_engine_config(EngineArgs.from_cli(namespace))
 
 
 def test_fixture_keys_unknown_to_the_engine_are_exactly_the_server_keys() -> None:
@@ -187,8 +194,8 @@ def test_yaml_values_convert_like_flags(tmp_path: Path) -> None:
 
 def test_long_prefill_token_threshold_reaches_the_scheduler(tiny_model: str) -> None:
     namespace = engine_parser().parse_args(["--model", tiny_model, "--long-prefill-token-threshold", "256"])
-    assert EngineArgs.from_cli(namespace).create_engine_config().scheduler.long_prefill_token_threshold == 256
-    assert EngineArgs(model=tiny_model).create_engine_config().scheduler.long_prefill_token_threshold == 0
+    assert create_engine_config(EngineArgs.from_cli(namespace)).scheduler.long_prefill_token_threshold == 256
+    assert create_engine_config(EngineArgs(model=tiny_model)).scheduler.long_prefill_token_threshold == 0
 
 
 def test_from_cli_takes_only_engine_fields() -> None:
@@ -224,7 +231,7 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
 )
 def test_unsupported_features_are_refused(tiny_model: str, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        EngineArgs(model=tiny_model, **kwargs).create_engine_config()
+        create_engine_config(EngineArgs(model=tiny_model, **kwargs))
 
 
 @pytest.mark.parametrize(
@@ -250,7 +257,7 @@ def test_unsupported_features_are_refused(tiny_model: str, kwargs: dict, message
 )
 def test_values_out_of_range_are_refused(tiny_model: str, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        EngineArgs(model=tiny_model, **kwargs).create_engine_config()
+        create_engine_config(EngineArgs(model=tiny_model, **kwargs))
 
 
 @pytest.mark.parametrize(
@@ -264,7 +271,7 @@ def test_values_out_of_range_are_refused(tiny_model: str, kwargs: dict, message:
 )
 def test_choices_are_checked_for_python_callers(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message)):
-        EngineArgs(**kwargs).create_engine_config()
+        create_engine_config(EngineArgs(**kwargs))
 
 
 def test_quantized_checkpoint_is_refused(tiny_model: str, tmp_path: Path) -> None:
@@ -276,19 +283,19 @@ def test_quantized_checkpoint_is_refused(tiny_model: str, tmp_path: Path) -> Non
     with pytest.raises(
         ValueError, match=r"^not supported yet: a quantized checkpoint \(quant_method awq in "
     ):
-        EngineArgs(model=str(quantized)).create_engine_config()
+        create_engine_config(EngineArgs(model=str(quantized)))
 
 
 def test_cuda_device_without_a_gpu_is_refused(tiny_model: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="device=cuda but torch sees no CUDA GPU: set --device cpu"):
-        EngineArgs(model=tiny_model, device="cuda").create_engine_config()
+        create_engine_config(EngineArgs(model=tiny_model, device="cuda"))
 
 
 def test_max_model_len_above_the_models_own_is_refused(tiny_model: str) -> None:
     with pytest.raises(ValueError) as error:
-        EngineArgs(model=tiny_model, max_model_len=TINY_MAX_POSITIONS * 2).create_engine_config()
+        create_engine_config(EngineArgs(model=tiny_model, max_model_len=TINY_MAX_POSITIONS * 2))
     message = str(error.value)
     assert (
         f"max_model_len={TINY_MAX_POSITIONS * 2} is above the model's own limit {TINY_MAX_POSITIONS}"
@@ -307,7 +314,7 @@ def test_resolved_config_on_cpu(tiny_model: str) -> None:
         cpu_kv_cache_space=1.5,
         seed=7,
     )
-    config = args.create_engine_config()
+    config = create_engine_config(args)
     assert config.device.device == "cpu"
     assert config.model.dtype == torch.float32  # auto on CPU, whatever the checkpoint's dtype
     assert config.model.max_model_len == config.scheduler.max_model_len == TINY_MAX_POSITIONS
@@ -319,14 +326,16 @@ def test_resolved_config_on_cpu(tiny_model: str) -> None:
     assert config.scheduler.max_num_seqs == 256
     assert config.cache.block_size == 32
     assert config.cache.cpu_kv_cache_space_gib == 1.5
-    assert config.compilation.cudagraph_capture_sizes == (1, 2, 8)
+    assert config.compilation.cudagraph_capture_sizes == ()  # the CPU captures no graphs
     assert config.quantization is None
 
 
 def test_explicit_values_are_kept(tiny_model: str) -> None:
-    config = EngineArgs(
-        model=tiny_model, device="cpu", dtype="bfloat16", max_model_len=100, max_num_batched_tokens=300
-    ).create_engine_config()
+    config = create_engine_config(
+        EngineArgs(
+            model=tiny_model, device="cpu", dtype="bfloat16", max_model_len=100, max_num_batched_tokens=300
+        )
+    )
     assert config.model.dtype == torch.bfloat16
     assert config.scheduler.max_model_len == 100
     assert config.scheduler.max_num_batched_tokens == 300
@@ -334,45 +343,50 @@ def test_explicit_values_are_kept(tiny_model: str) -> None:
 
 
 def test_default_token_budget_covers_max_num_seqs(tiny_model: str) -> None:
-    config = EngineArgs(model=tiny_model, device="cpu", max_num_seqs=4096).create_engine_config()
+    config = create_engine_config(EngineArgs(model=tiny_model, device="cpu", max_num_seqs=4096))
     assert config.scheduler.max_num_batched_tokens == 4096
 
 
-# ---- dtype rule ----------------------------------------------------------------------------------------
+# ---- dtype rule (the planner's, planner/fit.py: one rule for every entry point) -------------------------
 
 
-def _hf_config(dtype: str | None) -> argparse.Namespace:
-    return argparse.Namespace(dtype=dtype)
+def _resolved_dtype(model_dtype: str | None, device: str, requested: str = "auto") -> str:
+    """The dtype auto-fit resolves for the Qwen3-0.6B shape stored in `model_dtype`, on `device`
+    ("cpu" or an --assume-gpus spec such as "1x80@9.0")."""
+    config = AutoConfig.from_pretrained(fixture_path("qwen3-0.6b"))
+    config.dtype = model_dtype
+    info = ModelInfo.from_hf_config("qwen3-0.6b", "test", config)
+    if device == "cpu":
+        devices = (DeviceSpec("cpu", 0, "CPU", 64 * 2**30, 64 * 2**30),)
+    else:
+        devices = parse_assume_gpus(device)
+    (dtype,) = [
+        c.value for c in auto_fit(info, EngineArgs(dtype=requested), devices).choices if c.setting == "dtype"
+    ]
+    return dtype
 
 
 @pytest.mark.parametrize(
     ("model_dtype", "capability", "expected"),
     [
-        ("bfloat16", (9, 0), torch.bfloat16),
-        ("float16", (9, 0), torch.float16),
-        ("float32", (8, 0), torch.bfloat16),
-        (None, (8, 6), torch.bfloat16),
-        ("bfloat16", (7, 5), torch.float16),
-        ("float32", (7, 0), torch.float16),
+        ("bfloat16", "9.0", "bfloat16"),
+        ("float16", "9.0", "float16"),
+        ("float32", "8.0", "bfloat16"),
+        (None, "8.6", "bfloat16"),
+        ("bfloat16", "7.5", "float16"),
+        ("float32", "7.0", "float16"),
     ],
 )
-def test_auto_dtype_on_cuda(
-    monkeypatch: pytest.MonkeyPatch,
-    model_dtype: str | None,
-    capability: tuple[int, int],
-    expected: torch.dtype,
-) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-    assert resolve_dtype("auto", _hf_config(model_dtype), "cuda") == expected
+def test_auto_dtype_on_cuda(model_dtype: str | None, capability: str, expected: str) -> None:
+    assert _resolved_dtype(model_dtype, f"1x80@{capability}") == expected
 
 
-def test_bfloat16_refused_below_compute_capability_8(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    with pytest.raises(ValueError, match=r"needs compute capability 8.0, this GPU has 7.5: set --dtype half"):
-        resolve_dtype("bfloat16", _hf_config("bfloat16"), "cuda")
+def test_bfloat16_refused_below_compute_capability_8() -> None:
+    with pytest.raises(ValueError, match=r"needs compute capability 8.0, .* has 7.5: set --dtype half"):
+        _resolved_dtype("bfloat16", "1x16@7.5", requested="bfloat16")
 
 
 def test_dtype_names() -> None:
-    assert resolve_dtype("half", _hf_config(None), "cpu") == torch.float16
-    assert resolve_dtype("float", _hf_config(None), "cpu") == torch.float32
-    assert resolve_dtype("auto", _hf_config("bfloat16"), "cpu") == torch.float32
+    assert _resolved_dtype(None, "cpu", requested="half") == "float16"
+    assert _resolved_dtype(None, "cpu", requested="float") == "float32"
+    assert _resolved_dtype("bfloat16", "cpu") == "float32"

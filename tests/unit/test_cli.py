@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from fitserve.cli import format_answer, main, parse_command
+from fitserve.cli.generate import format_answer
+from fitserve.cli.main import main, parse_command
 from fitserve.engine.reasoning_split import ReasoningSplit, prompt_ends_in_think, split_reasoning
 from tests.paths import FIXTURES_DIR, SMOLLM2_TOKENIZER_DIR
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fitserve.bench.cli_bench import EXIT_BAD_INPUT, bench_main
-from fitserve.cli import main, parse_command
-from fitserve.planner import cli_plan
+from fitserve.cli.main import main, parse_command
+from fitserve.planner import resolve
 from tests.paths import REPO_DIR, SHARED_DIR
 from tests.unit.planner_helpers import fixture_path
 
@@ -36,7 +36,7 @@ def no_model_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
     def inspect_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("planned a setting serve refuses")
 
-    monkeypatch.setattr("fitserve.planner.model_info.inspect_model", inspect_model)
+    monkeypatch.setattr(resolve, "inspect_model", inspect_model)
 
 
 # ---- features not built yet -------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_plan_still_plans_for_gpus_it_may_assume(capsys: pytest.CaptureFixture[s
 def test_device_cuda_without_a_gpu_names_only_flags_the_command_takes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli_plan, "probe_gpus", lambda: ())
+    monkeypatch.setattr(resolve, "probe_gpus", lambda: ())
     serve_error = error_of(["serve", "--device", "cuda"], capsys)
     assert serve_error.startswith(
         "fitserve serve: error: device=cuda but torch sees no CUDA GPU: set --device cpu or --device auto"

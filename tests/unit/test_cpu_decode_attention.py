@@ -1,14 +1,15 @@
-"""fitserve's C decode attention (fitserve/layers/cpu_kernels/decode_attention.c) against the torch backend's
-general path: same outputs within float32 summation-order noise, the same cache contents bit for bit."""
+"""fitserve's C decode attention (fitserve/layers/cpu/c_kernels/decode_attention.c) against the CPU
+backend's general torch path: same outputs within float32 summation-order noise, the same cache contents
+bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fitserve.layers.attention.torch_reference import TorchReferenceBackend
-from fitserve.layers.cpu_kernels import library
-from fitserve.layers.cpu_kernels.decode_attention import BoundDecodeAttention, DecodeAttention
+from fitserve.layers.attention.cpu_backend import CpuAttentionBackend
+from fitserve.layers.cpu.c_kernels import library
+from fitserve.layers.cpu.c_kernels.decode_attention import BoundDecodeAttention, DecodeAttention
 from tests.unit.test_paged_decode import CASES, decode_step, general_path, run_layers
 
 KERNELS = library.load_cpu_kernels()
@@ -71,7 +72,7 @@ def test_kernel_reads_strided_queries_and_keys() -> None:
     v = torch.randn(2, 40, generator=gen)[:, 8:40].view(2, 2, 16)
     q, k = qk[:, :6], qk[:, 6:]
     assert DecodeAttention.supports(q, k, v, caches[0])
-    backend = TorchReferenceBackend()
+    backend = CpuAttentionBackend()
     got = backend.forward(q, k, v, caches[0], metadata, 0.3)
     contiguous_cache = caches[1]
     contiguous_cache.copy_(caches[0])  # both now hold the written k and v

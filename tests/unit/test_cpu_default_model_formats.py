@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitserve.layers.cpu_int4_kernel_linear import Int4KernelCpuLinearMethod
-from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod, kernel_available
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.int4_kernel_linear import Int4KernelCpuLinearMethod
+from fitserve.layers.cpu.int4_linear import Int4CpuLinearMethod, kernel_available
 from fitserve.models.loader import load_model
 from tests.unit.default_model_fixture import DefaultModelCache, default_model_cache
 from tests.unit.test_loader import model_config_for

@@ -1,4 +1,4 @@
-"""fitserve's C RMSNorm and rotary kernels (fitserve/layers/cpu_kernels/elementwise.c) against the torch
+"""fitserve's C RMSNorm and rotary kernels (fitserve/layers/cpu/c_kernels/elementwise.c) against the torch
 formulas they replace, and the layers that take them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fitserve.layers.activation import SiluAndMul
-from fitserve.layers.cpu_kernels import library
-from fitserve.layers.cpu_kernels.elementwise import Elementwise
+from fitserve.layers.cpu.c_kernels import library
+from fitserve.layers.cpu.c_kernels.elementwise import Elementwise
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding
 

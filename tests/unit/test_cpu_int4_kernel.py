@@ -1,4 +1,4 @@
-"""fitserve's C int4 GEMM (fitserve/layers/cpu_kernels/int4_gemm.c): its layout, its accuracy against the
+"""fitserve's C int4 GEMM (fitserve/layers/cpu/c_kernels/int4_gemm.c): its layout, its accuracy against the
 dequantized weights for every row count, the linear layers that use it, and how it is built or refused."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fitserve.layers.cpu_int4_kernel_linear import Int4KernelCpuLinearMethod
-from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod, kernel_available
-from fitserve.layers.cpu_kernels import library
-from fitserve.layers.cpu_kernels.int4_layout import pack_for_kernel, unpack_from_kernel
+from fitserve.layers.cpu.c_kernels import library
+from fitserve.layers.cpu.c_kernels.int4_layout import pack_for_kernel, unpack_from_kernel
+from fitserve.layers.cpu.int4_kernel_linear import Int4KernelCpuLinearMethod
+from fitserve.layers.cpu.int4_linear import Int4CpuLinearMethod, kernel_available
 from fitserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tests.unit.test_cpu_int4_linear import q4_matrix, q4_qkv_layer_with_bias
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fitserve.layers import cpu_int4_linear
-from fitserve.layers.cpu_int4_linear import (
+from fitserve.layers.cpu import int4_linear
+from fitserve.layers.cpu.int4_linear import (
     DEQUANT_MIN_ROWS,
     FP16_MIN_ROWS,
     Int4CpuLinearMethod,
@@ -27,7 +27,7 @@ from fitserve.layers.linear import (
     UnquantizedLinearMethod,
 )
 
-pytestmark = pytest.mark.skipif(not cpu_int4_linear.kernel_available(), reason="no CPU int4 kernel")
+pytestmark = pytest.mark.skipif(not int4_linear.kernel_available(), reason="no CPU int4 kernel")
 
 
 @pytest.fixture(autouse=True)
@@ -170,7 +170,7 @@ def test_many_rows_use_the_float16_copy_and_few_rows_the_kernel() -> None:
 def test_fp16_copy_switch_off_keeps_the_kernel_and_the_dequantized_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(cpu_int4_linear.FP16_ENV_SWITCH, "0")
+    monkeypatch.setenv(int4_linear.FP16_ENV_SWITCH, "0")
     layer = RowParallelLinear(64, 64, bias=False)
     layer.weight_loader(layer.weight, q4_matrix(64, 64, seed=8))
     assert isinstance(layer.linear_method, Int4CpuLinearMethod) and layer.fp16_weight is None
@@ -194,7 +194,7 @@ def test_float32_weights_keep_their_values_in_a_transposed_layout() -> None:
 
 
 def test_switch_off_keeps_q4_matrices_float(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_int4_linear.ENV_SWITCH, "0")
+    monkeypatch.setenv(int4_linear.ENV_SWITCH, "0")
     layer = RowParallelLinear(64, 64, bias=False)
     weight = q4_matrix(64, 64)
     layer.weight_loader(layer.weight, weight)

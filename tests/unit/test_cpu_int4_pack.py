@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fitserve.layers.cpu_int4_linear import INT4_TOLERANCE, find_int4_groups
-from fitserve.layers.cpu_kernels import library
-from fitserve.layers.cpu_kernels.int4_layout import pack_for_kernel
+from fitserve.layers.cpu.c_kernels import library
+from fitserve.layers.cpu.c_kernels.int4_layout import pack_for_kernel
+from fitserve.layers.cpu.int4_linear import INT4_TOLERANCE, find_int4_groups
 from tests.unit.test_cpu_int4_linear import q4_matrix
 
 KERNELS = library.load_cpu_kernels()

@@ -20,6 +20,7 @@ from fitserve.planner.hardware import DeviceSpec
 from fitserve.planner.memory import plan_memory
 from fitserve.planner.model_info import inspect_model
 from fitserve.planner.report import plan_json, plan_text
+from fitserve.planner.resolve import create_engine_config, engine_config_from_fit
 from fitserve.worker import platforms
 from fitserve.worker.model_runner import ModelRunner
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
@@ -113,7 +114,7 @@ def test_an_explicit_size_above_the_ram_available_is_refused_by_the_engine(
     monkeypatch.setattr(platforms, "available_ram_bytes", lambda: 3 * GiB)
     config = SimpleNamespace(cache=SimpleNamespace(num_gpu_blocks_override=None, cpu_kv_cache_space_gib=8.0))
     with pytest.raises(ValueError) as error:
-        platforms.CpuPlatform().determine_num_blocks(SimpleNamespace(config=config))  # type: ignore[arg-type]
+        platforms.CpuPlatform().size_kv_cache(SimpleNamespace(config=config))  # type: ignore[arg-type]
     assert str(error.value) == (
         "cpu_kv_cache_space=8 GiB is more than the 3.00 GiB of RAM available: set --cpu-kv-cache-space 1.5 "
         "or less, or leave it unset to size it to max_model_len"
@@ -145,7 +146,7 @@ def engine_blocks(
     runner = ModelRunner(config)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fitserve"):
-        blocks = runner.determine_num_blocks()
+        blocks = runner.size_kv_cache().num_kv_blocks
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu_kv_cache_space = ")]
     return blocks, line
 
@@ -153,14 +154,14 @@ def engine_blocks(
 def test_the_engine_gets_the_planners_blocks_for_the_same_args(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # fitserve serve: auto-fit plans, writes its choices into the args, the engine sizes the cache again
+    # auto-fit plans, the config holds its choices, the engine sizes the cache with the same rule
     args = EngineArgs(model=str(tiny_model), device="cpu")
     model = inspect_model(str(tiny_model))
     free = 16 * GiB
     cpu = DeviceSpec("cpu", 0, "CPU", 24 * GiB, free)
     fit = auto_fit(model, args, [cpu], host_ram_available=free)
-    assert fit.engine_args.cpu_kv_cache_space is None  # the engine applies the same rule itself
-    config = fit.engine_args.create_engine_config()
+    config = engine_config_from_fit(args, fit)
+    assert config.cache.cpu_kv_cache_space_gib is None  # the engine applies the same rule itself
     # the engine reads the RAM once the weights are in: what the planner expects them to leave
     blocks, line = engine_blocks(config, monkeypatch, free - fit.plan.terms.weights, caplog)
     assert blocks == fit.plan.num_kv_blocks == max(2 * 512 // 16, 512 // 16 + 2048 // 16, 256) + 1
@@ -174,17 +175,15 @@ def test_the_engine_gets_the_planners_blocks_for_the_same_args(
     assert line.startswith(
         "cpu_kv_cache_space = 0.02 GiB (auto-fit: a 16-token block for each of max_num_seqs 256"
     )
-    # LLM(): no auto-fit, the same settings give the same blocks
-    llm_config = EngineArgs(model=str(tiny_model), device="cpu").create_engine_config()
+    # LLM(): the same resolution, the same blocks
+    llm_config = create_engine_config(EngineArgs(model=str(tiny_model), device="cpu"))
     assert engine_blocks(llm_config, monkeypatch, free - fit.plan.terms.weights, caplog)[0] == blocks
 
 
 def test_the_engine_and_the_planner_cap_alike(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = EngineArgs(
-        model=str(tiny_model), device="cpu", max_num_batched_tokens=256
-    ).create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tiny_model), device="cpu", max_num_batched_tokens=256))
     block_bytes = 16 * 2 * 2 * 2 * 128 * 4  # 16 tokens x (K, V) x 2 layers x 2 KV heads x 128 x float32
     left = 2 * 56 * block_bytes  # half of it: 56 blocks, between one request + a step (49) and two (65)
     weights = plan_memory(

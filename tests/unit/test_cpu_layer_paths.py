@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fitserve.layers.attention.metadata import forward_context
-from fitserve.layers.cpu_rms_norm import cpu_rms_norm
+from fitserve.layers.cpu.rms_norm import cpu_rms_norm
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, apply_rotary_emb
 from fitserve.models.decoder_blocks import DecoderLayer

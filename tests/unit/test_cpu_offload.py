@@ -18,10 +18,7 @@ from fitserve.args import EngineArgs
 from fitserve.config import EngineConfig, ModelConfig
 from fitserve.models.cpu_offload import CpuOffload, FlatLayout
 from fitserve.models.loader import load_model
-from fitserve.planner.engine_plan import inputs_from_engine_config
-from fitserve.planner.hardware import parse_assume_gpus
-from fitserve.planner.memory import plan_memory
-from fitserve.planner.offload import (
+from fitserve.offload_split import (
     NO_OFFLOAD,
     GiB,
     HostChunks,
@@ -30,6 +27,10 @@ from fitserve.planner.offload import (
     pinned_host_bytes,
     split_offload,
 )
+from fitserve.planner.engine_plan import inputs_from_engine_config
+from fitserve.planner.hardware import parse_assume_gpus
+from fitserve.planner.memory import plan_memory
+from fitserve.planner.resolve import create_engine_config
 from tests.paths import MODELS_DIR
 from tests.unit.model_helpers import PagedTestRunner, build_hf_model, hf_logits, tiny_hf_config
 
@@ -121,7 +122,7 @@ def test_negative_and_non_finite_values_are_refused_naming_them() -> None:
 def test_on_the_cpu_the_flag_is_accepted_and_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     args = EngineArgs(model=QWEN3_SHAPE, load_format="dummy", device="cpu", cpu_offload_gb=2)
     with caplog.at_level(logging.WARNING, logger="fitserve"):
-        config = args.create_engine_config()
+        config = create_engine_config(args)
     assert config.model.cpu_offload_gb == 0.0
     assert (
         "cpu_offload_gb=2 is ignored on the CPU device: every weight is already in CPU memory" in caplog.text

@@ -13,13 +13,13 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.detokenizer import (
     MAX_PENDING_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     decode_token,
 )
-from fitserve.engine.sampling_params import SamplingParams
 from fitserve.engine.token_bytes import CLEANUP_PROBE_TEXT, decode_with_table, token_byte_table
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 

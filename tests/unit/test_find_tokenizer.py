@@ -15,6 +15,7 @@ from fitserve.args import EngineArgs
 from fitserve.engine import engine as engine_module
 from fitserve.models.default_model import DEFAULT_MODEL_ID
 from fitserve.models.resolve import TOKENIZER_FILES, resolve_tokenizer_path
+from fitserve.planner.resolve import create_engine_config
 from tests.paths import REPO_DIR
 from tests.unit.default_model_fixture import hub_off_env
 
@@ -47,7 +48,7 @@ def test_a_folder_with_a_tokenizer_file_is_its_own_tokenizer(shape_only: Path) -
 def test_the_engine_refuses_before_it_loads_weights(
     shape_only: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = EngineArgs(model=str(shape_only), load_format="dummy", device="cpu").create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(shape_only), load_format="dummy", device="cpu"))
     started: list[object] = []
     monkeypatch.setattr(engine_module, "create_executor", lambda config: started.append(config))
     with pytest.raises(ValueError, match="has none of tokenizer.json"):

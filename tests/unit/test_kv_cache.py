@@ -1,8 +1,8 @@
 import pytest
 
-from fitserve.engine.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager
-from fitserve.engine.request import Request
-from fitserve.engine.sampling_params import SamplingParams
+from fitserve.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager
+from fitserve.core.request import Request
+from fitserve.core.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int], **params) -> Request:

@@ -1,4 +1,4 @@
-"""The float8 KV cache on the CPU: writes and reads with scales, the reference backend against the kernels'
+"""The float8 KV cache on the CPU: writes and reads with scales, the CPU backend against the kernels'
 torch references, checkpoint scales, and a tiny model's logits against a float32 cache."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from fitserve.kernels import reference
-from fitserve.layers.attention.backend import dequantize_kv, quantize_kv
+from fitserve.kernels.kv_format import dequantize_kv, quantize_kv, write_kv_cache
+from fitserve.layers.attention.cpu_backend import CpuAttentionBackend
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import forward_context
-from fitserve.layers.attention.torch_reference import TorchReferenceBackend, write_kv_cache
 from fitserve.models.weights import take_kv_scales
 from tests.unit.model_helpers import (
     ChunkSpec,
     PagedTestRunner,
+    attention_reference_from_metadata,
     build_attention_metadata,
     build_fitserve_model,
     build_hf_model,
@@ -108,15 +109,13 @@ def test_reference_backend_matches_the_kernel_references(dtype) -> None:
     metadata, q, k, v = mixed_step(num_kv_heads, head_dim, block_size)
     cache = (torch.randn(2, 10, block_size, num_kv_heads, head_dim) * 2).to(dtype)  # the cached prefixes
     expected_cache = cache.clone()
-    out = TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, k_scale, v_scale)
+    out = CpuAttentionBackend().forward(q, k, v, cache, metadata, 0.25, k_scale, v_scale)
     reference.reshape_and_cache_reference(k, v, expected_cache, metadata.slot_mapping, k_scale, v_scale)
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
-    expected = reference.attention_reference_from_metadata(
-        q, expected_cache, metadata, 0.25, k_scale, v_scale
-    )
+    expected = attention_reference_from_metadata(q, expected_cache, metadata, 0.25, k_scale, v_scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # ... and the scales matter: without them the same bytes attend differently
-    unscaled = reference.attention_reference_from_metadata(q, expected_cache, metadata, 0.25)
+    unscaled = attention_reference_from_metadata(q, expected_cache, metadata, 0.25)
     assert (unscaled - expected).abs().max() > 0.1
 
 
@@ -127,7 +126,7 @@ def test_float8_attention_is_close_to_float32_attention() -> None:
     outputs = {}
     for dtype in (torch.float32, E4M3):
         cache = prefix.to(dtype)
-        outputs[dtype] = TorchReferenceBackend().forward(q, k, v, cache, metadata, 32**-0.5)
+        outputs[dtype] = CpuAttentionBackend().forward(q, k, v, cache, metadata, 32**-0.5)
     error = (outputs[E4M3] - outputs[torch.float32]).norm() / outputs[torch.float32].norm()
     assert error < 0.05
 

@@ -3,6 +3,7 @@ and an engine's outputs against the same engine with a cache in the model dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -13,12 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from fitserve import LLM, SamplingParams
 from fitserve.arg_parser import FlexibleArgumentParser
-from fitserve.args import EngineArgs, add_engine_args, check_fp8_kv_cache_on_gpu
+from fitserve.args import EngineArgs, add_engine_args
 from fitserve.models.loader import load_model
 from fitserve.planner.engine_plan import inputs_from_engine_config
-from fitserve.planner.fit_errors import planned_only_notes
+from fitserve.planner.fit_errors import check_fp8_kv_cache_on_gpu, planned_only_notes
 from fitserve.planner.hardware import cpu_device, probe_host
 from fitserve.planner.memory import plan_memory
+from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.model_runner import ModelRunner
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
@@ -45,10 +47,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 )
 def test_fp8_values_are_accepted(tiny_model: Path, value: str, torch_dtype: torch.dtype) -> None:
     parsed = add_engine_args(FlexibleArgumentParser()).parse_args(["--kv-cache-dtype", value])
-    config = EngineArgs(model=str(tiny_model), kv_cache_dtype=parsed.kv_cache_dtype).create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tiny_model), kv_cache_dtype=parsed.kv_cache_dtype))
     assert config.cache.kv_cache_dtype == value
     assert config.cache.torch_kv_cache_dtype(torch.float32) == torch_dtype
-    auto = EngineArgs(model=str(tiny_model)).create_engine_config().cache
+    auto = create_engine_config(EngineArgs(model=str(tiny_model))).cache
     assert auto.torch_kv_cache_dtype(torch.bfloat16) == torch.bfloat16
 
 
@@ -60,7 +62,7 @@ def test_bad_values_are_refused_naming_the_closest(value: str, closest: str, cap
         add_engine_args(FlexibleArgumentParser(prog="fitserve")).parse_args(["--kv-cache-dtype", value])
     assert f"invalid choice: '{value}'" in capsys.readouterr().err
     with pytest.raises(ValueError) as error:
-        EngineArgs(kv_cache_dtype=value).create_engine_config()
+        create_engine_config(EngineArgs(kv_cache_dtype=value))
     assert str(error.value) == (
         f"kv_cache_dtype='{value}' is not one of auto, fp8, fp8_e4m3, fp8_e5m2: set --kv-cache-dtype to one "
         f"of them (did you mean {closest}?)"
@@ -99,13 +101,14 @@ def test_fp8_holds_more_tokens_in_the_same_bytes_as_planned(tiny_model: Path, dt
             kv_cache_dtype=kv_cache_dtype,
             cpu_kv_cache_space=0.01,
         )
-        config = args.create_engine_config()
+        config = create_engine_config(args)
         runner = ModelRunner(config)
         planned = plan_memory(inputs_from_engine_config(config, cpu_device(probe_host())))
         assert planned.block_bytes == runner.kv_bytes_per_block()
-        blocks[kv_cache_dtype] = runner.determine_num_blocks()
+        sized = runner.size_kv_cache()
+        blocks[kv_cache_dtype] = sized.num_kv_blocks
         assert planned.num_kv_blocks == blocks[kv_cache_dtype]
-        runner.allocate_kv_cache(4)
+        runner.allocate_kv_cache(dataclasses.replace(sized, num_kv_blocks=4))
         assert {cache.dtype for cache in runner.kv_caches} == {runner.kv_cache_dtype}
     assert 0 <= blocks["fp8"] - ratio * blocks["auto"] < ratio  # the same bytes, floored to whole blocks
 
@@ -181,7 +184,7 @@ def test_checkpoint_kv_scales_are_loaded_and_used(tiny_model: Path, tmp_path: Pa
     tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(2.0)
     tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor([0.25])
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    config = EngineArgs(model=str(folder), kv_cache_dtype="fp8").create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(folder), kv_cache_dtype="fp8"))
     model = load_model(config.model, "cpu")
     assert [(layer.k_scale, layer.v_scale) for layer in model.attention_layers] == [(0.5, 2.0), (0.25, 0.25)]
     scaled = make_llm(folder, "fp8")

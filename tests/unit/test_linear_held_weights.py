@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fitserve.layers.cpu_int4_kernel_linear import Int4KernelCpuLinearMethod
-from fitserve.layers.cpu_int4_linear import Int4CpuLinearMethod
+from fitserve.layers.cpu.int4_kernel_linear import Int4KernelCpuLinearMethod
+from fitserve.layers.cpu.int4_linear import Int4CpuLinearMethod
 from fitserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
 from tests.unit.test_cpu_int4_linear import q4_matrix
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from fitserve.cli import print_answers
+from fitserve.cli.generate import print_answers
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.llm import LLM
-from fitserve.engine.sampling_params import SamplingParams
 from tests.unit.oom_replay import OutOfMemoryReplayEngine
 
 LONG = "one two three four five six seven eight nine ten eleven twelve"

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from fitserve.args import EngineArgs
-from fitserve.layers.cpu_int4_linear import kernel_available
+from fitserve.layers.cpu.int4_linear import kernel_available
 from fitserve.models.loader import load_model
 from fitserve.planner.engine_plan import inputs_from_engine_config
 from fitserve.planner.hardware import DeviceSpec
 from fitserve.planner.memory import plan_memory
 from fitserve.planner.model_info import inspect_model
+from fitserve.planner.resolve import create_engine_config
 from fitserve.planner.weights import INT4_BYTES_PER_WEIGHT, converted_gguf_int4_type
 from fitserve.worker.model_runner import loaded_model_bytes
 from tests.unit.default_model_fixture import DefaultModelCache
@@ -53,7 +54,7 @@ def test_the_plan_counts_the_default_models_weights_as_the_cpu_engine_keeps_them
     weights = inspect_model(folder).weights  # what `fitserve plan` reads: no value, only headers and records
     assert weights.cpu_forms.gguf_type == "Q4_1" and weights.cpu_forms.fp16_head
     assert weights.cpu_forms.int4_params == weights.counts.linear  # every decoder matrix of SmolLM2-135M
-    config = EngineArgs(model=folder, device="cpu").create_engine_config()
+    config = create_engine_config(EngineArgs(model=folder, device="cpu"))
     cpu = DeviceSpec("cpu", 0, "CPU", 16 * 2**30, 16 * 2**30)
     planned = plan_memory(inputs_from_engine_config(config, cpu, weights)).terms.weights
     loaded = loaded_model_bytes(load_model(config.model, torch.device("cpu")))

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 from fitserve.args import EngineArgs
-from fitserve.cli import parse_command
+from fitserve.cli.main import parse_command
 from fitserve.config import (
     CacheConfig,
     CompilationConfig,

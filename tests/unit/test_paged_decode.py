@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fitserve.layers.attention import torch_reference
+from fitserve.layers.attention import cpu_backend
+from fitserve.layers.attention.cpu_backend import CpuAttentionBackend
 from fitserve.layers.attention.paged_decode import _start_of_consecutive_run, plan_decode_gather
-from fitserve.layers.attention.torch_reference import TorchReferenceBackend
 from tests.unit.model_helpers import ChunkSpec, build_attention_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 40
@@ -43,12 +43,12 @@ def decode_step(
 
 
 def run_layers(caches, metadata, inputs) -> list[torch.Tensor]:
-    backend = TorchReferenceBackend()
+    backend = CpuAttentionBackend()
     return [backend.forward(q, k, v, cache, metadata, 0.3) for cache, (q, k, v) in zip(caches, inputs)]
 
 
 def general_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_reference._StepPlan, "is_decode_only", property(lambda self: False))
+    monkeypatch.setattr(cpu_backend._StepPlan, "is_decode_only", property(lambda self: False))
 
 
 CASES = {
@@ -85,11 +85,11 @@ def test_layers_of_one_step_read_their_own_caches() -> None:
     """The step's gather plan is shared by the layers; each layer's keys come from its own cache."""
     caches, metadata, inputs = decode_step([[11, 12, 13]], [11])
     q, k, v = inputs[0]
-    backend = TorchReferenceBackend()
+    backend = CpuAttentionBackend()
     first = backend.forward(q, k, v, caches[0], metadata, 0.3)
     second = backend.forward(q, k, v, caches[1], metadata, 0.3)
     assert not torch.equal(first, second)
-    assert torch.equal(first, TorchReferenceBackend().forward(q, k, v, caches[0], metadata, 0.3))
+    assert torch.equal(first, CpuAttentionBackend().forward(q, k, v, caches[0], metadata, 0.3))
 
 
 def test_float8_cache_keeps_the_general_path(monkeypatch) -> None:

@@ -2,14 +2,14 @@
 
 import pytest
 
+from fitserve.capture_sizes import PIECEWISE_SIZES, piecewise_capture_sizes
 from fitserve.worker.cuda_graphs import smallest_size_holding
-from fitserve.worker.piecewise_graphs import PIECEWISE_SIZES, piecewise_capture_sizes
 
 
 def test_capture_sizes_follow_the_token_budget():
-    assert piecewise_capture_sizes(8192) == list(PIECEWISE_SIZES)
-    assert piecewise_capture_sizes(100) == [8, 16, 32, 48, 64, 96]
-    assert piecewise_capture_sizes(4) == [8]
+    assert piecewise_capture_sizes(8192) == PIECEWISE_SIZES
+    assert piecewise_capture_sizes(100) == (8, 16, 32, 48, 64, 96)
+    assert piecewise_capture_sizes(4) == (8,)
 
 
 def test_a_step_pads_to_the_smallest_size_holding_it():

@@ -1,4 +1,4 @@
-"""`fitserve plan` and `fitserve doctor` as fitserve/cli.py runs them: a subcommand parser from
+"""`fitserve plan` and `fitserve doctor` as fitserve/cli/main.py runs them: a subcommand parser from
 add_plan_parser / add_doctor_parser, parsed with --config support, then run_plan / run_doctor."""
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ from pathlib import Path
 import pytest
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
-from fitserve.planner import cli_plan, doctor
-from fitserve.planner.cli_plan import (
-    add_doctor_parser,
-    add_plan_parser,
-    explicit_engine_fields,
-    run_doctor,
-    run_plan,
-)
-from fitserve.planner.doctor import CPU_KERNEL_NAMES, CUDA_TORCH_INSTALL, Check, machine_checks
+from fitserve.args import explicit_engine_fields
+from fitserve.cli import doctor
+from fitserve.cli import plan as cli_plan
+from fitserve.cli.doctor import CPU_KERNEL_NAMES, CUDA_TORCH_INSTALL, Check, machine_checks
+from fitserve.cli.plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan
+from fitserve.planner import resolve
 from fitserve.planner.hardware import DeviceSpec, GiB, HostInfo
 from tests.unit.planner_helpers import H100, fixture_path
 
@@ -219,7 +216,7 @@ def test_doctor_without_gpu_on_this_machine(capsys: pytest.CaptureFixture[str]) 
     assert lines[0].startswith("PASS python")
     assert any(line.startswith(("PASS host RAM", "WARN host RAM")) for line in lines)
     assert any(
-        line.startswith("PASS compute paths: attention TorchReferenceBackend on the CPU") for line in lines
+        line.startswith("PASS compute paths: attention CpuAttentionBackend on the CPU") for line in lines
     )
     plan_line = next(line for line in lines if " plan: " in line)
     assert plan_line.startswith(("PASS plan:", "FAIL plan:"))
@@ -303,7 +300,7 @@ def test_cpu_kernels_check_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> N
 def test_cpu_kernels_check_without_a_compiler(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from fitserve.layers.cpu_kernels import library
+    from fitserve.layers.cpu.c_kernels import library
 
     monkeypatch.delenv("FITSERVE_CPU_KERNELS", raising=False)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -342,8 +339,9 @@ def test_doctor_plan_fix_does_not_name_the_dtype_already_set(
     bare_machine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     small = _host(cuda_runtime_version=None, driver_version=None, ram_available_bytes=3 * GiB)
-    monkeypatch.setattr(cli_plan, "probe_host", lambda: small)
-    monkeypatch.setattr(cli_plan, "probe_gpus", lambda: ())
+    for module in (cli_plan, resolve):  # the doctor's machine checks, and the plan's devices
+        monkeypatch.setattr(module, "probe_host", lambda: small)
+        monkeypatch.setattr(module, "probe_gpus", lambda: ())
     model = fixture_path("qwen3-0.6b")
     assert run_doctor(parse("doctor", [model, "--device", "cpu"])) == 1
     plan_line = next(line for line in capsys.readouterr().out.splitlines() if " plan: " in line)

@@ -11,6 +11,7 @@ from fitserve.args import EngineArgs
 from fitserve.planner.engine_plan import inputs_from_engine_config
 from fitserve.planner.hardware import cpu_device, probe_host
 from fitserve.planner.memory import MemoryTerms, plan_memory, planned_vs_measured
+from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.model_runner import ModelRunner
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 
@@ -25,22 +26,23 @@ from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 )
 def test_cpu_plan_matches_the_model_runner(architecture: str, overrides: dict, tmp_path: Path) -> None:
     build_hf_model(tiny_hf_config(architecture, **overrides), seed=0).save_pretrained(tmp_path)
-    config = EngineArgs(model=str(tmp_path), device="cpu", cpu_kv_cache_space=0.01).create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tmp_path), device="cpu", cpu_kv_cache_space=0.01))
     inputs = inputs_from_engine_config(config, cpu_device(probe_host()))
     planned = plan_memory(inputs)
     runner = ModelRunner(config)
     measured_weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     assert planned.terms.weights == pytest.approx(measured_weights, rel=0.01)
     assert planned.block_bytes == runner.kv_bytes_per_block()
-    assert planned.num_kv_blocks == runner.determine_num_blocks()
-    runner.allocate_kv_cache(planned.num_kv_blocks)
+    sized = runner.size_kv_cache()
+    assert planned.num_kv_blocks == sized.num_kv_blocks
+    runner.allocate_kv_cache(sized)
     allocated = sum(cache.numel() * cache.element_size() for cache in runner.kv_caches)
     assert allocated == planned.kv_cache_bytes
 
 
 def test_measured_terms_and_the_log_lines(tmp_path: Path) -> None:
     build_hf_model(tiny_hf_config("Qwen3ForCausalLM"), seed=0).save_pretrained(tmp_path)
-    config = EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
+    config = create_engine_config(EngineArgs(model=str(tmp_path), device="cpu"))
     inputs = inputs_from_engine_config(config, cpu_device(probe_host()))
     assert inputs.dtype == "float32" and inputs.cudagraph_capture_sizes == ()
     planned = plan_memory(inputs)

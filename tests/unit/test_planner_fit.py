@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -11,6 +10,7 @@ from fitserve.args import EngineArgs
 from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit import FitResult, PlanError, auto_fit
 from fitserve.planner.hardware import DeviceSpec, GiB, parse_assume_gpus
+from fitserve.planner.resolve import create_engine_config
 from tests.unit.planner_helpers import H100, model_info
 
 SEQS = frozenset({"max_num_seqs"})  # max_num_seqs set explicitly (its default value)
@@ -58,7 +58,7 @@ def test_model_max_len_kept_when_two_full_requests_fit() -> None:
     value, reason = choice(result, "max_model_len")
     tokens = result.plan.kv_cache_tokens
     assert reason == f"the model's own; the KV cache ({tokens:,} tokens) holds {tokens / 131072:.1f}x"
-    assert result.engine_args.max_model_len == 131072
+    assert result.plan.inputs.max_model_len == 131072
 
 
 def test_max_model_len_lowered_to_what_two_requests_fit() -> None:
@@ -178,7 +178,7 @@ def test_the_settings_called_vllm_only_are_the_ones_fitserve_refuses() -> None:
     assert set(asked) == set(NOT_RUN_BY_FITSERVE)
     for setting, change in asked.items():
         with pytest.raises(ValueError, match="not supported yet"):
-            EngineArgs(**change).create_engine_config()  # type: ignore[arg-type]
+            create_engine_config(EngineArgs(**change))  # type: ignore[arg-type]
         assert NOT_RUN_BY_FITSERVE[setting].endswith("; vLLM does")
 
 
@@ -237,7 +237,7 @@ def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
     )
     assert choice(result, "max_num_batched_tokens")[1].startswith("lowered to leave the KV cache room")
     assert result.plan.kv_cache_tokens >= 4096
-    assert result.engine_args.enforce_eager is True
+    assert result.plan.inputs.cudagraph_capture_sizes == ()  # eager
     # the defaults would not have left room for one 4096-token request
     with pytest.raises(PlanError):
         fit(
@@ -319,31 +319,21 @@ def test_cpu_plan_and_host_memory_refusal() -> None:
 
 def test_serving_plans_short_prefill_chunks_on_a_gpu_only() -> None:
     served = fit("llama-3.1-8b", max_model_len=4096, serving=True)
-    assert served.engine_args.max_num_batched_tokens == 1024
+    assert served.plan.inputs.max_num_batched_tokens == 1024
     value, reason = choice(served, "max_num_batched_tokens")
     assert value == 1024 and reason.startswith("default for serving")
     # the smaller step leaves more memory to the KV cache than the offline default
     assert served.plan.kv_cache_tokens > fit("llama-3.1-8b", max_model_len=4096).plan.kv_cache_tokens
     # never below max_num_seqs (one token each), and an explicit value wins
     many_seqs = fit("llama-3.1-8b", max_model_len=4096, max_num_seqs=2048, serving=True)
-    assert many_seqs.engine_args.max_num_batched_tokens == 2048
+    assert many_seqs.plan.inputs.max_num_batched_tokens == 2048
     explicit = fit(
         "llama-3.1-8b", H100, frozenset({"max_num_batched_tokens"}), True, max_num_batched_tokens=8192
     )
     assert choice(explicit, "max_num_batched_tokens") == (8192, "set by you")
     cpu = DeviceSpec("cpu", 0, "CPU (2 cores, 16.0 GiB RAM)", 16 * GiB, 12 * GiB)
     on_cpu = auto_fit(model_info("qwen3-0.6b"), EngineArgs(device="cpu"), [cpu], serving=True)
-    assert on_cpu.engine_args.max_num_batched_tokens == 2048
-
-
-def test_filled_engine_args_carry_every_choice() -> None:
-    result = fit("llama-3.1-8b", max_model_len=4096)
-    args = result.engine_args
-    assert (args.dtype, args.max_model_len, args.max_num_batched_tokens) == ("bfloat16", 4096, 8192)
-    assert args.compilation_config == {
-        "cudagraph_capture_sizes": list(result.plan.inputs.cudagraph_capture_sizes)
-    }
-    assert dataclasses.replace(args) == args
+    assert on_cpu.plan.inputs.max_num_batched_tokens == 2048
 
 
 def test_fp8_e4m3_kv_cache_is_refused_below_sm_8_9_and_e5m2_is_offered() -> None:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fitserve.engine.sampling_params import SamplingParams
+from fitserve.core.sampling_params import SamplingParams
 from fitserve.worker.sampler import (
     Sampler,
     SamplingRow,

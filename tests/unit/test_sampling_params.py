@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from fitserve.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingType
+from fitserve.core.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_are_vllms() -> None:

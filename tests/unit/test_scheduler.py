@@ -1,8 +1,8 @@
 from fitserve.config import SchedulerConfig
-from fitserve.engine.kv_cache import KVCacheManager
-from fitserve.engine.request import Request, RequestStatus
-from fitserve.engine.sampling_params import SamplingParams
-from fitserve.engine.scheduler import Scheduler
+from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.request import Request, RequestStatus
+from fitserve.core.sampling_params import SamplingParams
+from fitserve.core.scheduler import Scheduler
 
 EOS = 0
 

@@ -304,7 +304,7 @@ def test_request_body_cap() -> None:
 
 
 def test_server_flags_from_yaml_and_cors_list_forms(tmp_path) -> None:
-    from fitserve.cli import parse_command
+    from fitserve.cli.main import parse_command
 
     config = tmp_path / "config.yaml"
     config.write_text(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fitserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from fitserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fitserve.server.metrics import ServerMetrics
 
 

@@ -14,8 +14,8 @@ from fitserve.layers.attention.backend import AttentionBackend
 
 # device type -> (module, class).
 _BACKEND_REGISTRY: dict[str, tuple[str, str]] = {
-    "cpu": ("fitserve.layers.attention.torch_reference", "TorchReferenceBackend"),
-    "cuda": ("fitserve.kernels.triton_attention", "TritonAttentionBackend"),
+    "cpu": ("fitserve.layers.attention.cpu_backend", "CpuAttentionBackend"),
+    "cuda": ("fitserve.layers.attention.triton_backend", "TritonAttentionBackend"),
 }
 _backends: dict[str, AttentionBackend] = {}
 

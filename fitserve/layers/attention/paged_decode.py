@@ -1,6 +1,6 @@
-"""Decode-only steps of the torch backend: one new token per sequence, a cache in the activations' dtype.
+"""Decode-only steps of the CPU backend: one new token per sequence, a cache in the activations' dtype.
 
-It computes what the general path in torch_reference.py computes for such a step (write the new keys
+It computes what the general path in cpu_backend.py computes for such a step (write the new keys
 and values at their slots, gather each sequence's blocks, one SDPA call in which a key/value head's
 query heads are its rows), in fewer operations per layer, which is what a decode step on the CPU costs:
 - everything that is the same for every layer is built once per step (`DecodeGather`): the rows to

@@ -3,7 +3,7 @@
  * A bfloat16 weight (a converted checkpoint as stored) is read as the float32 values it holds exactly.
  *
  * It computes exactly what int4_layout.pack_for_kernel(find_int4_groups(w, "kernel")) does in torch
- * (cpu_int4_linear.py; a unit test compares every byte): per group of 32,
+ * (layers/cpu/int4_linear.py; a unit test compares every byte): per group of 32,
  *   low = min, high = max, step = (high - low) / 15 (1 where that is 0),
  *   code = round-half-even((w - low) / step) clamped to 0..15,
  * and the deviation |code * f16(step) + f16(low) - w| / max(|low|, |high|) with step and low rounded to

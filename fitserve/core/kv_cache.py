@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fitserve.engine.request import Request
+from fitserve.core.request import Request
 
 NULL_BLOCK_ID = 0
 
@@ -129,9 +129,6 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
-
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: it grows as the request does)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS, GROUP_SIZE, pack_for_kernel
+from fitserve.layers.cpu.c_kernels.int4_layout import BLOCK_COLUMNS, GROUP_SIZE, pack_for_kernel
 
 _NOT_INT4, _BAD_SHAPE = 1, 2
 

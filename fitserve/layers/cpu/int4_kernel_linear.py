@@ -6,15 +6,12 @@ AVX-512 VNNI and a C compiler): a matrix of 4-bit groups (a converted Q4_1 GGUF'
 call, whatever its rows, runs the kernel on float32 activations: no bf16 conversions around it, no
 float16 copy of the weight for long calls (the copy cost 2 bytes per weight, 212 MB for SmolLM2-135M).
 
-What it computes: the exact product of the packed weights with the activations rounded to int8 per
-group of 32 (llama.cpp's Q8_1-style activation quantization for Q4_1), summed in int32 per group and
-in float32 across groups. Against the float32 product with the loaded weights that is ~0.5% relative
-error per output, from the activation rounding (torch's kernel: ~0.3%, from bf16 activations and scales).
+What it computes: the exact product of the packed weights with the activations rounded per group of 32
+to two int8 levels (int4_gemm.c's header says how), summed in int32 per group and in float32 across
+groups: ~2e-5 relative from the float32 product on the default model's layers (torch's kernel: ~0.3%,
+from bf16 activations and scales; docs/engine.md, "fitserve's C kernels").
 
-Measured on the 2-core AVX-512 machine, SmolLM2-135M's 120 projections, 2 threads, one pass over all
-30 layers' weights (fastest of 5): 1 row 5.2 ms (torch int4 kernel with its bf16 conversions 8.0 ms),
-4 rows 6.3 (15.9), 16 rows 16.7 (fbgemm float16 copy 40.2), 32 rows 32.4 (60.9); one 3072 x 576
-matrix at 512 rows 5.7 ms (float16 copy 8.9, float32 MKL 6.4).
+Its time per call against torch's kernel and the float16 copy: docs/performance.md, section "On the CPU".
 
 FITSERVE_CPU_KERNELS=0 uses torch's kernel instead; FITSERVE_CPU_INT4=0 keeps every matrix float.
 """
@@ -26,9 +23,9 @@ import logging
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_int4_linear import INT4_TOLERANCE, packable_shape
-from fitserve.layers.cpu_kernels.int4_gemm import BoundInt4Gemm
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.int4_gemm import BoundInt4Gemm
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.int4_linear import INT4_TOLERANCE, packable_shape
 
 logger = logging.getLogger("fitserve")
 

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fitserve.config import SchedulerConfig
-from fitserve.engine.kv_cache import KVCacheManager
-from fitserve.engine.request import Request, RequestStatus
+from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.request import Request, RequestStatus
 
 
 @dataclass

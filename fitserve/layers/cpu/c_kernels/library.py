@@ -31,11 +31,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fitserve.layers.cpu_kernels.decode_attention import DecodeAttention
-from fitserve.layers.cpu_kernels.elementwise import Elementwise
-from fitserve.layers.cpu_kernels.int4_gemm import Int4Gemm
-from fitserve.layers.cpu_kernels.int4_pack import Int4Pack
-from fitserve.models.model_cache import fitserve_cache_dir
+from fitserve.layers.cpu.c_kernels.decode_attention import DecodeAttention
+from fitserve.layers.cpu.c_kernels.elementwise import Elementwise
+from fitserve.layers.cpu.c_kernels.int4_gemm import Int4Gemm
+from fitserve.layers.cpu.c_kernels.int4_pack import Int4Pack
+from fitserve.paths import fitserve_cache_dir
 
 logger = logging.getLogger("fitserve")
 

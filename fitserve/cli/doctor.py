@@ -216,9 +216,9 @@ def _paths_check(gpus: Sequence[DeviceSpec]) -> Check:
 
 
 def cpu_kernels_check() -> Check:
-    """Whether fitserve's C kernels for the CPU (fitserve/layers/cpu_kernels) build, pass their
+    """Whether fitserve's C kernels for the CPU (fitserve/layers/cpu/c_kernels) build, pass their
     self-check and load here; builds them if need be (about a second, then cached)."""
-    from fitserve.layers.cpu_kernels import library
+    from fitserve.layers.cpu.c_kernels import library
 
     title = "CPU kernels"
     if not library.kernels_enabled():

@@ -1,4 +1,7 @@
-"""Paged attention in plain PyTorch: the CPU backend, and the reference the CUDA kernels are tested against.
+"""CpuAttentionBackend: the production attention backend on the CPU (the CUDA one is triton_backend.py).
+
+Paged attention in plain PyTorch, with fitserve's C decode attention (cpu/c_kernels/decode_attention.c) for
+a decode-only step over a float32 cache when it is built for this machine.
 
 Per layer and step: the new keys/values are written into the cache at `slot_mapping`, each sequence's
 context is gathered through its block table, and the queries attend with
@@ -20,11 +23,11 @@ Invariant the caller keeps: the KV cache was allocated zeroed. Slots past a sequ
 of its last block, and the padded block-table entries) are masked out, but masked values still meet a
 zero probability in the matmul, so they must be finite.
 
-A float8 cache (backend.py has the convention) is written through quantize_kv; its bytes are copied as
-uint8, which every index op supports. It is read as the Triton kernels read it: the stored values are
-converted to the query dtype as they are (exact: every e4m3/e5m2 value is a bf16, fp16 and fp32 value),
-k_scale is folded into the softmax scale and v_scale multiplies the output. Rounding stored * scale to
-bf16 instead would add a relative error of up to 2**-9 to every key and value.
+A float8 cache (kernels/kv_format.py has the convention) is written through quantize_kv; its bytes are
+copied as uint8, which every index op supports. It is read as the Triton kernels read it: the stored
+values are converted to the query dtype as they are (exact: every e4m3/e5m2 value is a bf16, fp16 and
+fp32 value), k_scale is folded into the softmax scale and v_scale multiplies the output. Rounding
+stored * scale to bf16 instead would add a relative error of up to 2**-9 to every key and value.
 """
 
 from __future__ import annotations
@@ -35,15 +38,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fitserve.layers.attention.backend import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, quantize_kv
+from fitserve.kernels.kv_format import dequantize_kv, is_fp8_kv_cache, kv_bytes_view, write_kv_cache
 from fitserve.layers.attention.metadata import AttentionMetadata
 from fitserve.layers.attention.paged_decode import (
     DecodeGather,
     decode_attention,
     plan_decode_gather,
 )
-from fitserve.layers.cpu_kernels.decode_attention import BoundDecodeAttention
-from fitserve.layers.cpu_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.decode_attention import BoundDecodeAttention
+from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
 
 if TYPE_CHECKING:
     from fitserve.layers.attention.backend import QKNorm
@@ -53,24 +56,6 @@ if TYPE_CHECKING:
 BATCHED_QUERY_LEN_LIMIT = 16
 # Query rows per SDPA call for a long query over a cached prefix (bounds the mask to tile x context).
 LONG_QUERY_TILE = 512
-
-
-def write_kv_cache(
-    kv_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Stores k, v [T, num_kv_heads, head_dim] at their flat slots of kv_cache [2, blocks, block, kv, dim].
-
-    A float8 cache stores clamp(k / k_scale) and clamp(v / v_scale); other caches ignore the scales.
-    """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    slots = kv_bytes_view(kv_cache).view(2, -1, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, kv_bytes_view(quantize_kv(k, kv_cache.dtype, k_scale)))
-    slots[1].index_copy_(0, slot_mapping, kv_bytes_view(quantize_kv(v, kv_cache.dtype, v_scale)))
 
 
 def group_sequences(query_lens: list[int]) -> list[list[int]]:
@@ -171,8 +156,8 @@ def _plan_step(metadata: AttentionMetadata, block_size: int, device: torch.devic
     return _StepPlan(block_size, plans)
 
 
-class TorchReferenceBackend:
-    name = "torch_reference"
+class CpuAttentionBackend:
+    name = "cpu"
 
     def __init__(self) -> None:
         # Reused destination of the block gather, per (device, dtype, inference mode): saves an allocation

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from fitserve.layers.cpu_kernels.int4_layout import pack_for_kernel
+from fitserve.layers.cpu.c_kernels.int4_layout import pack_for_kernel
 
 
 class Int4Gemm:

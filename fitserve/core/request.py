@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fitserve.engine.sampling_params import SamplingParams
+    from fitserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.layers.cpu_fp16_matmul import fp16_linear_op, prepack_fp16
-from fitserve.layers.cpu_kernels.int4_layout import BLOCK_COLUMNS as KERNEL_BLOCK_COLUMNS
+from fitserve.layers.cpu.c_kernels.int4_layout import BLOCK_COLUMNS as KERNEL_BLOCK_COLUMNS
+from fitserve.layers.cpu.fp16_matmul import fp16_linear_op, prepack_fp16
 
 logger = logging.getLogger("fitserve")
 
@@ -57,10 +57,8 @@ INT4_TOLERANCE = 2.0**-6
 # Rows (tokens) from which a call dequantizes to float32 and runs the dense GEMM instead of the kernel.
 DEQUANT_MIN_ROWS = 128
 ENV_SWITCH = "FITSERVE_CPU_INT4"
-# Rows from which a call multiplies the layer's float16 copy (fbgemm) instead of running the int4 kernel.
-# Measured on the 2-core AVX-512 machine, SmolLM2-135M's 120 projections, 2 threads (int4 -> fp16 copy):
-# 8 rows 25 -> 25 ms, 9 rows 29 -> 26, 10 rows 36 -> 29, 16 rows 44 -> 36, 64 rows 166 -> 95; 128 rows:
-# 334 ms dequantizing to float32 -> 176 (fastest of 3-4 rounds each).
+# Rows from which a call multiplies the layer's float16 copy (fbgemm) instead of running the int4 kernel:
+# from 9 rows the copy was faster (docs/performance.md, section "On the CPU").
 FP16_MIN_ROWS = 9
 FP16_ENV_SWITCH = "FITSERVE_CPU_INT4_FP16"
 
@@ -241,7 +239,7 @@ def pack_fp16_copy(weight: torch.Tensor) -> Any | None:
 
 def convert_to_int4(layer: nn.Module, source: torch.Tensor | None = None) -> Any | None:
     """Packs `layer.weight` (a float matrix just loaded on the CPU) as int4 when it is 4-bit groups, for
-    fitserve's C kernel where it builds on this machine (cpu_int4_kernel_linear.py), else for torch's.
+    fitserve's C kernel where it builds on this machine (int4_kernel_linear.py), else for torch's.
     `source`: the weight's values as loaded (a bfloat16 checkpoint's), when they were not copied into
     `layer.weight` (linear.LinearBase._holds).
 
@@ -249,7 +247,7 @@ def convert_to_int4(layer: nn.Module, source: torch.Tensor | None = None) -> Any
     """
     if not cpu_int4_enabled():
         return None
-    from fitserve.layers.cpu_int4_kernel_linear import convert_for_kernel
+    from fitserve.layers.cpu.int4_kernel_linear import convert_for_kernel
 
     values = layer.weight if source is None else source
     method = convert_for_kernel(layer, values)

@@ -17,6 +17,20 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class TokenLogprobs:
+    """The sampler's logprobs at one position, before detokenization (the output processor turns them into
+    `PositionLogprobs`). Index 0 is the sampled (or given) token; then the top-k tokens by raw logprob, most
+    likely first.
+
+    rank = 1 + the number of other tokens whose logprob is at least this token's (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str

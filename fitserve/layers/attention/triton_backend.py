@@ -1,4 +1,5 @@
-"""TritonAttentionBackend: the CUDA implementation of fitserve's AttentionBackend protocol."""
+"""TritonAttentionBackend: the CUDA implementation of fitserve's AttentionBackend protocol, over the Triton
+kernels in fitserve/kernels/ (imported only on CUDA: they import triton)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TorchReferenceBackend against a naive dense causal attention in float64."""
+"""CpuAttentionBackend against a naive dense causal attention in float64."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fitserve.layers.attention import get_attention_backend
+from fitserve.layers.attention.cpu_backend import LONG_QUERY_TILE, CpuAttentionBackend
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import forward_context
-from fitserve.layers.attention.torch_reference import LONG_QUERY_TILE, TorchReferenceBackend
 from tests.unit.model_helpers import ChunkSpec, build_attention_metadata
 
 
@@ -63,7 +63,7 @@ def run_case(
     metadata = build_attention_metadata(chunks, block_size)
     scale = head_dim**-0.5
     q = torch.cat(q_parts)
-    out = TorchReferenceBackend().forward(q, torch.cat(k_new), torch.cat(v_new), kv_cache, metadata, scale)
+    out = CpuAttentionBackend().forward(q, torch.cat(k_new), torch.cat(v_new), kv_cache, metadata, scale)
     assert out.shape == q.shape and out.dtype == dtype
     error = 0.0
     for part, chunk, keys, values, got in zip(
@@ -116,7 +116,7 @@ def test_long_chunk_over_prefix_in_query_tiles_matches_naive() -> None:
 
 def test_backend_reused_across_layers_and_steps() -> None:
     """One backend instance, two layers' caches, two steps: each step's plan serves its own layers."""
-    backend = TorchReferenceBackend()
+    backend = CpuAttentionBackend()
     caches = [torch.zeros(2, 8, 4, 2, 8) for _ in range(2)]
     history: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0, 2, 8), torch.empty(0, 2, 8))] * 2
     for step, (computed, new) in enumerate([(0, 6), (6, 1)]):
@@ -140,7 +140,7 @@ def test_mixed_batch_matches_naive_bf16(block_size: int) -> None:
 
 def test_backend_works_in_and_out_of_inference_mode() -> None:
     """The shared backend keeps reusable buffers; one made under inference_mode must not leak outside."""
-    backend = TorchReferenceBackend()
+    backend = CpuAttentionBackend()
     metadata = build_attention_metadata([ChunkSpec(3, 2, [1, 0])], block_size=4)
     cache = torch.zeros(2, 2, 4, 2, 8)
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
@@ -153,7 +153,7 @@ def test_backend_works_in_and_out_of_inference_mode() -> None:
 
 def test_backend_registry_by_device_type() -> None:
     backend = get_attention_backend(torch.device("cpu"))
-    assert isinstance(backend, TorchReferenceBackend)
+    assert isinstance(backend, CpuAttentionBackend)
     assert get_attention_backend("cpu") is backend
     with pytest.raises(ValueError, match=r"no attention backend for device type 'meta': use one of \['cpu'"):
         get_attention_backend("meta")
