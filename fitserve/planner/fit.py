@@ -122,7 +122,9 @@ def auto_fit(
     )
     needed = args.max_model_len or min(model.max_model_len, REFERENCE_CONTEXT)
     auto = auto_settings(args, explicit)
-    inputs, shrink_reasons = shrink_to_fit(inputs, needed, auto)
+    shrink_reasons: dict[str, str] = {}
+    if args.num_gpu_blocks_override is None:  # a fixed pool (a testing knob) shrinks nothing
+        inputs, shrink_reasons = shrink_to_fit(inputs, needed, auto)
     plan = plan_memory(inputs)
     if plan.free_for_kv_bytes < 2 * plan.block_bytes and args.num_gpu_blocks_override is None:
         raise weights_error(plan, needed, headroom)
@@ -218,13 +220,14 @@ def _choose_max_model_len(
     block = plan.inputs.block_size
     usable_blocks = max(0, plan.num_kv_blocks - 1)
     usable_tokens = usable_blocks * block
+    fixed_pool = plan.inputs.num_gpu_blocks_override is not None  # a testing knob: nothing is sized to it
     if args.max_model_len is not None:
-        if math.ceil(args.max_model_len / block) > usable_blocks:
+        if math.ceil(args.max_model_len / block) > usable_blocks and not fixed_pool:
             raise kv_cache_error(plan, args.max_model_len, headroom, adjusted)
         return args.max_model_len, "set by you"
     own = model.max_model_len
     own_blocks = math.ceil(own / block)
-    if plan.inputs.num_gpu_blocks_override is not None:
+    if fixed_pool:
         return own, (
             f"the model's own; --num-gpu-blocks-override fixes the KV cache at {usable_tokens:,} tokens "
             "(requests that outgrow it are preempted and recomputed)"

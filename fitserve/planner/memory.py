@@ -134,9 +134,6 @@ class MemoryPlan:
     def kv_cache_gib_per_gpu(self) -> float:
         return self.kv_cache_bytes / GiB
 
-    def tokens_for(self, max_model_len: int) -> int:
-        """KV tokens one request of `max_model_len` occupies (whole blocks)."""
-        return math.ceil(max_model_len / self.inputs.block_size) * self.inputs.block_size
 
 
 def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> MemoryPlan:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fitserve.args import EngineArgs, engine_args_from_kwargs
+from fitserve.capture_sizes import default_capture_sizes
 from fitserve.cli.main import parse_command
 from fitserve.config import Choice, EngineConfig
 from fitserve.engine.llm import LLM
@@ -172,3 +173,16 @@ def test_a_choice_names_its_origin() -> None:
     assert Choice("max_model_len", 4096, "the model's own").log_line() == (
         "max_model_len = 4096 (auto-fit: the model's own)"
     )
+
+
+def test_a_fixed_pool_is_a_testing_knob_that_nothing_is_sized_to(one_gpu: Any) -> None:
+    """--num-gpu-blocks-override (vLLM's knob for testing preemption): auto-fit neither refuses a
+    max_model_len the pool cannot hold nor lowers the graphs, the step budget or max_num_seqs to it."""
+    one_gpu("1x79.19@9.0")
+    kwargs = {"load_format": "dummy", "num_gpu_blocks_override": 40, "max_model_len": 1024}
+    config = create_engine_config(engine_args_from_kwargs(QWEN3, kwargs))
+    assert (config.scheduler.max_model_len, config.scheduler.max_num_seqs) == (1024, 256)
+    assert config.scheduler.max_num_batched_tokens == 8192
+    assert config.compilation.cudagraph_capture_sizes == default_capture_sizes(256)
+    unset = create_engine_config(engine_args_from_kwargs(QWEN3, {**kwargs, "max_model_len": None}))
+    assert unset.scheduler.max_model_len == 40960  # the model's own

@@ -1,6 +1,6 @@
-"""CPU linear layers of 4-bit groups multiplied by fitserve's C kernel (cpu_kernels/int4_gemm.c).
+"""CPU linear layers of 4-bit groups multiplied by fitserve's C kernel (c_kernels/int4_gemm.c).
 
-Preferred over torch's int4 kernel (cpu_int4_linear.py) wherever the C kernel builds (x86-64 with
+Preferred over torch's int4 kernel (int4_linear.py) wherever the C kernel builds (x86-64 with
 AVX-512 VNNI and a C compiler): a matrix of 4-bit groups (a converted Q4_1 GGUF's, found by
 `find_int4_groups`) is packed once as codes plus a float16 step and minimum per group of 32, and every
 call, whatever its rows, runs the kernel on float32 activations: no bf16 conversions around it, no
