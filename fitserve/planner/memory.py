@@ -135,7 +135,6 @@ class MemoryPlan:
         return self.kv_cache_bytes / GiB
 
 
-
 def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> MemoryPlan:
     """The plan for `inputs`; with `measured`, the KV cache is sized from the measured terms instead."""
     _check_inputs(inputs)
