@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ def _flag(default: Any, help_text: str, **argparse_kwargs: Any) -> Any:
 
 _BOOL = {"action": argparse.BooleanOptionalAction}
 _NO_EFFECT = "Accepted for vLLM compatibility; has no effect in fitserve"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,6 +138,12 @@ class EngineArgs:
         "Default sampling: auto (the model's generation_config.json), vllm (vLLM's defaults) or a folder "
         "holding a generation_config.json.",
     )
+    max_logprobs: int = _flag(
+        20,
+        "Most log-probabilities a request may ask for per token (logprobs, top_logprobs, prompt_logprobs); "
+        "-1: no limit (the vocabulary size).",
+        type=int,
+    )
     max_seq_len_to_capture: int = _flag(8192, f"{_NO_EFFECT}: use --compilation-config.", type=int)
     disable_custom_all_reduce: bool = _flag(False, f"{_NO_EFFECT} (single device).", **_BOOL)
     compilation_config: str | dict | None = _flag(
@@ -155,7 +163,14 @@ class EngineArgs:
         "auto", "auto: cuda when torch sees a GPU, else cpu.", choices=["auto", "cuda", "cpu"]
     )
     enable_chunked_prefill: bool | None = _flag(
-        None, "Chunked prefill is always on in fitserve; --no-enable-chunked-prefill is refused.", **_BOOL
+        None,
+        "Chunked prefill is always on in fitserve (it does not change results); "
+        "--no-enable-chunked-prefill is accepted and logged.",
+        **_BOOL,
+    )
+    task: str = _flag(
+        "auto",
+        "vLLM's model task: auto or generate (fitserve serves text generation; other tasks are refused).",
     )
     enable_lora: bool = _flag(False, "Serve LoRA adapters (not supported yet).", **_BOOL)
     speculative_config: str | dict | None = _flag(
@@ -206,6 +221,7 @@ class EngineArgs:
             "tensor_parallel_size": (self.tensor_parallel_size, 1),
             "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
             "max_seq_len_to_capture": (self.max_seq_len_to_capture, 1),
+            "max_logprobs": (self.max_logprobs, -1),
         }
         for name, (value, minimum) in minimums.items():
             if value is not None and value < minimum:
@@ -266,11 +282,11 @@ class EngineArgs:
                 "set it to 1",
             ),
             (
-                "enable_chunked_prefill",
-                self.enable_chunked_prefill is False,
-                "--no-enable-chunked-prefill",
-                "drop it: chunked prefill is always on",
-                "delete that key: chunked prefill is always on",
+                "task",
+                self.task not in ("auto", "generate"),
+                f"--task {self.task}",
+                "fitserve serves text generation: use --task generate or drop --task",
+                "fitserve serves text generation: set it to generate or delete that key",
             ),
             (
                 "enable_lora",
@@ -299,6 +315,11 @@ class EngineArgs:
                 raise ValueError(f"not supported yet: {flag}, set by {config_keys[name]} ({key_fix})")
             if asked:
                 raise ValueError(f"not supported yet: {flag} ({fix})")
+        if self.enable_chunked_prefill is False:
+            logger.info(
+                "--no-enable-chunked-prefill: chunked prefill stays on in fitserve (it does not change "
+                "results)"
+            )
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:

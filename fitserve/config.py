@@ -67,6 +67,8 @@ class ModelConfig:
     # card), and where; with generation_config "auto" they sit under the file's own values.
     card_sampling: dict[str, Any] = field(default_factory=dict)
     card_sampling_source: str = ""
+    # --max-logprobs: most logprobs / prompt_logprobs a request may ask for per token; -1: no limit
+    max_logprobs: int = 20
 
     @property
     def architecture(self) -> str:

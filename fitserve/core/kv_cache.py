@@ -198,6 +198,19 @@ class KVCacheManager:
                 self.req_num_cached_blocks[request_id] = num_full
         return True
 
+    def uncache_unwritten(self, request_id: str, first_block: int) -> list[int]:
+        """A step that was to fill the request's blocks from index first_block on did not run: they leave
+        the prefix cache (their contents were never written). Returns the ids of those blocks."""
+        blocks = self.req_blocks.get(request_id, [])[first_block:]
+        for block in blocks:
+            if block.block_hash is not None and self.pool.cached_blocks.get(block.block_hash) is block:
+                del self.pool.cached_blocks[block.block_hash]
+            block.block_hash = None
+        if request_id in self.req_num_cached_blocks:
+            cached = self.req_num_cached_blocks[request_id]
+            self.req_num_cached_blocks[request_id] = min(cached, first_block)
+        return [block.block_id for block in blocks]
+
     def free(self, request: Request) -> None:
         """Return a request's blocks; the tail goes first into the free queue so it is evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])

@@ -51,6 +51,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    max_tokens_param: int | None = None  # the request's max_tokens (for vllm:request_params_max_tokens)
 
 
 @dataclass

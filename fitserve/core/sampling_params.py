@@ -17,6 +17,10 @@ from typing import Any
 # Temperatures below this are greedy decoding (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 PENALTY_LIMIT = 2.0
+# A seed is a 64-bit signed integer, as in vLLM. The choices of an n > 1 request are seeded seed + index,
+# which stays within what torch's generators take ([-2**63, 2**64-1]) for any n the server allows.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -56,6 +60,8 @@ class SamplingParams:
     detokenize: produce text (False: token ids only; stop strings need text).
     skip_special_tokens / spaces_between_special_tokens: how special tokens appear in the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    logit_bias: {token id: bias} added to the logits before penalties and sampling (stored with int keys).
+    allowed_token_ids: only these token ids may be sampled (every other logit becomes -inf); not empty.
     output_kind: CUMULATIVE (a RequestOutput every step, for streaming) or FINAL_ONLY (the offline API).
     """
 
@@ -79,6 +85,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -118,6 +126,11 @@ class SamplingParams:
             raise ValueError(f"min_p={min_p} is outside the range [0, 1]: set min_p between 0 (off) and 1")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=None)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(
+                    f"seed={self.seed} is outside the range [-2**63, 2**63-1] ([{SEED_MIN}, {SEED_MAX}]): "
+                    "set seed to a 64-bit signed integer"
+                )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
@@ -129,6 +142,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop={self.stop!r} needs text but detokenize=False: set detokenize=True or use "
@@ -157,6 +172,17 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError naming the field when logit_bias or allowed_token_ids holds an id outside
+        the vocabulary [0, vocab_size)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids)):
+            bad = next((t for t in ids or () if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}): use ids this "
+                    "model's tokenizer produces"
+                )
 
     @property
     def max_stop_str_len(self) -> int:
@@ -200,6 +226,47 @@ def _normalise_stop_token_ids(stop_token_ids: object) -> list[int]:
                 f"stop_token_ids contains {item!r}: every entry must be a token id, an integer 0 or more"
             )
     return list(stop_token_ids)
+
+
+def _normalise_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(
+            f"logit_bias={logit_bias!r} has type {type(logit_bias).__name__}: set logit_bias to a dict "
+            "{token id: bias}"
+        )
+    normalised: dict[int, float] = {}
+    for token, bias in logit_bias.items():
+        token_id = token
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token_id = int(token)
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(
+                f"logit_bias has the key {token!r}: every key must be a token id, an integer 0 or more"
+            )
+        normalised[token_id] = _check_float(f"logit_bias[{token_id}]", bias)
+    return normalised or None
+
+
+def _normalise_allowed_token_ids(allowed: object) -> list[int] | None:
+    if allowed is None:
+        return None
+    if not isinstance(allowed, (list, tuple, set, frozenset)):
+        raise ValueError(
+            f"allowed_token_ids={allowed!r} has type {type(allowed).__name__}: set allowed_token_ids to a "
+            "list of token ids"
+        )
+    if not allowed:
+        raise ValueError(
+            "allowed_token_ids is empty: list at least one token id that may be sampled, or leave it out"
+        )
+    for item in allowed:
+        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+            raise ValueError(
+                f"allowed_token_ids contains {item!r}: every entry must be a token id, an integer 0 or more"
+            )
+    return sorted(set(allowed))
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> int:

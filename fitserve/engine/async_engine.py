@@ -10,8 +10,9 @@ which frees its KV blocks at the engine's next command drain. `shutdown()` ends 
 with a final output whose finish_reason is "abort", then stops the thread.
 
 A step the engine could not run (e.g. out of GPU memory) ends its requests with final outputs whose
-finish_reason is "error" and whose `error` says what to change (the engine logs it once); they pass
-through like any other output and the engine goes on with the other requests.
+finish_reason is "error" and whose `error` says what to change (the engine logs it once); a request
+whose own work in a step raised (e.g. seeding its generator) is ended alone the same way and the step
+runs without it. These outputs pass through like any other and the engine goes on with the others.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def format_stats_line(previous: Any, current: Any, elapsed_s: float) -> str:
         f"Running: {current.num_running} reqs, Waiting: {current.num_waiting} reqs, "
         f"KV cache usage: {100.0 * current.kv_cache_usage:.1f}%, "
         f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
+
+
+def _stopped_message(error: BaseException) -> str:
+    return (
+        f"the engine stopped after an error ({type(error).__name__}; the server log has the details): "
+        "restart the server"
     )
 
 
@@ -211,7 +219,7 @@ class AsyncEngine:
         if not self._accepting or self._loop is None:
             raise EngineUnavailableError("the server is shutting down: no new requests are accepted")
         if self._dead is not None:
-            raise EngineUnavailableError(f"the engine stopped after an error: {self._dead}")
+            raise EngineUnavailableError(_stopped_message(self._dead))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running: use a unique id")
         stream = RequestStream(request_id, getattr(params, "n", 1), on_close=self.abort)
@@ -306,7 +314,7 @@ class AsyncEngine:
 
     def _on_thread_death(self, error: BaseException) -> None:
         self._dead = error
-        self._fail(list(self._streams), EngineUnavailableError(f"the engine stopped after an error: {error}"))
+        self._fail(list(self._streams), EngineUnavailableError(_stopped_message(error)))
 
     async def _log_stats_forever(self) -> None:
         previous, previous_time = self._stats, time.monotonic()
@@ -376,7 +384,9 @@ class AsyncEngine:
             with contextlib.suppress(Exception):
                 self.engine.abort_request(failed)
             self._engine_request_ids.clear()
-            failure = RuntimeError(f"the engine failed while generating: {error}")
+            failure = RuntimeError(
+                f"the engine failed while generating ({type(error).__name__}; the server log has the details)"
+            )
             self._call_in_loop(self._fail, failed, failure)
             return
         for output in outputs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -18,7 +20,7 @@ from fitserve.core.request import Request, RequestStatus
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import Scheduler, SchedulerOutput
 from fitserve.engine.detokenizer import IncrementalDetokenizer
-from fitserve.engine.out_of_memory import out_of_memory_message
+from fitserve.engine.out_of_memory import out_of_memory_message, request_failure_message, step_failure_message
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.logger import configure_default_logging
@@ -30,7 +32,7 @@ from fitserve.models.loader import (
 )
 from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.executor import create_executor
-from fitserve.worker.model_runner import LaunchedStep
+from fitserve.worker.model_runner import LaunchedStep, RequestsFailedError
 
 if TYPE_CHECKING:
     from fitserve.args import EngineArgs
@@ -50,6 +52,13 @@ class EngineStats:
     num_preemptions: int
     num_kv_blocks: int
     block_size: int
+    # Engine steps by tokens computed (prompt + generated), per ITERATION_TOKENS_BUCKETS bucket, then above
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+
+
+# Upper bounds of vLLM's `vllm:iteration_tokens_total` histogram buckets (tokens per engine step).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -89,6 +98,8 @@ class Engine:
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         # The step on the device whose tokens have not been taken yet (see step()).
         self._in_flight: InFlightStep | None = None
         logger.info(
@@ -168,6 +179,7 @@ class Engine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
+        params.check_token_ids(self.config.model.vocab_size)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children = []
         for index in range(params.n):
@@ -254,15 +266,49 @@ class Engine:
             previous = None
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
-            try:
-                self._in_flight = self._launch(scheduler_output)
-            except torch.OutOfMemoryError as error:
-                outputs.extend(self._fail_step(scheduler_output, error))
+            self._in_flight = self._launch_or_fail(scheduler_output, outputs)
         elif scheduler_output.finished_req_ids:
             self.executor.launch(scheduler_output)  # lets the runner drop finished requests' state
         if previous is not None:
-            outputs.extend(self._take_tokens(previous))
+            outputs.extend(self._take_tokens_or_fail(previous))
         return outputs
+
+    def _launch_or_fail(
+        self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]
+    ) -> InFlightStep | None:
+        """Launches the step. A request whose own work raised is ended alone (finish_reason "error") and
+        the step runs without it; a step that fails as a whole ends its requests, never the engine."""
+        while True:
+            try:
+                return self._launch(scheduler_output)
+            except RequestsFailedError as error:
+                failed = {
+                    child_id: e
+                    for child_id, e in error.failures.items()
+                    if child_id in _ids(scheduler_output)
+                }
+                if not failed:
+                    outputs.extend(self._fail_step(scheduler_output, error))
+                    return None
+                outputs.extend(self._fail_requests(scheduler_output, failed))
+                remaining = [item for item in scheduler_output.scheduled if not item.request.is_finished]
+                if not remaining:
+                    return None
+                scheduler_output = dataclasses.replace(
+                    scheduler_output,
+                    scheduled=remaining,
+                    num_batched_tokens=sum(item.num_new_tokens for item in remaining),
+                )
+            except Exception as error:
+                outputs.extend(self._fail_step(scheduler_output, error))
+                return None
+
+    def _take_tokens_or_fail(self, step: InFlightStep) -> list[RequestOutput]:
+        try:
+            return self._take_tokens(step)
+        except Exception as error:
+            live = [item for item in step.scheduler_output.scheduled if not item.request.is_finished]
+            return self._fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         launched = self.executor.launch(scheduler_output)
@@ -271,23 +317,75 @@ class Engine:
         self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
         return InFlightStep(scheduler_output, launched)
 
-    def _fail_step(
-        self, scheduler_output: SchedulerOutput, error: torch.OutOfMemoryError
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """The step could not run: end that step's requests with an error (for running out of memory,
+        one naming the knob to turn), free their blocks, and go on with the others."""
+        num_tokens, num_seqs = scheduler_output.num_batched_tokens, len(scheduler_output.scheduled)
+        if isinstance(error, torch.OutOfMemoryError):
+            message = out_of_memory_message(self.config, num_tokens, num_seqs, error)
+            logger.error(message)
+        else:
+            message = step_failure_message(error, num_seqs)
+            logger.error(
+                "An engine step of %d tokens over %d sequences failed; its requests were ended",
+                num_tokens,
+                num_seqs,
+                exc_info=error,
+            )
+        parent_ids = self._end_with_error(scheduler_output.scheduled, {}, message)
+        if torch.cuda.is_available() and isinstance(error, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        return self.output_processor.make_outputs(parent_ids)
+
+    def _fail_requests(
+        self, scheduler_output: SchedulerOutput, failures: dict[str, BaseException]
     ) -> list[RequestOutput]:
-        """The device ran out of memory while the step was being queued: end that step's requests with
-        an error naming the knob to turn, free their blocks, and go on with the others."""
-        message = out_of_memory_message(
-            self.config, scheduler_output.num_batched_tokens, len(scheduler_output.scheduled), error
-        )
-        logger.error(message)
-        parent_ids = list(dict.fromkeys(item.request.parent_id for item in scheduler_output.scheduled))
+        """End the requests whose own work raised (each with its own message), and any other request of
+        the step that reads a block one of them was to write this step."""
+        by_id = {item.request.request_id: item for item in scheduler_output.scheduled}
+        failed_parents = {by_id[child_id].request.parent_id for child_id in failures}
+        failed_items = [
+            item for item in scheduler_output.scheduled if item.request.parent_id in failed_parents
+        ]
+        unwritten = self._unwritten_blocks(failed_items)
+        readers = [
+            item
+            for item in scheduler_output.scheduled
+            if item.request.parent_id not in failed_parents and unwritten.intersection(item.block_ids)
+        ]
+        messages: dict[str, str] = {}
+        for child_id, error in failures.items():
+            parent_id = by_id[child_id].request.parent_id
+            logger.error("Request %s failed in the engine and was ended", parent_id, exc_info=error)
+            messages.setdefault(parent_id, request_failure_message(error))
+        parent_ids = self._end_with_error(failed_items, messages, "")
+        if readers:
+            shared = (
+                "a request of the same step that shared this request's prompt blocks failed, so their "
+                'contents were never computed: this request was ended (finish_reason "error") and can be '
+                "retried; the server goes on"
+            )
+            parent_ids += self._end_with_error(readers, {}, shared)
+        return self.output_processor.make_outputs(parent_ids)
+
+    def _unwritten_blocks(self, items: list) -> set[int]:
+        """The blocks these scheduled requests were to fill this step: they leave the prefix cache."""
+        block_size = self.config.cache.block_size
+        unwritten: set[int] = set()
+        for item in items:
+            unwritten.update(
+                self.kv_manager.uncache_unwritten(item.request.request_id, item.start // block_size)
+            )
+        return unwritten
+
+    def _end_with_error(self, items: list, messages: dict[str, str], default: str) -> list[str]:
+        self._unwritten_blocks(items)
+        parent_ids = list(dict.fromkeys(item.request.parent_id for item in items))
         for parent_id in parent_ids:
             children = self.output_processor.child_ids(parent_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
-            self.output_processor.fail(parent_id, message)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return self.output_processor.make_outputs(parent_ids)
+            self.output_processor.fail(parent_id, messages.get(parent_id, default))
+        return parent_ids
 
     def _take_tokens(self, step: InFlightStep) -> list[RequestOutput]:
         runner_output = step.launched.result()
@@ -301,14 +399,17 @@ class Engine:
         parent_ids = list(dict.fromkeys(child.parent_id for child in progressed))
         return self.output_processor.make_outputs(parent_ids)
 
-    def _count_tokens(self, scheduler_output) -> None:
+    def _count_tokens(self, scheduler_output: SchedulerOutput) -> None:
+        step_tokens = 0
         for item in scheduler_output.scheduled:
             prompt_len = item.request.num_prompt_tokens
-            self.num_prompt_tokens_total += max(
-                0, min(item.start + item.num_new_tokens, prompt_len) - item.start
-            )
+            prompt_tokens = max(0, min(item.start + item.num_new_tokens, prompt_len) - item.start)
+            step_tokens += prompt_tokens + (1 if item.samples else 0)
+            self.num_prompt_tokens_total += prompt_tokens
             if item.samples:
                 self.num_generation_tokens_total += 1
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, step_tokens)] += 1
+        self.iteration_tokens_sum += step_tokens
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -322,4 +423,10 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions_total,
             num_kv_blocks=self.kv_manager.pool.num_blocks,
             block_size=self.config.cache.block_size,
+            iteration_tokens_counts=tuple(self.iteration_tokens_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
+
+
+def _ids(scheduler_output: SchedulerOutput) -> set[str]:
+    return {item.request.request_id for item in scheduler_output.scheduled}

@@ -59,6 +59,8 @@ class LLM:
         for _text, token_ids in requests:
             if token_ids is not None:
                 self.engine.validate_prompt(token_ids)
+        for params in params_list:
+            params.check_token_ids(self.engine.config.model.vocab_size)
         request_ids = []
         for (text, token_ids), params in zip(requests, params_list):
             request_id = str(self._next_request_id)

@@ -5,6 +5,10 @@ The engine ends the requests of such a step with finish_reason "error" and this 
 that leaves a step more room, with its current value and a concrete value to try:
 
     out_of_memory_message(config, num_tokens=8192, num_seqs=37, error=torch_oom_error)
+
+Any other failure gets a message of the same shape without torch's text (the traceback goes to the
+log): `request_failure_message` for a request whose own work raised (it alone is ended),
+`step_failure_message` for a step that failed as a whole (its requests are ended).
 """
 
 from __future__ import annotations
@@ -30,6 +34,28 @@ def out_of_memory_message(config: EngineConfig, num_tokens: int, num_seqs: int, 
     )
     fixes = knob_suggestions(config, error)
     return f"{head} To give a step more room, restart with one of: {'; '.join(fixes)}."
+
+
+def is_out_of_memory_message(message: str) -> bool:
+    """True for a message `out_of_memory_message` made (the request can be retried as it is)."""
+    return message.startswith("Out of memory") or message.startswith("Out of GPU memory")
+
+
+def request_failure_message(error: BaseException) -> str:
+    """For a request whose own work in a step raised: it alone was ended."""
+    return (
+        f"the engine could not run this request ({type(error).__name__}; the server log has the details): "
+        'it was ended with finish_reason "error" and the other requests go on'
+    )
+
+
+def step_failure_message(error: BaseException, num_seqs: int) -> str:
+    """For a step that failed as a whole: its requests were ended, the engine goes on."""
+    return (
+        f"an engine step over {num_seqs} sequence(s) failed ({type(error).__name__}; the server log has the "
+        'details): its requests were ended with finish_reason "error", the server goes on and this request '
+        "can be retried"
+    )
 
 
 def knob_suggestions(config: EngineConfig, error: BaseException | None = None) -> list[str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from fitserve.core.outputs import (
     CompletionOutput,
@@ -31,7 +33,8 @@ class ParentRequest:
     metrics: RequestMetrics
     logprobs: list[list[PositionLogprobs]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Built positions, or (decode_logprob_tokens off) the sampler's entries, converted when read
+    prompt_logprobs: list[PositionLogprobs | None] | list[TokenLogprobs | None] | None = None
     error: str | None = None  # why the engine ended it early (its step failed)
 
     @property
@@ -42,6 +45,11 @@ class ParentRequest:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Fill each logprob entry's `decoded_token` here, on the engine thread. The server turns this off
+        # and decodes in its request handlers: an echoed 8,000-token prompt with 20 logprobs holds 168,000
+        # entries, and every stream waits while the engine thread works (benchmarks/prompt_logprobs.py).
+        self.decode_logprob_tokens = True
+        self._token_texts: dict[int, str] = {}  # token id -> its text; at most one entry per vocabulary id
         self.parents: dict[str, ParentRequest] = {}
         self.child_to_parent: dict[str, ParentRequest] = {}
 
@@ -49,6 +57,7 @@ class OutputProcessor:
         self.parents[parent.request_id] = parent
         parent.logprobs = [[] for _ in parent.children]
         parent.cumulative_logprobs = [0.0 for _ in parent.children]
+        parent.metrics.max_tokens_param = parent.params.max_tokens
         if parent.params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for child in parent.children:
@@ -69,7 +78,10 @@ class OutputProcessor:
             parent = self.child_to_parent.get(child_id)
             if parent is None or parent.children[0].request_id != child_id or parent.prompt_logprobs is None:
                 continue
-            parent.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
+            if self.decode_logprob_tokens:
+                parent.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
+            else:  # kept as the sampler made them: LazyPromptLogprobs builds the positions when read
+                parent.prompt_logprobs.extend(entries)
 
     def apply_tokens(
         self, progressed: list[Request], token_logprobs: dict[str, TokenLogprobs], now: float
@@ -154,15 +166,75 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(parent),
             metrics=parent.metrics,
             num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
             error=parent.error if finished else None,
         )
 
+    def _prompt_logprobs(self, parent: ParentRequest) -> Sequence[PositionLogprobs | None] | None:
+        if parent.prompt_logprobs is None:
+            return None
+        if self.decode_logprob_tokens:
+            return list(parent.prompt_logprobs)
+        return LazyPromptLogprobs(list(parent.prompt_logprobs))  # type: ignore[arg-type]
+
     def _position_logprobs(self, entry: TokenLogprobs) -> PositionLogprobs:
+        if not self.decode_logprob_tokens:
+            return undecoded_position_logprobs(entry)
         result: PositionLogprobs = {}
+        texts = self._token_texts
         for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
-            if token_id not in result:
-                result[token_id] = Logprob(logprob, rank, decode_token(self.tokenizer, token_id))
+            if token_id in result:
+                continue
+            text = texts.get(token_id)
+            if text is None:
+                text = texts[token_id] = decode_token(self.tokenizer, token_id)
+            result[token_id] = Logprob(logprob, rank, text)
         return result
+
+
+def undecoded_position_logprobs(entry: TokenLogprobs) -> PositionLogprobs:
+    """{token id: Logprob} of one position, `decoded_token` left empty; the first entry of an id wins."""
+    result: PositionLogprobs = {}
+    for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+        if token_id not in result:
+            result[token_id] = Logprob(logprob, rank)
+    return result
+
+
+class LazyPromptLogprobs(Sequence):
+    """A request's prompt logprobs (`RequestOutput.prompt_logprobs`: one {token id: Logprob} per prompt
+    position, None for the first) built from the sampler's entries when read, not on the engine thread:
+    168,000 `Logprob`s for an 8,000-token prompt with 20 logprobs held every stream for ~0.3 s there
+    (benchmarks/prompt_logprobs.py). `decoded_token` is left empty (the server decodes)."""
+
+    def __init__(self, entries: list[TokenLogprobs | None]) -> None:
+        self._entries = entries
+        self._built: list[PositionLogprobs | None] | None = None
+
+    def _positions(self) -> list[PositionLogprobs | None]:
+        if self._built is None:
+            self._built = [None if e is None else undecoded_position_logprobs(e) for e in self._entries]
+        return self._built
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @overload
+    def __getitem__(self, index: int) -> PositionLogprobs | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[PositionLogprobs | None]: ...
+    def __getitem__(self, index):
+        return self._positions()[index]
+
+    def __iter__(self):
+        return iter(self._positions())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, LazyPromptLogprobs)):
+            return self._positions() == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._positions())

@@ -105,6 +105,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         cpu_offload_gb=_cpu_offload_gb(args.cpu_offload_gb, device),
         card_sampling=resolved.card_sampling,
         card_sampling_source=resolved.card_sampling_source,
+        max_logprobs=args.max_logprobs,
     )
     cache = CacheConfig(
         block_size=inputs.block_size,

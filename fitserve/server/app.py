@@ -16,15 +16,30 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fitserve
 from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from fitserve.server.args import ServerSettings
 from fitserve.server.context import ServingContext
-from fitserve.server.errors import APIError, api_error_handler, validation_error_handler
-from fitserve.server.metrics import ServerMetrics
+from fitserve.server.errors import (
+    APIError,
+    ErrorResponse,
+    api_error_handler,
+    error_responses,
+    validation_error_handler,
+)
+from fitserve.server.extras import (
+    RequestIdHeaderMiddleware,
+    RootPathMiddleware,
+    ServerLoad,
+    ServerLoadMiddleware,
+    tokenizer_info,
+)
+from fitserve.server.metrics import ServerMetrics, cache_config_info
 from fitserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from fitserve.server.protocol import (
     ChatCompletionRequest,
@@ -53,6 +68,7 @@ ROUTES = (
     "GET /v1/models",
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /invocations",
     "POST /tokenize",
     "POST /detokenize",
     "GET /metrics",
@@ -76,7 +92,8 @@ async def _http_error_handler(_: Request, exc: Exception) -> JSONResponse:
         message = "no such route: see GET /openapi.json for the routes this server has"
     elif exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
         message = f"method not allowed on this route ({message}): see GET /openapi.json"
-    return APIError(message, exc.status_code).to_response()
+    allow = (exc.headers or {}).get("Allow") if exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED else None
+    return APIError(message, exc.status_code, allow=allow).to_response()
 
 
 async def _engine_unavailable_handler(_: Request, exc: Exception) -> JSONResponse:
@@ -90,12 +107,21 @@ async def _client_disconnected_handler(_: Request, exc: Exception) -> Response:
 
 async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("request failed", exc_info=exc)
-    return APIError(f"internal error: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR).to_response()
+    message = f"internal error ({type(exc).__name__}); the server log has the details"
+    return APIError(message, HTTPStatus.INTERNAL_SERVER_ERROR).to_response()
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     ctx = ServingContext.create(engine, settings)
-    metrics = ServerMetrics(ctx.model_name, engine.get_stats)
+    metrics = ServerMetrics(
+        ctx.model_name,
+        engine.get_stats,
+        max_model_len=ctx.max_model_len,
+        cache_info=cache_config_info(engine),
+    )
+    processor = getattr(engine.engine, "output_processor", None)
+    if processor is not None:  # logprob tokens are decoded in the handlers, off the engine thread
+        processor.decode_logprob_tokens = False
     engine.observers.append(metrics.observe)
     if not settings.disable_log_requests:
         engine.observers.append(log_finished_request)
@@ -132,6 +158,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         allow_headers=settings.allowed_headers,
         allow_credentials=settings.allow_credentials,
     )
+    server_load = ServerLoad()
+    app.state.server_load = server_load
+    if settings.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=server_load)
+    if settings.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
+    if settings.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
@@ -144,11 +178,18 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return APIError("the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE).to_response()
         return Response(status_code=HTTPStatus.OK)
 
-    @app.get("/health", summary="200 while the engine runs, 503 otherwise")
+    probe = {
+        "response_class": Response,
+        "responses": {200: {"description": "The engine runs (empty body)", "content": None}}
+        | error_responses(503),
+    }
+
+    @app.get("/health", summary="200 while the engine runs, 503 otherwise", **probe)
     async def health() -> Response:
         return health_response()
 
-    @app.api_route("/ping", methods=["GET", "POST"], summary="Same as /health")
+    @app.get("/ping", summary="Same as /health", operation_id="ping_get", **probe)
+    @app.post("/ping", summary="Same as /health", operation_id="ping_post", **probe)
     async def ping() -> Response:
         return health_response()
 
@@ -172,6 +213,40 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await completion_handler.create(request, raw_request)
 
+    @app.post("/invocations", summary="SageMaker: a chat body (messages) or a completion body (prompt)")
+    async def invocations(raw_request: Request) -> Response:
+        try:
+            body = await raw_request.json()
+        except ValueError as exc:
+            raise APIError(f"the request body is not valid JSON: {exc}") from exc
+        if isinstance(body, dict) and "messages" in body:
+            model, handler = ChatCompletionRequest, chat_handler
+        elif isinstance(body, dict) and "prompt" in body:
+            model, handler = CompletionRequest, completion_handler  # type: ignore[assignment]
+        else:
+            raise APIError(
+                "cannot tell the request type: send a chat body (messages) or a completion body (prompt)"
+            )
+        try:
+            request = model.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+        return await handler.create(request, raw_request)  # type: ignore[arg-type]
+
+    if settings.enable_server_load_tracking:
+
+        @app.get("/load", summary="Generation requests in flight (--enable-server-load-tracking)")
+        async def load() -> JSONResponse:
+            return JSONResponse({"server_load": server_load.in_flight})
+
+    if settings.enable_tokenizer_info_endpoint:
+
+        @app.get(
+            "/tokenizer_info", summary="The tokenizer's configuration (--enable-tokenizer-info-endpoint)"
+        )
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(tokenizer_info(ctx.tokenizer, settings.chat_template))
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(request.model)
@@ -186,6 +261,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(request.model)
+        if len(request.tokens) > ctx.max_model_len:
+            raise APIError(
+                f"tokens holds {len(request.tokens)} ids, above the limit of {ctx.max_model_len} (the "
+                "server's --max-model-len: no prompt or output is longer): send at most "
+                f"{ctx.max_model_len} ids per request",
+                param="tokens",
+            )
         vocab_size = engine.config.model.vocab_size
         bad = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -194,11 +276,64 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 "tokenizer produced",
                 param="tokens",
             )
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(ctx.tokenizer.decode, request.tokens))
 
-    @app.get("/metrics", summary="Prometheus metrics (fitserve:* names)")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics (fitserve:* names)",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
     async def prometheus_metrics() -> Response:
         body, content_type = metrics.render()
         return Response(content=body, media_type=content_type)
 
+    if docs:
+        app.openapi = lambda: _openapi_schema(app, settings)  # type: ignore[method-assign]
     return app
+
+
+# Routes anyone may call with --api-key set (middleware.py): their schema declares no 401.
+_PUBLIC_PATHS = ("/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
+def _openapi_schema(app: FastAPI, settings: ServerSettings) -> dict:
+    """FastAPI's schema made to agree with what the server sends: a bad body is a 400 in the error shape
+    (never FastAPI's 422), each route lists the refusals it can send, and the generating routes declare
+    their server-sent events beside the JSON body."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, definition in components["ErrorResponse"].pop("$defs", {}).items():
+        components[name] = definition
+    error = {
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = [
+                HTTPStatus.NOT_FOUND,
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                HTTPStatus.SERVICE_UNAVAILABLE,
+            ]
+            if "requestBody" in operation or method == "post":  # a route reading its raw body has none
+                statuses += [HTTPStatus.BAD_REQUEST, HTTPStatus.REQUEST_ENTITY_TOO_LARGE]
+            if settings.api_key and path not in _PUBLIC_PATHS:
+                statuses.append(HTTPStatus.UNAUTHORIZED)
+            for status in statuses:
+                responses.setdefault(str(int(status)), {"description": status.phrase, **error})
+            if path in _STREAMING_PATHS and method == "post":
+                content = responses.setdefault("200", {}).setdefault("content", {})
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+    app.openapi_schema = schema
+    return schema
+
+
+# Routes that answer `stream: true` with server-sent events.
+_STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")

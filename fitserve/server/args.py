@@ -118,6 +118,31 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Refuse request bodies larger than this (413).",
     )
     group.add_argument("--disable-fastapi-docs", action="store_true", help="No /docs, /redoc, /openapi.json.")
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprobs name tokens as 'token_id:N' instead of their text (also a per-request field).",
+    )
+    group.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template).",
+    )
+    group.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='Serve GET /load: {"server_load": generation requests in flight}.',
+    )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="Add an X-Request-Id header to every response (the request's own, else a new one).",
+    )
+    group.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="Accepted for vLLM compatibility; fitserve's server and engine always share one process.",
+    )
     return parser
 
 
@@ -146,6 +171,11 @@ class ServerSettings:
     ssl_ca_certs: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     disable_fastapi_docs: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
+    enable_request_id_headers: bool = False
+    disable_frontend_multiprocessing: bool = False
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerSettings:

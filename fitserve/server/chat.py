@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,8 +22,30 @@ from jinja2.exceptions import TemplateError
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import ChatCompletionToolParam, ChatMessage
 
+logger = logging.getLogger(__name__)
+
 ContentFormat = Literal["string", "openai"]
 CONTENT_FORMAT_CHOICES = ("auto", "string", "openai")
+# Arguments the renderer passes to the tokenizer's template call itself (or that change what it returns):
+# chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -159,6 +182,14 @@ class ChatRenderer:
                 f"continue_final_message needs an assistant message last (the last is {messages[-1].role!r})",
                 param="continue_final_message",
             )
+        reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs sets {', '.join(reserved)}, which the server sets itself: leave "
+                f"{'them' if len(reserved) > 1 else 'it'} out (add_generation_prompt and "
+                "continue_final_message are request fields of their own)",
+                param="chat_template_kwargs",
+            )
         conversation = conversation_for_template(messages, self.content_format(template))
         tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         try:
@@ -173,12 +204,16 @@ class ChatRenderer:
             )
         except TemplateError as exc:
             raise APIError(f"the chat template refused the messages: {exc}", param="messages") from exc
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            logger.warning("the chat template could not render a request's messages: %r", exc)
             raise APIError(
-                f"the chat template could not render the messages: {exc}", param="messages"
+                f"the chat template could not render the messages ({type(exc).__name__}): check the "
+                "messages' shape (roles, content, tool calls) and chat_template_kwargs",
+                param="messages",
             ) from exc
         if not isinstance(rendered, str):
-            raise TypeError(
-                f"apply_chat_template returned {type(rendered).__name__}, expected the prompt text"
+            raise APIError(
+                "the chat template did not render the messages to text: check chat_template_kwargs",
+                param="chat_template_kwargs",
             )
         return rendered

@@ -18,8 +18,15 @@ from fitserve.server.protocol import ChatCompletionRequest, OpenAIBaseModel, Sam
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's and vLLM's default cap on top log-probabilities per token.
-MAX_LOGPROBS = 20
+# Characters a prompt's text may have per token of --max-model-len before it is refused untokenized.
+# English averages about 4 characters a token and long runs of spaces or punctuation make single tokens
+# of up to 16 or so, so a text above this is far beyond what the context holds; tokenizing it would cost
+# about 75-100 MiB of memory per MB of text for nothing (docs/server.md, "Limits").
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+# Most prompts (a list of strings or of token-id lists) one /v1/completions request may send.
+MAX_PROMPTS_PER_REQUEST = 1024
+# OpenAI's range of a logit_bias value.
+LOGIT_BIAS_LIMIT = 100.0
 # Fields the engine's generation_config.json may set for requests that leave them out.
 _MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -75,13 +82,15 @@ class ServingContext:
     def check_extra_fields(self, request: OpenAIBaseModel, misplaced: dict[str, str], route: str) -> None:
         """Refuse fields of another route; log (and ignore) other unknown fields, as vLLM does."""
         extra = request.model_extra or {}
+        check_no_structured_output(extra)
         for name in extra:
             if name in misplaced:
                 raise APIError(f"{name} is not a field of {route}: {misplaced[name]}", param=name)
         if extra:
             logger.warning("%s: ignoring unknown field(s) %s", route, ", ".join(sorted(extra)))
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        self.check_prompt_text(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def render_chat(
@@ -105,9 +114,24 @@ class ServingContext:
                 request_template=request.chat_template,
                 template_kwargs=request.chat_template_kwargs,
             )
-            return text, self.tokenize(text, add_special_tokens)
+            return text, self.tokenize(text, add_special_tokens, "messages")
 
         return await asyncio.to_thread(render_and_tokenize)
+
+    def decode_prompt_ids(self, prompt_ids: list[int], param: str) -> str:
+        """The text of a token-id prompt (for echo), its ids checked against the vocabulary first."""
+        self.check_vocabulary(prompt_ids, param)
+        return self.tokenizer.decode(prompt_ids)
+
+    def check_vocabulary(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.engine.config.model.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                f"{param} holds token id {bad}, outside the vocabulary [0, {vocab_size}): "
+                "send ids this model's tokenizer produced",
+                param=param,
+            )
 
     def check_prompt_ids(self, prompt_ids: list[int], param: str) -> None:
         if not prompt_ids:
@@ -159,9 +183,10 @@ class ServingContext:
                 param="best_of",
             )
         if request.use_beam_search:
-            raise APIError("use_beam_search is not supported: leave it out", param="use_beam_search")
-        if request.logit_bias:
-            raise APIError("logit_bias is not supported yet: leave it out", param="logit_bias")
+            raise APIError(
+                "use_beam_search is not supported yet: leave it out (or set it to false) and sample instead",
+                param="use_beam_search",
+            )
         if request.stream_options is not None and not request.stream:
             raise APIError(
                 "stream_options is only allowed with stream=true: set stream to true or drop stream_options",
@@ -193,24 +218,120 @@ class ServingContext:
             "skip_special_tokens": request.skip_special_tokens,
             "spaces_between_special_tokens": request.spaces_between_special_tokens,
             "include_stop_str_in_output": request.include_stop_str_in_output,
+            "logit_bias": _clamped_logit_bias(request.logit_bias),
+            "allowed_token_ids": request.allowed_token_ids,
         }
         for name in _MODEL_DEFAULT_FIELDS:
             requested = getattr(request, name)
             values[name] = requested if requested is not None else self.generation_defaults.get(name)
         try:
-            return SamplingParams.from_optional(**values)
+            params = SamplingParams.from_optional(**values)
+            params.check_token_ids(self.engine.config.model.vocab_size)
         except ValueError as exc:
             raise APIError(str(exc), param=_field_named_in(str(exc), values)) from exc
+        return params
+
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs; -1 (no limit) reads as the vocabulary size."""
+        model_config = self.engine.config.model
+        limit = getattr(model_config, "max_logprobs", 20)
+        return model_config.vocab_size if limit == -1 else limit
+
+    def tokens_as_token_ids(self, request: SamplingRequest) -> bool:
+        """vLLM's return_tokens_as_token_ids: the request's field, else --return-tokens-as-token-ids."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.settings.return_tokens_as_token_ids
 
     def check_logprobs(self, value: int | None, field: str) -> None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        if value is None:
+            return
+        if value < 0:
+            raise APIError(f"{field}={value} is negative: set {field} to 0 or more", param=field)
+        limit = self.max_logprobs
+        if value > limit:
             raise APIError(
-                f"{field}={value} is outside the range [0, {MAX_LOGPROBS}]: set {field} between 0 and "
-                f"{MAX_LOGPROBS}",
+                f"{field}={value} is above the server's limit of {limit} log-probabilities per token "
+                f"(--max-logprobs): ask for {limit} or fewer, or restart the server with a larger "
+                "--max-logprobs",
                 param=field,
             )
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        """Refuses, before tokenizing, text far longer than the context could hold."""
+        limit = self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise APIError(
+                f"{param} has {len(text)} characters, above the limit of {limit} ({self.max_model_len} "
+                f"tokens of --max-model-len x {MAX_PROMPT_CHARS_PER_TOKEN} characters per token), far more "
+                f"than this model's context holds: shorten it to fit {self.max_model_len - 1} tokens",
+                param=param,
+            )
+        check_unicode(text, param)
+
+    def check_prompt_count(self, count: int, param: str) -> None:
+        if count > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(
+                f"{param} holds {count} prompts, above the limit of {MAX_PROMPTS_PER_REQUEST} per request: "
+                f"send them in requests of at most {MAX_PROMPTS_PER_REQUEST} prompts",
+                param=param,
+            )
+
+
+def _clamped_logit_bias(logit_bias: dict[str, float] | None) -> dict[Any, float] | None:
+    """OpenAI's logit_bias (token id strings to a bias in [-100, 100]); a bias outside the range is
+    clamped to it, as vLLM does. Keys are checked by SamplingParams (a non-integer key is a 400)."""
+    if not logit_bias:
+        return None
+    return {token: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias)) for token, bias in logit_bias.items()}
 
 
 def _field_named_in(message: str, values: dict[str, Any]) -> str | None:
     head = message.split("=", 1)[0].split(" ", 1)[0]
     return head if head in values else None
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Refuses text that is not valid Unicode: JSON lets a string hold a lone UTF-16 surrogate
+    ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start]
+        raise APIError(
+            f"{param} holds a lone UTF-16 surrogate (\\u{ord(bad):04x} at character {error.start}), which is "
+            "not valid Unicode: send text whose surrogates come in pairs, or the character itself",
+            param=param,
+        ) from None
+
+
+# vLLM's fields that ask for structured output (guided decoding), which fitserve does not have yet.
+STRUCTURED_OUTPUT_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "structured_outputs",
+)
+
+
+def check_no_structured_output(extra: dict[str, Any]) -> None:
+    """A request for structured output is refused, never answered with free text."""
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        if extra.get(name) is not None:
+            raise APIError(
+                f"{name} is not supported yet: fitserve has no structured output (guided decoding), so the "
+                f"answer could not be held to it; leave {name} out",
+                param=name,
+            )
+    response_format = extra.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        raise APIError(
+            f"response_format of type {response_format.get('type')!r} is not supported yet: fitserve has no "
+            "structured output (guided decoding); leave response_format out or set its type to text",
+            param="response_format",
+        )

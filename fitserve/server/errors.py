@@ -15,8 +15,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from fitserve.core.outputs import RequestOutput
+from fitserve.engine.out_of_memory import is_out_of_memory_message
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -30,14 +32,29 @@ _ERROR_TYPES = {
 }
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: a message that quotes a request's text stays sendable even when that text
+    holds a lone UTF-16 surrogate (which UTF-8 cannot encode)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 class APIError(Exception):
     """Raised anywhere in the server to refuse a request; rendered by `api_error_handler`."""
 
-    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+        allow: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = HTTPStatus(status)
         self.param = param
+        self.allow = allow  # a 405's Allow header: the methods the route takes
 
     def to_dict(self) -> dict[str, Any]:
         error_type = _ERROR_TYPES.get(self.status, self.status.phrase.replace(" ", "") + "Error")
@@ -51,18 +68,22 @@ class APIError(Exception):
         }
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=int(self.status))
+        headers = {"Allow": self.allow} if self.allow else None
+        return ErrorJSONResponse(self.to_dict(), status_code=int(self.status), headers=headers)
 
     def to_sse(self) -> str:
         return f"data: {json.dumps(self.to_dict())}\n\n"
 
 
 def raise_if_generation_failed(outputs: Iterable[RequestOutput]) -> None:
-    """An output the engine ended with an error (e.g. its step ran out of GPU memory) becomes a 503
-    carrying the engine's message: the server is up and the request can be retried."""
+    """An output the engine ended with an error becomes an error carrying the engine's message: a 503
+    when its step ran out of GPU memory (the server is up and the request can be retried), else a 500."""
     for output in outputs:
         if output.error is not None:
-            raise APIError(output.error, HTTPStatus.SERVICE_UNAVAILABLE)
+            oom = is_out_of_memory_message(output.error)
+            raise APIError(
+                output.error, HTTPStatus.SERVICE_UNAVAILABLE if oom else HTTPStatus.INTERNAL_SERVER_ERROR
+            )
 
 
 def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -125,7 +146,41 @@ async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
     return exc.to_response()
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    message, param = describe_validation_error(list(exc.errors()))
+    errors = list(exc.errors())
+    if errors and errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",):
+        required = _required_body_fields(request)
+        fields = " and ".join(required) if required else "the route's fields"
+        message = f"the request body is empty: send a JSON object with {fields}"
+        return APIError(message, HTTPStatus.BAD_REQUEST, required[0] if required else None).to_response()
+    message, param = describe_validation_error(errors)
     return APIError(message, HTTPStatus.BAD_REQUEST, param).to_response()
+
+
+def _required_body_fields(request: Request) -> list[str]:
+    """The required fields of the body model of the route that was called (empty when unknown)."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    fields = getattr(model, "model_fields", None) or {}
+    return [name for name, field in fields.items() if field.is_required()]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every refusal, as /openapi.json declares it."""
+
+    error: ErrorBody
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for a route's refusals: each status with the error body."""
+    return {
+        int(status): {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses
+    }

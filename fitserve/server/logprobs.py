@@ -2,6 +2,9 @@
 (`tokens` / `token_logprobs` / `top_logprobs` / `text_offset`).
 
 JSON has no -inf: a log-probability is clamped to -9999.0, as vLLM does.
+
+The server's engine leaves the entries' `decoded_token` empty (decoding on the engine thread stalls every
+stream); these functions decode here, each distinct token id once per call.
 """
 
 from __future__ import annotations
@@ -19,10 +22,41 @@ def _clamp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def _token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
-    if entry is not None and entry.decoded_token is not None:
-        return entry.decoded_token
-    return decode_token(tokenizer, token_id)
+class TokenTexts:
+    """Token id -> text (special tokens included), each id decoded once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, entry: Logprob | None = None) -> str:
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = decode_token(self.tokenizer, token_id)
+        return text
+
+
+class TokenIdTexts:
+    """vLLM's return_tokens_as_token_ids: a token is named "token_id:N", whatever its text."""
+
+    def __call__(self, token_id: int, entry: Logprob | None = None) -> str:
+        return f"token_id:{token_id}"
+
+
+def prompt_logprobs_with_text(
+    tokenizer: Any, positions: list[PositionLogprobs | None]
+) -> list[PositionLogprobs | None]:
+    """vLLM's `prompt_logprobs` (one {token id: Logprob} per prompt position, None for the first) with
+    every `decoded_token` filled in."""
+    texts = TokenTexts(tokenizer)
+    return [
+        None
+        if position is None
+        else {tid: Logprob(lp.logprob, lp.rank, texts(tid, lp)) for tid, lp in position.items()}
+        for position in positions
+    ]
 
 
 def _utf8(text: str) -> list[int]:
@@ -30,21 +64,25 @@ def _utf8(text: str) -> list[int]:
 
 
 def chat_logprob_entries(
-    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num_top: int
+    tokenizer: Any,
+    token_ids: list[int],
+    positions: list[PositionLogprobs],
+    num_top: int,
+    as_token_ids: bool = False,
 ) -> list[ChatLogprobEntry]:
-    """One entry per generated token; `top_logprobs` holds the num_top most likely tokens by rank."""
+    """One entry per generated token; `top_logprobs` holds the num_top most likely tokens by rank.
+    as_token_ids: name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)."""
     entries: list[ChatLogprobEntry] = []
+    token_text = TokenIdTexts() if as_token_ids else TokenTexts(tokenizer)
     for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id)
-        text = _token_text(tokenizer, token_id, chosen)
+        text = token_text(token_id, chosen)
         ranked = sorted(
             ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= num_top),
             key=lambda item: item[1].rank or 0,
         )[:num_top]
         top = [
-            ChatTopLogprob(
-                token=(t := _token_text(tokenizer, tid, lp)), logprob=_clamp(lp.logprob), bytes=_utf8(t)
-            )
+            ChatTopLogprob(token=(t := token_text(tid, lp)), logprob=_clamp(lp.logprob), bytes=_utf8(t))
             for tid, lp in ranked
         ]
         logprob = _clamp(chosen.logprob) if chosen is not None else LOGPROB_FLOOR
@@ -57,14 +95,17 @@ def completion_logprobs(
     token_ids: list[int],
     positions: list[PositionLogprobs | None],
     initial_text_offset: int,
+    as_token_ids: bool = False,
 ) -> CompletionLogprobs:
     """`top_logprobs` holds every entry the engine returned (the sampled token plus the top-k), as
-    OpenAI's legacy completions do; a position without entries (the first prompt token) is null."""
+    OpenAI's legacy completions do; a position without entries (the first prompt token) is null.
+    as_token_ids: name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)."""
     result = CompletionLogprobs()
     offset = initial_text_offset
+    token_text = TokenIdTexts() if as_token_ids else TokenTexts(tokenizer)
     for token_id, position in zip(token_ids, positions, strict=False):
         chosen = position.get(token_id) if position is not None else None
-        text = _token_text(tokenizer, token_id, chosen)
+        text = token_text(token_id, chosen)
         result.tokens.append(text)
         result.text_offset.append(offset)
         offset += len(text)
@@ -73,9 +114,7 @@ def completion_logprobs(
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_clamp(chosen.logprob) if chosen is not None else LOGPROB_FLOOR)
-        result.top_logprobs.append(
-            {_token_text(tokenizer, tid, lp): _clamp(lp.logprob) for tid, lp in position.items()}
-        )
+        result.top_logprobs.append({token_text(tid, lp): _clamp(lp.logprob) for tid, lp in position.items()})
     return result
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 
 class OpenAIBaseModel(BaseModel):
@@ -63,9 +63,11 @@ class ToolCallParam(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message of the history; extra keys (e.g. a vendor's) are handed to the template as they are."""
+    """One message of the history; extra keys (e.g. a vendor's) are handed to the template as they are.
+    Roles besides OpenAI's (system, developer, user, assistant, tool) reach the template unchanged, as in
+    vLLM: a template that knows a custom role (e.g. "ipython") renders it."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
@@ -105,10 +107,14 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool | None = None
     best_of: int | None = None
     use_beam_search: bool | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    # vLLM: keep only the last N prompt tokens (-1: as many as the context holds; None/0 handled below).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -134,9 +140,12 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: with echo, the last message's content (when it is the assistant's) starts the reply.
+    echo: bool = False
 
 
-TokenIds = list[int]
+# Token ids are strict integers: true/false are refused (pydantic would take them as 1/0).
+TokenIds = list[StrictInt]
 
 
 def check_prompt_shape(value: Any) -> Any:
@@ -146,9 +155,9 @@ def check_prompt_shape(value: Any) -> Any:
     if isinstance(value, list) and value:
         if all(isinstance(item, str) for item in value):
             return value
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        if all(_is_token_id(item) for item in value):
             return value
-        if all(isinstance(item, list) and item and all(isinstance(t, int) for t in item) for item in value):
+        if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in value):
             return value
     raise ValueError(
         "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
@@ -156,10 +165,15 @@ def check_prompt_shape(value: Any) -> Any:
     )
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     suffix: str | None = None
     max_tokens: int | None = 16
     add_special_tokens: bool = True
@@ -185,9 +199,11 @@ class TokenizeRequest(OpenAIBaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt (a string) or messages (a chat history)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty: send at least one message, or send prompt instead")
         return self
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

@@ -132,12 +132,27 @@ class CompletionLogprobs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(ResponseModel):
+class CompletionStreamChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob, one per token id at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    """A choice of the whole response: vLLM adds `prompt_logprobs` (null unless the request asked for
+    them): one entry per prompt token, null for the first, else {token id: PromptLogprob}."""
+
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -148,7 +163,7 @@ class CompletionResponse(ResponseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now_seconds)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionChoice] | list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -33,6 +33,7 @@ from fitserve.server.responses import (
     ToolCallOut,
     UsageInfo,
 )
+from fitserve.server.serving_completion import truncate_prompt_ids
 from fitserve.server.streaming import SSE_DONE, EventStreamResponse, run_unless_disconnected, sse_event
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ ROUTE = "/v1/chat/completions"
 MISPLACED_FIELDS = {
     "prompt": "chat takes messages; send the prompt as a user message, or send it to /v1/completions",
     "suffix": "suffix belongs to /v1/completions (and is not supported there either)",
-    "echo": "echo belongs to /v1/completions: send the prompt there to have it echoed",
     "functions": "functions is OpenAI's retired form of tools: send tools instead",
     "function_call": "function_call is OpenAI's retired form of tool_choice: send tool_choice instead",
 }
@@ -60,6 +60,7 @@ class ChatHandler:
         self._check_response_format(request)
         ctx.check_logprobs(request.top_logprobs, "top_logprobs")
         prompt_text, prompt_ids = await ctx.render_chat(request, request.add_special_tokens)
+        prompt_ids = truncate_prompt_ids(prompt_ids, request.truncate_prompt_tokens, ctx.max_model_len)
         ctx.check_prompt_ids(prompt_ids, "messages")
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         requested = request.max_completion_tokens if field == "max_completion_tokens" else request.max_tokens
@@ -74,12 +75,31 @@ class ChatHandler:
         except ValueError as exc:
             raise APIError(str(exc)) from exc
         parsers = [self._choice_parser(prompt_text, tool_parser_cls, request) for _ in range(n)]
+        echo = self._echo_text(request)
+        as_ids = ctx.tokens_as_token_ids(request)
         if request.stream:
-            events = self._stream_events(request, stream, model_name, parsers, num_top)
+            events = self._stream_events(
+                request, stream, model_name, parsers, num_top, echo, len(prompt_ids), as_ids
+            )
             return EventStreamResponse(events, on_close=stream.close)
         final = await run_unless_disconnected(raw_request, stream.final_output())
         raise_if_generation_failed([final])
-        return JSONResponse(self._full_response(final, model_name, parsers, num_top).model_dump())
+        response = self._full_response(final, model_name, parsers, num_top, echo, as_ids)
+        return JSONResponse(response.model_dump())
+
+    def _echo_text(self, request: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's content starts the reply when it has the reply's role
+        (the response role after a generation prompt, else the last message's own, as with
+        continue_final_message); otherwise nothing."""
+        if not request.echo:
+            return ""
+        last = request.messages[-1]
+        role = self.ctx.settings.response_role if request.add_generation_prompt else last.role
+        if last.role != role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(str(part.get("text", "")) for part in last.content if part.get("type") == "text")
 
     def _tool_parser_class(self, request: ChatCompletionRequest) -> type[ToolParser] | None:
         choice = request.tool_choice
@@ -127,11 +147,13 @@ class ChatHandler:
         tools = tool_parser_cls([t.model_dump() for t in request.tools or []]) if tool_parser_cls else None
         return ChoiceParser(reasoning, tools)
 
-    def _logprobs(self, choice: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs | None:
+    def _logprobs(
+        self, choice: CompletionOutput, start: int, num_top: int, as_token_ids: bool = False
+    ) -> ChatChoiceLogprobs | None:
         if choice.logprobs is None:
             return None
         entries = chat_logprob_entries(
-            self.ctx.tokenizer, choice.token_ids[start:], choice.logprobs[start:], num_top
+            self.ctx.tokenizer, choice.token_ids[start:], choice.logprobs[start:], num_top, as_token_ids
         )
         return ChatChoiceLogprobs(content=entries)
 
@@ -141,11 +163,15 @@ class ChatHandler:
         model_name: str,
         parsers: list[ChoiceParser],
         num_top: int,
+        echo: str = "",
+        as_token_ids: bool = False,
     ) -> ChatCompletionResponse:
         choices = []
         for choice in final.outputs:
             parser = parsers[choice.index]
             parsed = parser.parse(choice.text)
+            if echo:
+                parsed.content = echo + (parsed.content or "")
             tool_calls = [
                 ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                 for c in parsed.tool_calls
@@ -160,7 +186,7 @@ class ChatHandler:
                 ChatChoice(
                     index=choice.index,
                     message=message,
-                    logprobs=self._logprobs(choice, 0, num_top),
+                    logprobs=self._logprobs(choice, 0, num_top, as_token_ids),
                     finish_reason=final_finish_reason(choice.finish_reason, parser.called_tools),
                     stop_reason=choice.stop_reason,
                 )
@@ -176,6 +202,9 @@ class ChatHandler:
         model_name: str,
         parsers: list[ChoiceParser],
         num_top: int,
+        echo: str = "",
+        num_prompt_tokens: int = 0,
+        as_token_ids: bool = False,
     ) -> AsyncIterator[str]:
         request_id = stream.request_id
 
@@ -184,6 +213,18 @@ class ChatHandler:
             return sse_event(body.model_dump_json())
 
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        # vLLM: usage in every chunk too (the prompt's tokens and that choice's tokens so far).
+        continuous_usage = include_usage and bool(request.stream_options.continuous_usage_stats)
+
+        def running_usage(completion_tokens: int) -> UsageInfo | None:
+            if not continuous_usage:
+                return None
+            return UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=num_prompt_tokens + completion_tokens,
+            )
+
         sent_text = [""] * len(parsers)
         sent_tokens = [0] * len(parsers)
         done = [False] * len(parsers)
@@ -191,7 +232,12 @@ class ChatHandler:
         try:
             role = DeltaMessage(role=self.ctx.settings.response_role, content="")
             for index in range(len(parsers)):
-                yield chunk([ChatStreamChoice(index=index, delta=role)])
+                yield chunk([ChatStreamChoice(index=index, delta=role)], running_usage(0))
+            if echo:
+                for index in range(len(parsers)):
+                    yield chunk(
+                        [ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))], running_usage(0)
+                    )
             async for output in stream:
                 raise_if_generation_failed([output])  # sent as an error event, then [DONE]
                 final = output
@@ -207,7 +253,7 @@ class ChatHandler:
                     silent_tokens = len(choice.token_ids) > sent_tokens[i] and not new_text
                     parsed = parsers[i].feed(new_text, finished)
                     sent_text[i] = choice.text
-                    logprobs = self._logprobs(choice, sent_tokens[i], num_top)
+                    logprobs = self._logprobs(choice, sent_tokens[i], num_top, as_token_ids)
                     sent_tokens[i] = len(choice.token_ids)
                     delta = DeltaMessage(
                         content=parsed.content if parsed.content or not silent_tokens else "",
@@ -233,7 +279,7 @@ class ChatHandler:
                         stop_reason=choice.stop_reason if finished else None,
                     )
                     done[i] = finished
-                    yield chunk([stream_choice])
+                    yield chunk([stream_choice], running_usage(len(choice.token_ids)))
             if include_usage and final is not None:
                 yield chunk([], usage=_usage(final))
         except APIError as exc:

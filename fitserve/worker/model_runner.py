@@ -54,6 +54,16 @@ def loaded_model_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values()) + packed
 
 
+class RequestsFailedError(Exception):
+    """Per-request work of a step (seeding a request's generator, preparing its sampling row) raised for
+    these requests, before anything was queued on the device: the engine ends them alone and runs the
+    step again without them. `failures` maps each child request id to its exception."""
+
+    def __init__(self, failures: dict[str, BaseException]) -> None:
+        super().__init__(f"{len(failures)} request(s) failed: {', '.join(failures)}")
+        self.failures = failures
+
+
 class LaunchedStep:
     """A step queued on the device. result() waits for it and returns its tokens.
 
@@ -226,6 +236,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return LaunchedStep(lambda: output)
+        sampling_rows = self._sampling_rows(scheduler_output.scheduled)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         meta = inputs.metadata
         fill = None
@@ -252,7 +263,7 @@ class ModelRunner:
         if inputs.sample_rows is not None:
             hidden = hidden[inputs.sample_rows]
         logits = self.model.compute_logits(hidden)
-        rows = [self._sampling_row(item) for item in inputs.sample_items]
+        rows = [sampling_rows[item.request.request_id] for item in inputs.sample_items]
         pending = self.sampler.launch(logits, rows)
         self._last_sampled = pending.sampled
         self._last_sample_index = {item.request.request_id: i for i, item in enumerate(inputs.sample_items)}
@@ -275,6 +286,24 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             output.prompt_logprobs[request_id] = compute_prompt_logprobs(logits, next_ids, num_top)
 
+    def _sampling_rows(self, scheduled: list[ScheduledRequest]) -> dict[str, SamplingRow]:
+        """The sampling row of every request that samples this step. A request whose row cannot be made
+        fails alone: RequestsFailedError names it (and every other one that failed), nothing is queued."""
+        rows: dict[str, SamplingRow] = {}
+        failures: dict[str, BaseException] = {}
+        for item in scheduled:
+            if not item.samples:
+                continue
+            request_id = item.request.request_id
+            try:
+                rows[request_id] = self._sampling_row(item)
+            except Exception as error:  # noqa: BLE001 - attributed to its request, logged by the engine
+                self.generators.pop(request_id, None)
+                failures[request_id] = error
+        if failures:
+            raise RequestsFailedError(failures)
+        return rows
+
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
         request = item.request
         params = request.params
@@ -283,7 +312,7 @@ class ModelRunner:
             generator = self.generators.get(request.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
+                generator.manual_seed(params.seed)  # before it is kept: a seed torch refuses leaves none
                 self.generators[request.request_id] = generator
         return SamplingRow(
             params=params,

@@ -2,10 +2,12 @@
 
 Order of operations, per row, all as tensor ops over the batch (no Python loop over the vocabulary):
   1. logprobs are taken from the raw logits (log_softmax of the unprocessed logits, vLLM's default);
-  2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
-  3. min_tokens: eos and stop_token_ids get -inf while fewer than min_tokens tokens were generated;
-  4. greedy rows (temperature < 1e-5) take the argmax of these logits (ties: the lowest id);
-  5. random rows: divide by temperature, then top_k, top_p, min_p, softmax, and draw with the
+  2. allowed_token_ids (every other token gets -inf), then logit_bias is added (vLLM's order);
+     both only for rows that set them;
+  3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+  4. min_tokens: eos and stop_token_ids get -inf while fewer than min_tokens tokens were generated;
+  5. greedy rows (temperature < 1e-5) take the argmax of these logits (ties: the lowest id);
+  6. random rows: divide by temperature, then top_k, top_p, min_p, softmax, and draw with the
      exponential race argmax(probs / q), q ~ Exp(1). A row with its own generator draws its q from that
      generator alone, so its token depends only on its logits and its generator, never on other rows;
      rows without one share a single draw. On CUDA, when no row has its own generator, the race runs
@@ -15,8 +17,6 @@ Order of operations, per row, all as tensor ops over the batch (no Python loop o
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,14 @@ import torch
 
 from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import SamplingParams, SamplingType
-from fitserve.worker.transfer import start_copies_to_host_aside, tensor_to_device, to_device
+from fitserve.worker.logits_processors import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    apply_penalties,
+    mask_stop_tokens_before_min_tokens,
+)
+from fitserve.worker.tensor_index import index_tensor, row_floats
+from fitserve.worker.transfer import start_copies_to_host_aside, to_device
 
 TOP_P_ROWS_PER_CHUNK = 64
 
@@ -82,6 +89,8 @@ class Sampler:
         # Logits in the model dtype (the LM head's on CUDA) are read as they are by the argmax and race
         # kernels; anything that edits them works on a float32 copy.
         processed = logits.to(torch.float32, copy=True) if edits else logits
+        apply_allowed_token_ids(processed, rows)
+        apply_logit_bias(processed, rows)
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
 
@@ -91,15 +100,15 @@ class Sampler:
             sampled = _sample_random(processed, rows, race_kernel, filtered)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            greedy_idx = _index_tensor(greedy, logits.device)
+            greedy_idx = index_tensor(greedy, logits.device)
             sampled[greedy_idx] = argmax_rows(processed[greedy_idx])
-            random_idx = _index_tensor(random, logits.device)
+            random_idx = index_tensor(random, logits.device)
             sampled[random_idx] = _sample_random(processed[random_idx], random_rows, race_kernel, filtered)
 
         wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprob_tensors = None
         if wants_logprobs:
-            idx = _index_tensor(wants_logprobs, logits.device)
+            idx = index_tensor(wants_logprobs, logits.device)
             raw_logprobs = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
             num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
             logprob_tensors = LogprobTensors.compute(raw_logprobs, sampled[idx], num_tops)
@@ -192,70 +201,8 @@ def compute_prompt_logprobs(
     if not next_token_ids:
         return []
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    token_ids = _index_tensor(next_token_ids, logits.device)
+    token_ids = index_tensor(next_token_ids, logits.device)
     return LogprobTensors.compute(logprobs, token_ids, [num_top] * len(next_token_ids)).entries()
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place on float32 logits [B, V]: repetition penalty over prompt + output tokens (positive
-    logits divided by it, negative multiplied), then logit -= frequency_penalty * count +
-    presence_penalty * (count > 0) over output tokens."""
-    _apply_repetition_penalty(logits, rows)
-    _apply_frequency_presence_penalties(logits, rows)
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    penalised = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
-    if not penalised:
-        return
-    device = logits.device
-    idx = _index_tensor(penalised, device)
-    seen_rows, seen_tokens = _flat_token_index(
-        [itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in penalised], device
-    )
-    seen = torch.zeros((len(penalised), logits.shape[1]), dtype=torch.bool, device=device)
-    seen[seen_rows, seen_tokens] = True
-    penalty = _row_floats([rows[i].params.repetition_penalty for i in penalised], device).unsqueeze(1)
-    block = logits[idx]
-    scaled = torch.where(block > 0, block / penalty, block * penalty)
-    logits[idx] = torch.where(seen, scaled, block)
-
-
-def _apply_frequency_presence_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    penalised = [
-        i
-        for i, row in enumerate(rows)
-        if row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0
-    ]
-    if not penalised:
-        return
-    device = logits.device
-    idx = _index_tensor(penalised, device)
-    count_rows, count_tokens = _flat_token_index([rows[i].output_token_ids for i in penalised], device)
-    counts = torch.zeros((len(penalised), logits.shape[1]), dtype=torch.float32, device=device)
-    counts.index_put_(
-        (count_rows, count_tokens), torch.ones_like(count_tokens, dtype=torch.float32), accumulate=True
-    )
-    frequency = _row_floats([rows[i].params.frequency_penalty for i in penalised], device)
-    presence = _row_floats([rows[i].params.presence_penalty for i in penalised], device)
-    logits[idx] -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0).float()
-
-
-def mask_stop_tokens_before_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place: -inf for eos_token_ids and stop_token_ids of rows with fewer than min_tokens outputs."""
-    vocab_size = logits.shape[1]
-    mask_rows: list[int] = []
-    mask_tokens: list[int] = []
-    for i, row in enumerate(rows):
-        if row.num_generated >= row.params.min_tokens:
-            continue
-        banned = sorted(t for t in row.eos_token_ids.union(row.params.stop_token_ids or ()) if t < vocab_size)
-        mask_rows.extend([i] * len(banned))
-        mask_tokens.extend(banned)
-    if mask_tokens:
-        logits[
-            _index_tensor(mask_rows, logits.device), _index_tensor(mask_tokens, logits.device)
-        ] = -torch.inf
 
 
 def _race_kernel(logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
@@ -280,7 +227,7 @@ def _sample_random(
     answer for these rows; filtered: any row asks for top_k, top_p or min_p. Modifies logits unless
     the race kernel runs without filters."""
     device = logits.device
-    temperature = _row_floats([row.params.temperature for row in rows], device)
+    temperature = row_floats([row.params.temperature for row in rows], device)
     if race_kernel is not None:
         # the race below in one read of the logits, its draws from a seed of torch's generator
         seed = torch.randint(0, 2**62, (1,), device=device)
@@ -299,7 +246,7 @@ def _sample_random(
     if len(unseeded) == len(rows):
         race.exponential_()
     elif unseeded:
-        race[_index_tensor(unseeded, device)] = torch.empty(
+        race[index_tensor(unseeded, device)] = torch.empty(
             (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=device
         ).exponential_()
     for j, row in enumerate(rows):
@@ -311,8 +258,14 @@ def _sample_random(
 
 
 def _edits_logits(row: SamplingRow) -> bool:
-    """True when penalties or min_tokens change this row's logits before sampling."""
-    return row.needs_token_history or row.num_generated < row.params.min_tokens
+    """True when penalties, min_tokens, logit_bias or allowed_token_ids change this row's logits."""
+    p = row.params
+    return (
+        row.needs_token_history
+        or row.num_generated < p.min_tokens
+        or p.logit_bias is not None
+        or p.allowed_token_ids is not None
+    )
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -350,9 +303,9 @@ def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
     # several [rows, vocab] temporaries (values, int64 indices, probabilities, sums) at the same time.
     for first in range(0, len(limited), TOP_P_ROWS_PER_CHUNK):
         chunk = limited[first : first + TOP_P_ROWS_PER_CHUNK]
-        idx = _index_tensor(chunk, device)
+        idx = index_tensor(chunk, device)
         block = logits[idx]
-        top_p = _row_floats([top_ps[j] for j in chunk], device).unsqueeze(1)
+        top_p = row_floats([top_ps[j] for j in chunk], device).unsqueeze(1)
         sorted_logits, order = block.sort(dim=-1, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -367,28 +320,6 @@ def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> None:
     logit < max_logit + log(min_p)."""
     if not any(p > 0.0 for p in min_ps):
         return
-    min_p = _row_floats(min_ps, logits.device).unsqueeze(1)
+    min_p = row_floats(min_ps, logits.device).unsqueeze(1)
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
     logits.masked_fill_(logits < threshold, -torch.inf)
-
-
-def _flat_token_index(
-    token_lists: list[Iterable[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) pairs for every token of every list, as two LongTensors."""
-    lengths: list[int] = []
-    flat: list[int] = []
-    for tokens in token_lists:
-        before = len(flat)
-        flat.extend(tokens)
-        lengths.append(len(flat) - before)
-    row_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    return tensor_to_device(row_index, device), _index_tensor(flat, device)
-
-
-def _row_floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return to_device(values, torch.float32, device)
-
-
-def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(values, torch.long, device)

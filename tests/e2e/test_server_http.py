@@ -110,13 +110,17 @@ def test_tokenize_detokenize(live_server: LiveServer) -> None:
 def test_metrics_after_traffic(live_server: LiveServer) -> None:
     httpx.post(live_server.url + "/v1/chat/completions", json=chat(), headers=live_server.headers, timeout=60)
     text = httpx.get(live_server.url + "/metrics").text
-    assert "# TYPE fitserve:time_to_first_token_seconds histogram" in text
-    assert "# TYPE fitserve:prompt_tokens_total counter" in text
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:prompt_tokens_total counter" in text
     lines = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines()
-        if line.startswith("fitserve:")
+        if line.startswith("vllm:")
     }
-    assert lines['fitserve:generation_tokens_total{model_name="smol"}'] >= 4
-    assert lines['fitserve:e2e_request_latency_seconds_count{model_name="smol"}'] >= 1
-    assert lines['fitserve:request_success_total{finished_reason="length",model_name="smol"}'] >= 1
+    assert lines['vllm:generation_tokens_total{engine="0",model_name="smol"}'] >= 4
+    assert lines['vllm:e2e_request_latency_seconds_count{engine="0",model_name="smol"}'] >= 1
+    assert lines['vllm:request_success_total{engine="0",finished_reason="length",model_name="smol"}'] >= 1
+    assert lines['vllm:iteration_tokens_total_count{engine="0",model_name="smol"}'] >= 4  # a step per token
+    assert lines['vllm:request_prefill_time_seconds_count{engine="0",model_name="smol"}'] >= 1
+    info = next(key for key in lines if key.startswith("vllm:cache_config_info{"))
+    assert int(info.split('num_gpu_blocks="')[1].split('"')[0]) > 0 and lines[info] == 1.0

@@ -19,7 +19,7 @@ NUM_HANGING_UP = 8
 MAX_TOKENS = 12
 
 
-ABORTED = 'fitserve:request_success_total{finished_reason="abort",model_name="smol"}'
+ABORTED = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="smol"}'
 
 
 def metric(text: str, name: str, default: float | None = None) -> float:
@@ -78,9 +78,9 @@ def test_concurrent_streams_with_disconnects(live_server: LiveServer) -> None:
     assert [num_tokens for _, num_tokens in completed] == [MAX_TOKENS] * (NUM_STREAMS - NUM_HANGING_UP)
 
     text = wait_until_idle(live_server, timeout_s=10)
-    running = metric(text, "fitserve:num_requests_running")
-    usage = metric(text, "fitserve:kv_cache_usage_perc")
-    assert (running, usage, metric(text, "fitserve:num_requests_waiting")) == (0.0, 0.0, 0.0)
+    running = metric(text, "vllm:num_requests_running")
+    usage = metric(text, "vllm:kv_cache_usage_perc")
+    assert (running, usage, metric(text, "vllm:num_requests_waiting")) == (0.0, 0.0, 0.0)
     assert metric(text, ABORTED) - aborted_before == NUM_HANGING_UP
 
 
@@ -88,7 +88,7 @@ def wait_until_idle(server: LiveServer, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(server.url + "/metrics").text
-        idle = (metric(text, "fitserve:num_requests_running"), metric(text, "fitserve:kv_cache_usage_perc"))
+        idle = (metric(text, "vllm:num_requests_running"), metric(text, "vllm:kv_cache_usage_perc"))
         if idle == (0.0, 0.0) or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
@@ -101,6 +101,6 @@ def test_a_client_that_gives_up_on_a_whole_response_aborts_it(live_server: LiveS
         httpx.post(live_server.url + "/v1/completions", json=body, headers=live_server.headers, timeout=1)
     started = time.monotonic()
     text = wait_until_idle(live_server, timeout_s=10)
-    assert metric(text, "fitserve:num_requests_running") == 0.0, "the abandoned request kept running"
+    assert metric(text, "vllm:num_requests_running") == 0.0, "the abandoned request kept running"
     assert metric(text, ABORTED) - aborted_before == 1
     assert time.monotonic() - started < 10  # 1000 tokens take far longer

@@ -131,6 +131,14 @@ def test_completions_prompts_n_logprobs_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text.startswith(prompts[1])
     generated = echoed.choices[0].text[len(prompts[1]) :]
     assert generated and response.choices[2].text.startswith(generated)  # greedy: the same first tokens
+    scored = client.completions.create(
+        model="smol", prompt=prompts[1], max_tokens=1, temperature=0, echo=True, logprobs=3
+    )
+    logprobs = scored.choices[0].logprobs
+    assert "".join(logprobs.tokens) == scored.choices[0].text  # prompt tokens decoded by the handler
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert all(3 <= len(top) <= 4 for top in logprobs.top_logprobs[1:])
 
 
 def test_completion_stream_and_token_id_prompt(client: openai.OpenAI, live_server: LiveServer) -> None:

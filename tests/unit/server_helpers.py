@@ -126,7 +126,7 @@ class ReplayEngine:
             emitted=[[] for _ in scripts],
             finish=[None for _ in scripts],
             stop_reason=[None for _ in scripts],
-            metrics=RequestMetrics(arrival_time=0.0),
+            metrics=RequestMetrics(arrival_time=0.0, max_tokens_param=params.max_tokens),
             logprobs=[[] for _ in scripts],
         )
         self.added.append(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -225,7 +226,7 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
             "not supported yet: --tensor-parallel-size 2 (set --tensor-parallel-size 1)",
         ),
         (dict(pipeline_parallel_size=2), "not supported yet: --pipeline-parallel-size 2"),
-        (dict(enable_chunked_prefill=False), "not supported yet: --no-enable-chunked-prefill"),
+        (dict(task="embed"), "not supported yet: --task embed (fitserve serves text generation"),
         (dict(compilation_config='{"level": 3}'), "not supported yet: --compilation-config key(s) level"),
     ],
 )
@@ -234,10 +235,22 @@ def test_unsupported_features_are_refused(tiny_model: str, kwargs: dict, message
         create_engine_config(EngineArgs(model=tiny_model, **kwargs))
 
 
+@pytest.mark.parametrize("kwargs", [dict(enable_chunked_prefill=False), dict(task="generate")])
+def test_vllm_flags_that_change_no_result_are_accepted(
+    tiny_model: str, kwargs: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="fitserve"):
+        config = create_engine_config(EngineArgs(model=tiny_model, **kwargs))
+    assert config is not None
+    if "enable_chunked_prefill" in kwargs:
+        assert "chunked prefill stays on" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(max_num_seqs=0), "max_num_seqs=0 is below the minimum 1: set --max-num-seqs to 1 or more"),
+        (dict(max_logprobs=-2), "max_logprobs=-2 is below the minimum -1: set --max-logprobs to -1 or more"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is outside (0, 1]"),
         (
             dict(max_num_seqs=64, max_num_batched_tokens=32),

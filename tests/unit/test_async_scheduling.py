@@ -7,7 +7,8 @@ import torch
 
 from fitserve import SamplingParams
 from fitserve.core.kv_cache import hash_block
-from fitserve.worker.sampler import SamplingRow, mask_stop_tokens_before_min_tokens
+from fitserve.worker.logits_processors import mask_stop_tokens_before_min_tokens
+from fitserve.worker.sampler import SamplingRow
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
 from tests.unit.test_scheduler import make_request, make_scheduler
 

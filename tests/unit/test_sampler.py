@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from fitserve.core.sampling_params import SamplingParams
-from fitserve.worker.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    compute_prompt_logprobs,
-    mask_stop_tokens_before_min_tokens,
-)
+from fitserve.worker.logits_processors import apply_penalties, mask_stop_tokens_before_min_tokens
+from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 VOCAB = 512
 sampler = Sampler()

@@ -33,6 +33,8 @@ def test_defaults_are_vllms() -> None:
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "include_stop_str_in_output": False,
+        "logit_bias": None,
+        "allowed_token_ids": None,
         "output_kind": RequestOutputKind.CUMULATIVE,
     }
     assert {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} == expected

@@ -64,9 +64,9 @@ def test_every_served_name_is_accepted_and_others_are_404(client) -> None:
         ("/v1/chat/completions", chat_body(messages=[]), "messages", "at least 1 item"),
         (
             "/v1/chat/completions",
-            chat_body(messages=[{"role": "wizard", "content": "x"}]),
+            chat_body(messages=[{"role": "", "content": "x"}]),
             "messages[0].role",
-            "'system'",
+            "at least 1 character",
         ),
         (
             "/v1/chat/completions",
@@ -97,7 +97,7 @@ def test_every_served_name_is_accepted_and_others_are_404(client) -> None:
             "/v1/chat/completions",
             chat_body(logprobs=True, top_logprobs=21),
             "top_logprobs",
-            "outside the range [0, 20]",
+            "top_logprobs=21 is above the server's limit of 20 log-probabilities per token (--max-logprobs)",
         ),
         ("/v1/chat/completions", chat_body(top_p=1.5), "top_p", "top_p=1.5 is outside the range (0, 1]"),
         (
@@ -142,7 +142,7 @@ def test_every_served_name_is_accepted_and_others_are_404(client) -> None:
             "/v1/completions",
             {"prompt": "x", "logprobs": 50},
             "logprobs",
-            "logprobs=50 is outside the range [0, 20]",
+            "logprobs=50 is above the server's limit of 20",
         ),
         ("/v1/completions", {}, "prompt", "prompt is required"),
     ],
@@ -206,24 +206,80 @@ def test_tokenize_and_detokenize(client) -> None:
     assert "outside the vocabulary" in error_of(client.post("/detokenize", json={"tokens": [-1]}))["message"]
 
 
-def test_metrics_use_vllm_names_under_fitserve(client) -> None:
+VLLM_LABELS = 'engine="0",model_name="replay-model"'
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_metrics_use_vllm_names_types_and_labels(client) -> None:
+    before = _samples(client.get("/metrics").text)
     client.post("/v1/chat/completions", json=chat_body())
+    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 2})
     text = client.get("/metrics").text
+    after = _samples(text)
+    types = {
+        "num_requests_running": "gauge",
+        "num_requests_waiting": "gauge",
+        "kv_cache_usage_perc": "gauge",
+        "cache_config_info": "gauge",
+        "prompt_tokens_total": "counter",
+        "generation_tokens_total": "counter",
+        "prefix_cache_queries_total": "counter",
+        "prefix_cache_hits_total": "counter",
+        "num_preemptions_total": "counter",
+        "request_success_total": "counter",
+    }
     for name in (
-        "fitserve:num_requests_running",
-        "fitserve:num_requests_waiting",
-        "fitserve:kv_cache_usage_perc",
-        "fitserve:prompt_tokens_total",
-        "fitserve:generation_tokens_total",
-        "fitserve:prefix_cache_hits_total",
-        "fitserve:prefix_cache_queries_total",
-        "fitserve:time_to_first_token_seconds_bucket",
-        "fitserve:inter_token_latency_seconds_bucket",
-        "fitserve:e2e_request_latency_seconds_bucket",
+        "iteration_tokens_total",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_inference_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_max_num_generation_tokens",
+        "request_params_n",
+        "request_params_max_tokens",
     ):
-        assert f"{name}{{" in text, name
-    assert 'fitserve:request_success_total{finished_reason="stop",model_name="replay-model"}' in text
-    assert 'fitserve:num_requests_running{model_name="replay-model"} 0.0' in text
+        types[name] = "histogram"
+    for name, kind in types.items():
+        assert f"# TYPE vllm:{name} {kind}\n" in text, name
+    assert not [line for line in text.splitlines() if "fitserve:" in line]  # no duplicate copies
+    for key in after:
+        if key.startswith("vllm:") and not key.startswith("vllm:cache_config_info"):
+            assert 'engine="0"' in key and 'model_name="replay-model"' in key, key
+    assert after[f"vllm:num_requests_running{{{VLLM_LABELS}}}"] == 0.0
+    info = next(key for key in after if key.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'num_gpu_blocks="64"' in info and 'engine="0"' in info
+    assert after[info] == 1.0
+
+    def moved(key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    assert moved(f"vllm:e2e_request_latency_seconds_count{{{VLLM_LABELS}}}") == 2
+    assert (
+        moved('vllm:request_success_total{engine="0",finished_reason="stop",model_name="replay-model"}') >= 1
+    )
+    assert moved(f"vllm:generation_tokens_total{{{VLLM_LABELS}}}") > 0
+    assert moved(f"vllm:prompt_tokens_total{{{VLLM_LABELS}}}") > 0
+
+    def bucket(name: str, le: str) -> str:
+        return f'vllm:{name}_bucket{{engine="0",le="{le}",model_name="replay-model"}}'
+
+    assert moved(bucket("request_params_n", "1.0")) == 1  # the chat request
+    assert moved(bucket("request_params_n", "2.0")) == 2
+    assert moved(bucket("request_params_max_tokens", "5.0")) == 1  # the completion's max_tokens 3
+    assert moved(f"vllm:time_to_first_token_seconds_count{{{VLLM_LABELS}}}") == 2
 
 
 def test_api_key_guards_all_but_probes() -> None:

@@ -134,7 +134,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
     async def scenario() -> None:
         async_engine = await started(FailingOnceEngine())
         stream = await async_engine.add_request("r1", None, prompt_ids(), SamplingParams(max_tokens=50))
-        with pytest.raises(RuntimeError, match="the engine failed while generating: kernel exploded"):
+        with pytest.raises(RuntimeError, match=r"the engine failed while generating \(RuntimeError;"):
             await stream.final_output()
         second = await async_engine.add_request("r2", None, prompt_ids(), SamplingParams(max_tokens=50))
         assert (await second.final_output()).outputs[0].text == LONG

@@ -96,10 +96,11 @@ def test_metrics_count_the_failure_as_finished_with_reason_error(served) -> None
     client.post("/v1/chat/completions", json=chat(FAILING))
     text = client.get("/metrics").text
     failed = re.search(
-        r'fitserve:request_success_total\{finished_reason="error",model_name="replay-model"\} (\d+)', text
+        r'vllm:request_success_total\{engine="0",finished_reason="error",model_name="replay-model"\} (\d+)',
+        text,
     )
     assert failed and int(failed[1]) >= 1
-    assert 'fitserve:num_requests_running{model_name="replay-model"} 0.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="replay-model"} 0.0' in text
     assert client.get("/health").status_code == 200
 
 

@@ -156,6 +156,12 @@ def test_serving_differs_from_offline_only_by_its_documented_step_budget(one_gpu
     )
 
 
+def test_max_logprobs_reaches_the_model_config(one_gpu: Any) -> None:
+    one_gpu("1x79.19@9.0")
+    assert serve_config([QWEN3, "--load-format", "dummy"]).model.max_logprobs == 20  # vLLM's default
+    assert serve_config([QWEN3, "--load-format", "dummy", "--max-logprobs", "-1"]).model.max_logprobs == -1
+
+
 def test_an_unknown_llm_keyword_names_the_closest_engine_argument() -> None:
     with pytest.raises(
         ValueError, match=r"^'max_model_length' is not an engine argument \(did you mean max_model_len\?\)$"
