@@ -112,6 +112,7 @@ class CompletionHandler:
             return EventStreamResponse(events, on_close=functools.partial(_close_all, streams))
         finals = await run_unless_disconnected(raw_request, _all_final_outputs(streams))
         raise_if_generation_failed(finals)
+
         def body() -> dict:
             return self._full_response(request, request_id, finals, prompts, model_name, n).model_dump()
 
