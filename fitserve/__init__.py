@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from fitserve.args import EngineArgs
     from fitserve.core.outputs import CompletionOutput, RequestOutput
     from fitserve.core.sampling_params import SamplingParams
+    from fitserve.engine.beam_search import BeamSearchParams
     from fitserve.engine.llm import LLM
 
 _LAZY = {
@@ -18,9 +19,18 @@ _LAZY = {
     "RequestOutput": "fitserve.core.outputs",
     "CompletionOutput": "fitserve.core.outputs",
     "EngineArgs": "fitserve.args",
+    "BeamSearchParams": "fitserve.engine.beam_search",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineArgs",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -43,6 +43,13 @@ def _flag(default: Any, help_text: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help_text, "argparse": argparse_kwargs})
 
 
+def _hf_token(value: str) -> str | bool | None:
+    """--hf-token's value: a token, or true (a YAML `hf-token: true`: the login's token, as a bare flag)."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true" or None
+    return nullable_str(value)
+
+
 _BOOL = {"action": argparse.BooleanOptionalAction}
 _NO_EFFECT = "Accepted for vLLM compatibility; has no effect in fitserve"
 logger = logging.getLogger(__name__)
@@ -177,6 +184,90 @@ class EngineArgs:
         None, "Speculative decoding, JSON object (not supported yet).", type=json_object
     )
     download_dir: str | None = _flag(None, "Hub download folder (not supported yet).", type=nullable_str)
+    tokenizer_mode: str = _flag(
+        "auto",
+        "auto or hf: the fast tokenizer when there is one; slow: the Python tokenizer; mistral and custom "
+        "are not supported yet.",
+        choices=["auto", "hf", "slow", "mistral", "custom"],
+    )
+    tokenizer_revision: str | None = _flag(
+        None, "Revision (branch, tag or commit) of a --tokenizer hub id.", type=nullable_str
+    )
+    hf_token: str | bool | None = _flag(
+        None,
+        "Hugging Face token for the hub's downloads (sets HF_TOKEN); with no value, the token of "
+        "`hf auth login`.",
+        type=_hf_token,
+        nargs="?",
+        const=True,
+    )
+    hf_overrides: str | dict | None = _flag(
+        None, "JSON object set over the model's config.json (not supported yet).", type=json_object
+    )
+    override_generation_config: str | dict | None = _flag(
+        None,
+        'JSON object of generation_config.json keys set over the default sampling, e.g. \'{"temperature": '
+        "0.5}' (with --generation-config vllm: the only defaults).",
+        type=json_object,
+    )
+    code_revision: str | None = _flag(
+        None, "Revision of the model's own code on the hub (not supported yet).", type=nullable_str
+    )
+    config_format: str = _flag(
+        "auto",
+        "Model config format: auto or hf (mistral is not supported yet).",
+        choices=["auto", "hf", "mistral"],
+    )
+    data_parallel_size: int = _flag(
+        1, "Data parallel engines (only 1 supported yet).", type=int, aliases=["-dp"]
+    )
+    distributed_executor_backend: str | None = _flag(
+        None, f"{_NO_EFFECT}: one device, one process.", type=nullable_str
+    )
+    scheduling_policy: str = _flag(
+        "fcfs",
+        "Order of waiting requests: fcfs (priority is not supported yet).",
+        choices=["fcfs", "priority"],
+    )
+    preemption_mode: str | None = _flag(
+        None,
+        "vLLM's preemption mode; fitserve always preempts by recompute (swap is accepted and logged: the "
+        "same tokens come out).",
+        choices=["recompute", "swap", None],
+        type=nullable_str,
+    )
+    kv_cache_memory_bytes: int | None = _flag(
+        None, "KV cache bytes per GPU (not supported yet: use --num-gpu-blocks-override).", type=int
+    )
+    calculate_kv_scales: bool = _flag(
+        False,
+        "Compute fp8 KV scales from the data (not supported yet with an fp8 --kv-cache-dtype; the "
+        "checkpoint's scales, else 1.0, are used). No effect with --kv-cache-dtype auto.",
+        **_BOOL,
+    )
+    logits_processor_pattern: str | None = _flag(
+        None, "Request-supplied logits processors (not supported yet).", type=nullable_str
+    )
+    async_scheduling: bool = _flag(
+        False, f"{_NO_EFFECT}: the next step is always scheduled while the device runs this one.", **_BOOL
+    )
+    disable_sliding_window: bool = _flag(
+        False,
+        f"{_NO_EFFECT}: fitserve attends over the whole context and caps --max-model-len at the window.",
+        **_BOOL,
+    )
+    max_num_partial_prefills: int = _flag(1, f"{_NO_EFFECT}: the token budget decides.", type=int)
+    max_long_partial_prefills: int = _flag(1, f"{_NO_EFFECT}: the token budget decides.", type=int)
+    num_scheduler_steps: int = _flag(1, f"{_NO_EFFECT} (vLLM V0's multi-step scheduling).", type=int)
+    multi_step_stream_outputs: bool = _flag(True, f"{_NO_EFFECT} (vLLM V0's multi-step scheduling).", **_BOOL)
+    max_parallel_loading_workers: int | None = _flag(None, f"{_NO_EFFECT}.", type=int)
+    enable_sleep_mode: bool = _flag(False, f"{_NO_EFFECT}: fitserve has no sleep mode.", **_BOOL)
+    disable_cascade_attn: bool = _flag(False, f"{_NO_EFFECT}: fitserve has no cascade attention.", **_BOOL)
+    guided_decoding_backend: str | None = _flag(
+        None,
+        f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
+        type=nullable_str,
+    )
     # Not flags. The fields the user set (None: those that differ from their default), and, for fields a
     # --config file set, "the 'key' key of --config FILE": a refusal then names the file's key.
     explicit_fields: frozenset[str] | None = field(default=None, compare=False, repr=False)
@@ -222,6 +313,12 @@ class EngineArgs:
             "pipeline_parallel_size": (self.pipeline_parallel_size, 1),
             "max_seq_len_to_capture": (self.max_seq_len_to_capture, 1),
             "max_logprobs": (self.max_logprobs, -1),
+            "data_parallel_size": (self.data_parallel_size, 1),
+            "max_num_partial_prefills": (self.max_num_partial_prefills, 1),
+            "max_long_partial_prefills": (self.max_long_partial_prefills, 1),
+            "num_scheduler_steps": (self.num_scheduler_steps, 1),
+            "max_parallel_loading_workers": (self.max_parallel_loading_workers, 1),
+            "kv_cache_memory_bytes": (self.kv_cache_memory_bytes, 0),
         }
         for name, (value, minimum) in minimums.items():
             if value is not None and value < minimum:
@@ -242,6 +339,7 @@ class EngineArgs:
         check_cpu_kv_cache_space(self.cpu_kv_cache_space)
         parse_capture_sizes(self.compilation_config)
         served_names(self.served_model_name)
+        generation_overrides(self.override_generation_config)
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(
                 f"generation_config={self.generation_config!r} is neither 'auto', 'vllm' nor a folder: "
@@ -309,6 +407,69 @@ class EngineArgs:
                 "give --model a local folder",
                 "delete that key and give --model a local folder",
             ),
+            (
+                "data_parallel_size",
+                self.data_parallel_size > 1,
+                f"--data-parallel-size {self.data_parallel_size}",
+                "set --data-parallel-size 1, or start one fitserve per GPU behind a load balancer",
+                "set it to 1, or start one fitserve per GPU behind a load balancer",
+            ),
+            (
+                "tokenizer_mode",
+                self.tokenizer_mode in ("mistral", "custom"),
+                f"--tokenizer-mode {self.tokenizer_mode}",
+                "set --tokenizer-mode auto (the model's Hugging Face tokenizer)",
+                "set it to auto (the model's Hugging Face tokenizer)",
+            ),
+            (
+                "config_format",
+                self.config_format == "mistral",
+                f"--config-format {self.config_format}",
+                "set --config-format auto (the model's config.json)",
+                "set it to auto (the model's config.json)",
+            ),
+            (
+                "code_revision",
+                self.code_revision is not None,
+                f"--code-revision {self.code_revision}",
+                "drop --code-revision: the model's code comes from --revision",
+                "delete that key: the model's code comes from --revision",
+            ),
+            (
+                "hf_overrides",
+                self.hf_overrides is not None,
+                "--hf-overrides",
+                "edit config.json in a local copy of the model and pass that folder to --model",
+                "delete that key and edit config.json in a local copy of the model",
+            ),
+            (
+                "scheduling_policy",
+                self.scheduling_policy != "fcfs",
+                f"--scheduling-policy {self.scheduling_policy}",
+                "set --scheduling-policy fcfs (requests run in arrival order)",
+                "set it to fcfs (requests run in arrival order)",
+            ),
+            (
+                "kv_cache_memory_bytes",
+                self.kv_cache_memory_bytes is not None,
+                f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}",
+                "size the KV cache with --gpu-memory-utilization or --num-gpu-blocks-override",
+                "delete that key; size the KV cache with gpu-memory-utilization or num-gpu-blocks-override",
+            ),
+            (
+                "calculate_kv_scales",
+                self.calculate_kv_scales and self.kv_cache_dtype != "auto",
+                f"--calculate-kv-scales with --kv-cache-dtype {self.kv_cache_dtype}",
+                "drop --calculate-kv-scales: the checkpoint's k/v scales (else 1.0) are used",
+                "delete that key: the checkpoint's k/v scales (else 1.0) are used",
+            ),
+            (
+                "logits_processor_pattern",
+                self.logits_processor_pattern is not None,
+                f"--logits-processor-pattern {self.logits_processor_pattern}",
+                "drop --logits-processor-pattern: fitserve runs no logits processors sent by requests",
+                "delete that key: fitserve runs no logits processors sent by requests",
+            ),
         ]
         for name, asked, flag, fix, key_fix in refusals:
             if asked and config_keys and name in config_keys:
@@ -320,6 +481,74 @@ class EngineArgs:
                 "--no-enable-chunked-prefill: chunked prefill stays on in fitserve (it does not change "
                 "results)"
             )
+        for flag, note in self._accepted_no_ops():
+            logger.info("%s: %s (results are unchanged)", flag, note)
+
+    def _accepted_no_ops(self) -> list[tuple[str, str]]:
+        """vLLM's flags that were given and that fitserve accepts without a mode of its own: each is
+        logged once at startup, naming what fitserve does instead."""
+        notes = [
+            (
+                self.async_scheduling,
+                "--async-scheduling",
+                "fitserve always schedules the next step while the device runs this one",
+            ),
+            (
+                self.preemption_mode == "swap",
+                "--preemption-mode swap",
+                "fitserve preempts by recompute: "
+                "the preempted request's blocks are computed again, usually found in the prefix cache",
+            ),
+            (
+                self.disable_sliding_window,
+                "--disable-sliding-window",
+                "fitserve attends over the whole context and keeps --max-model-len within the model's window",
+            ),
+            (
+                self.num_scheduler_steps > 1,
+                f"--num-scheduler-steps {self.num_scheduler_steps}",
+                "fitserve schedules every step (vLLM V0's multi-step scheduling is gone in vLLM too)",
+            ),
+            (
+                not self.multi_step_stream_outputs,
+                "--no-multi-step-stream-outputs",
+                "fitserve streams every step's tokens",
+            ),
+            (
+                self.max_num_partial_prefills > 1 or self.max_long_partial_prefills > 1,
+                f"--max-num-partial-prefills {self.max_num_partial_prefills} / --max-long-partial-prefills "
+                f"{self.max_long_partial_prefills}",
+                "fitserve prefills as many prompts per step as the "
+                "token budget (--max-num-batched-tokens) holds",
+            ),
+            (
+                self.max_parallel_loading_workers is not None,
+                f"--max-parallel-loading-workers {self.max_parallel_loading_workers}",
+                "fitserve loads the weights in one process",
+            ),
+            (
+                self.enable_sleep_mode,
+                "--enable-sleep-mode",
+                "fitserve has no sleep mode; the weights and the KV cache stay in memory",
+            ),
+            (self.disable_cascade_attn, "--disable-cascade-attn", "fitserve has no cascade attention"),
+            (
+                self.distributed_executor_backend is not None,
+                f"--distributed-executor-backend {self.distributed_executor_backend}",
+                "fitserve runs one device in one process",
+            ),
+            (
+                self.guided_decoding_backend is not None,
+                f"--guided-decoding-backend {self.guided_decoding_backend}",
+                "fitserve has no structured output; a request asking for it is refused with a 400",
+            ),
+            (
+                self.calculate_kv_scales and self.kv_cache_dtype == "auto",
+                "--calculate-kv-scales",
+                "the KV cache is not fp8 (--kv-cache-dtype auto), so there are no scales to calculate",
+            ),
+        ]
+        return [(flag, note) for given, flag, note in notes if given]
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
@@ -331,6 +560,35 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> Engine
             raise ValueError(f"{key!r} is not an engine argument{_closest_choice(key, names)}")
     explicit = frozenset(kwargs) | ({"model"} if model is not None else frozenset())
     return EngineArgs(model=model, **kwargs, explicit_fields=explicit)
+
+
+# --override-generation-config keys (generation_config.json's names) -> SamplingParams fields, as vLLM reads
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_overrides(value: str | dict | None) -> dict[str, Any]:
+    """--override-generation-config as SamplingParams fields ({} when unset); ValueError naming a key
+    fitserve does not read."""
+    if value is None:
+        return {}
+    try:
+        options = json_object(value)
+    except (argparse.ArgumentTypeError, TypeError) as error:
+        raise ValueError(f"--override-generation-config: {error}") from None
+    unknown = sorted(set(options) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--override-generation-config key(s) {', '.join(unknown)} are not sampling defaults fitserve "
+            f"reads: use {', '.join(GENERATION_CONFIG_KEYS)}"
+        )
+    return {GENERATION_CONFIG_KEYS[key]: item for key, item in options.items() if item is not None}
 
 
 def served_names(names: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -69,6 +69,10 @@ class ModelConfig:
     card_sampling_source: str = ""
     # --max-logprobs: most logprobs / prompt_logprobs a request may ask for per token; -1: no limit
     max_logprobs: int = 20
+    tokenizer_mode: str = "auto"  # auto | hf (the fast tokenizer) | slow
+    tokenizer_revision: str | None = None
+    # --override-generation-config, in SamplingParams names: set over the generation_config defaults
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:

@@ -75,9 +75,10 @@ class Engine:
         started = time.perf_counter()
         # A folder without a tokenizer is refused now, before any weight loads; the tokenizer itself
         # (importing transformers: ~10 s from a cold disk) then loads while the model does.
-        tokenizer_folder = resolve_tokenizer_path(mc.tokenizer)
+        tokenizer_folder = resolve_tokenizer_path(mc.tokenizer, mc.tokenizer_revision)
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
-        tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code)
+        use_fast = mc.tokenizer_mode != "slow"  # --tokenizer-mode
+        tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code, use_fast)
         try:
             self.executor = create_executor(config)
             if tokenizer.done() and tokenizer.exception() is not None:
@@ -135,6 +136,12 @@ class Engine:
         return frozenset(ids)
 
     def _load_generation_defaults(self) -> dict:
+        overrides = self.config.model.override_generation_config  # --override-generation-config wins
+        if overrides:
+            logger.info("Default sampling parameters from --override-generation-config: %s", overrides)
+        return {**self._model_generation_defaults(), **overrides}
+
+    def _model_generation_defaults(self) -> dict:
         setting = self.config.model.generation_config
         if setting == "vllm":
             return {}

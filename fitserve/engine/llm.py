@@ -13,6 +13,14 @@ from tqdm.auto import tqdm
 from fitserve.args import EngineArgs, engine_args_from_kwargs
 from fitserve.core.outputs import RequestOutput
 from fitserve.core.sampling_params import RequestOutputKind, SamplingParams
+from fitserve.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_beam_width,
+    decoder,
+    run_beam_search,
+)
 from fitserve.engine.engine import Engine
 from fitserve.planner.resolve import create_engine_config
 
@@ -68,6 +76,32 @@ class LLM:
             self.engine.add_request(request_id, text, token_ids, params)
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: for each prompt, the best `params.beam_width` sequences, best first
+        (fitserve/engine/beam_search.py has the rules). `use_tqdm` is accepted for vLLM's signature."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenizer = self.engine.tokenizer
+        check_beam_width(params.beam_width, self.engine.config.model.vocab_size)
+        prompt_ids = []
+        for prompt in prompts:
+            text, token_ids = self._split_prompt(prompt)
+            if token_ids is None:
+                token_ids = list(tokenizer.encode(text, add_special_tokens=True))
+            self.engine.validate_prompt(token_ids)
+            prompt_ids.append(token_ids)
+        max_model_len = self.engine.config.model.max_model_len
+        searches = [BeamSearch(ids, params, self.engine.eos_token_ids, max_model_len) for ids in prompt_ids]
+        prefix = f"beam{self._next_request_id}"
+        self._next_request_id += 1
+        run_beam_search(self.engine, searches, prefix)
+        return [search.output(decoder(tokenizer)) for search in searches]
 
     def chat(
         self,

@@ -84,12 +84,15 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
-def load_tokenizer(tokenizer_path: str, trust_remote_code: bool = False) -> Any:
-    """A transformers tokenizer from a folder (or a .gguf file or hub id, fetched to a folder first)."""
+def load_tokenizer(tokenizer_path: str, trust_remote_code: bool = False, use_fast: bool = True) -> Any:
+    """A transformers tokenizer from a folder (or a .gguf file or hub id, fetched to a folder first);
+    `use_fast` False: the Python ("slow") tokenizer (--tokenizer-mode slow)."""
     from transformers import AutoTokenizer
 
     folder = resolve_tokenizer_path(tokenizer_path)
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **_class_choice(folder))
+    return AutoTokenizer.from_pretrained(
+        folder, trust_remote_code=trust_remote_code, use_fast=use_fast, **_class_choice(folder)
+    )
 
 
 def _class_choice(folder: str) -> dict[str, Any]:

@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
-from fitserve.args import DTYPES, EngineArgs, served_names
+from fitserve.args import DTYPES, EngineArgs, generation_overrides, served_names
 from fitserve.capture_sizes import decode_capture_sizes
 from fitserve.config import (
     CacheConfig,
@@ -52,6 +53,7 @@ def plan_settings(args: EngineArgs, request: PlanRequest = PlanRequest()) -> Fit
     args.check_ranges()
     if not request.planning_only:
         args.refuse_unsupported()
+    _use_hf_token(args.hf_token)
     devices, host_ram = planning_devices(args.device, request.assume_gpus, can_assume=request.planning_only)
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
     if not request.planning_only:
@@ -106,6 +108,9 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         card_sampling=resolved.card_sampling,
         card_sampling_source=resolved.card_sampling_source,
         max_logprobs=args.max_logprobs,
+        tokenizer_mode=args.tokenizer_mode,
+        tokenizer_revision=args.tokenizer_revision,
+        override_generation_config=generation_overrides(args.override_generation_config),
     )
     cache = CacheConfig(
         block_size=inputs.block_size,
@@ -160,6 +165,13 @@ def planning_devices(
             "(the torch line of `fitserve doctor` says why it sees none)"
         )
     return (cpu_device(host),), host.ram_available_bytes
+
+
+def _use_hf_token(token: str | bool | None) -> None:
+    """--hf-token TOKEN: the hub's downloads send it (huggingface_hub reads HF_TOKEN); a bare --hf-token
+    (True) or none leaves the token of `hf auth login`, as vLLM does."""
+    if isinstance(token, str) and token:
+        os.environ["HF_TOKEN"] = token
 
 
 def _refuse_quantized_checkpoint(model: ModelInfo) -> None:

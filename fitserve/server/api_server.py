@@ -144,6 +144,12 @@ def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> Non
     )
 
 
+def h11_options(settings: ServerSettings) -> dict[str, int]:
+    """uvicorn's h11 limit when --h11-max-incomplete-event-size is given, else uvicorn's default."""
+    size = settings.h11_max_incomplete_event_size
+    return {} if size is None else {"h11_max_incomplete_event_size": size}
+
+
 def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM; `namespace` holds the server flags. Bad flags raise ValueError before
     anything loads."""
@@ -170,7 +176,9 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
             ssl_keyfile=settings.ssl_keyfile,
             ssl_certfile=settings.ssl_certfile,
             ssl_ca_certs=settings.ssl_ca_certs,
+            ssl_cert_reqs=settings.ssl_cert_reqs,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+            **h11_options(settings),
         )
         _Server(config, async_engine, settings.base_url, _auth_header(settings.api_key)).run(sockets=[sock])
     except KeyboardInterrupt:

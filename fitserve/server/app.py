@@ -7,7 +7,9 @@ OpenAI-compatible routes. Every refusal is an OpenAI-shaped error (see errors.py
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fitserve
 from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError
-from fitserve.server.args import ServerSettings
+from fitserve.server.args import ServerSettings, load_middleware
 from fitserve.server.context import ServingContext
 from fitserve.server.errors import (
     APIError,
@@ -124,7 +126,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         processor.decode_logprob_tokens = False
     engine.observers.append(metrics.observe)
     if not settings.disable_log_requests:
-        engine.observers.append(log_finished_request)
+        engine.observers.append(functools.partial(log_finished_request, max_log_len=settings.max_log_len))
+    for note in settings.accepted_no_ops():
+        logger.info("%s", note)
     chat_handler = ChatHandler(ctx)
     completion_handler = CompletionHandler(ctx)
 
@@ -166,6 +170,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(RequestIdHeaderMiddleware)
     if settings.root_path:
         app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
+    for path in settings.middleware:  # --middleware, as vLLM adds them: a class, else an HTTP function
+        middleware = load_middleware(path)
+        if inspect.isclass(middleware):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)

@@ -7,10 +7,12 @@ anything loads, and refuses a bad combination with a message naming the flag and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fitserve.server.chat import CONTENT_FORMAT_CHOICES, load_chat_template
 from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -143,6 +145,63 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Accepted for vLLM compatibility; fitserve's server and engine always share one process.",
     )
+    group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log a line per request (vLLM's newer flag; fitserve logs them unless --disable-log-requests).",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Request log lines also show the prompt, cut to this many characters (and token ids). "
+        "Default: no prompt in the log.",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache.",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="usage in every response, streams included, as if each asked stream_options.include_usage.",
+    )
+    group.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="An ASGI middleware to add, by import path (module.name): a class is added with "
+        "app.add_middleware, a function as an HTTP middleware. Repeat for several.",
+    )
+    group.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="Accepted for vLLM compatibility; fitserve runs one API server process beside its engine.",
+    )
+    group.add_argument(
+        "--lora-modules", nargs="+", default=None, help="LoRA adapters as name=path (not supported yet)."
+    )
+    group.add_argument(
+        "--prompt-adapters", nargs="+", default=None, help="Prompt adapters (not supported yet)."
+    )
+    group.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, help="Whether client certificates are required (ssl module)."
+    )
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        help="Most bytes of an HTTP request's head uvicorn buffers. Default: uvicorn's.",
+    )
+    group.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=None,
+        help="Accepted for vLLM compatibility; uvicorn's size limit above bounds the headers.",
+    )
     return parser
 
 
@@ -176,6 +235,17 @@ class ServerSettings:
     enable_server_load_tracking: bool = False
     enable_request_id_headers: bool = False
     disable_frontend_multiprocessing: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    middleware: list[str] = field(default_factory=list)
+    api_server_count: int = 1
+    lora_modules: list[str] | None = None
+    prompt_adapters: list[str] | None = None
+    ssl_cert_reqs: int = 0
+    h11_max_incomplete_event_size: int | None = None
+    h11_max_header_count: int | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerSettings:
@@ -214,6 +284,45 @@ class ServerSettings:
         ):
             if path and not Path(path).is_file():
                 raise ValueError(f"{flag} {path!r} is not a file: give the path of an existing PEM file")
+        if self.enable_log_requests and self.disable_log_requests:
+            raise ValueError("--enable-log-requests and --disable-log-requests contradict: drop one")
+        for flag, value, minimum in (
+            ("--max-log-len", self.max_log_len, 0),
+            ("--api-server-count", self.api_server_count, 1),
+            ("--h11-max-incomplete-event-size", self.h11_max_incomplete_event_size, 1),
+            ("--h11-max-header-count", self.h11_max_header_count, 1),
+        ):
+            if value is not None and value < minimum:
+                raise ValueError(
+                    f"{flag} {value} is below the minimum {minimum}: set it to {minimum} or more"
+                )
+        if self.lora_modules:
+            raise ValueError(
+                f"not supported yet: --lora-modules {' '.join(self.lora_modules)} (merge the adapter into "
+                "the weights and serve that folder, or drop --lora-modules)"
+            )
+        if self.prompt_adapters:
+            raise ValueError(
+                f"not supported yet: --prompt-adapters {' '.join(self.prompt_adapters)} (drop "
+                "--prompt-adapters)"
+            )
+        for path in self.middleware:
+            load_middleware(path)
+
+    def accepted_no_ops(self) -> list[str]:
+        """vLLM's server flags given that fitserve accepts without a mode of its own: one log line each."""
+        notes = []
+        if self.api_server_count > 1:
+            notes.append(
+                f"--api-server-count {self.api_server_count}: fitserve runs one API server process beside "
+                "its engine (results are unchanged)"
+            )
+        if self.h11_max_header_count is not None:
+            notes.append(
+                f"--h11-max-header-count {self.h11_max_header_count}: uvicorn bounds a request's head by "
+                "--h11-max-incomplete-event-size, not by a header count"
+            )
+        return notes
 
     @property
     def exposed_without_key(self) -> bool:
@@ -225,6 +334,20 @@ class ServerSettings:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"{scheme}://{host}:{self.port}{self.root_path or ''}"
+
+
+def load_middleware(path: str) -> Any:
+    """The object --middleware names (module.name or module:name); ValueError when it cannot be imported."""
+    module_name, _, name = path.replace(":", ".").rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"--middleware {path!r} is not an import path: write it as package.module.name")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            f"--middleware {path!r} cannot be imported ({error}): give the import path of an ASGI "
+            "middleware class or an HTTP middleware function on the server's Python path"
+        ) from None
 
 
 def server_only_keys(parser: argparse.ArgumentParser) -> frozenset[str]:

@@ -10,7 +10,8 @@ from http import HTTPStatus
 from typing import Any
 
 from fitserve.core.sampling_params import SamplingParams
-from fitserve.engine.async_engine import AsyncEngine
+from fitserve.engine.async_engine import AsyncEngine, RequestStream
+from fitserve.engine.beam_search import BeamSearchParams, BeamSearchStream, check_beam_width
 from fitserve.server.args import ServerSettings
 from fitserve.server.chat import ChatRenderer
 from fitserve.server.errors import APIError
@@ -183,9 +184,12 @@ class ServingContext:
                 param="best_of",
             )
         if request.use_beam_search:
+            check_beam_search_fields(request, n, self.engine.config.model.vocab_size)
+        elif request.length_penalty is not None and request.length_penalty != 1.0:
             raise APIError(
-                "use_beam_search is not supported yet: leave it out (or set it to false) and sample instead",
-                param="use_beam_search",
+                f"length_penalty={request.length_penalty} applies only to beam search: set use_beam_search "
+                "to true, or drop length_penalty",
+                param="length_penalty",
             )
         if request.stream_options is not None and not request.stream:
             raise APIError(
@@ -202,7 +206,18 @@ class ServingContext:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
-    ) -> SamplingParams:
+    ) -> SamplingParams | BeamSearchParams:
+        """The request's SamplingParams, or its BeamSearchParams when it asks for use_beam_search (n beams,
+        as in vLLM; check_common has refused the fields beam search would not honour)."""
+        if request.use_beam_search:
+            return BeamSearchParams(
+                beam_width=n,
+                max_tokens=max_tokens,
+                ignore_eos=bool(request.ignore_eos),
+                temperature=request.temperature or 0.0,
+                length_penalty=1.0 if request.length_penalty is None else request.length_penalty,
+                include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            )
         values: dict[str, Any] = {
             "n": n,
             "presence_penalty": request.presence_penalty,
@@ -230,6 +245,18 @@ class ServingContext:
         except ValueError as exc:
             raise APIError(str(exc), param=_field_named_in(str(exc), values)) from exc
         return params
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+    ) -> RequestStream | BeamSearchStream:
+        """Starts the request on the engine; a beam search runs as a BeamSearchStream (one final output)."""
+        if isinstance(params, BeamSearchParams):
+            return BeamSearchStream(self.engine, request_id, prompt, prompt_token_ids, params)
+        return await self.engine.add_request(request_id, prompt, prompt_token_ids, params)
 
     @property
     def max_logprobs(self) -> int:
@@ -334,4 +361,52 @@ def check_no_structured_output(extra: dict[str, Any]) -> None:
             f"response_format of type {response_format.get('type')!r} is not supported yet: fitserve has no "
             "structured output (guided decoding); leave response_format out or set its type to text",
             param="response_format",
+        )
+
+
+# Sampling fields beam search does not use, with the value that means "off" (vLLM ignores them there; a
+# request that sets one is refused rather than answered as if it had not).
+_NOT_FOR_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "seed": (),
+    "stop": ([], ""),
+    "stop_token_ids": ([],),
+    "logit_bias": ({},),
+    "allowed_token_ids": (),
+    "prompt_logprobs": (),
+    "top_logprobs": (0,),
+}
+
+
+def check_beam_search_fields(request: SamplingRequest, n: int, vocab_size: int) -> None:
+    """use_beam_search: n (the beam width) must fit the vocabulary, and the fields beam search would not
+    honour (sampling filters, penalties, stop strings, logprobs) must be left out."""
+    if n < 1:
+        raise APIError(
+            f"n={n} is below 1: with use_beam_search, n is the beam width; set n to 1 or more", param="n"
+        )
+    try:
+        check_beam_width(n, vocab_size)
+    except ValueError as exc:
+        raise APIError(str(exc).replace("beam_width=", "n (the beam width)=", 1), param="n") from exc
+    for name, off_values in _NOT_FOR_BEAM_SEARCH.items():
+        value = getattr(request, name, None)
+        if value is not None and value not in off_values:
+            raise APIError(
+                f"{name}={value!r} is not used by beam search: drop {name}, or set use_beam_search to false "
+                "to sample with it",
+                param=name,
+            )
+    logprobs = getattr(request, "logprobs", None)
+    if logprobs is not None and logprobs is not False:
+        raise APIError(
+            f"logprobs={logprobs!r} is not available with beam search: drop logprobs, or set use_beam_search "
+            "to false",
+            param="logprobs",
         )

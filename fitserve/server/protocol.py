@@ -111,6 +111,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = None
     best_of: int | None = None
     use_beam_search: bool | None = None
+    # vLLM: with use_beam_search, the final ranking divides the cumulative logprob by length ** this.
+    length_penalty: float | None = None
     allowed_token_ids: list[StrictInt] | None = None
     # vLLM: keep only the last N prompt tokens (-1: as many as the context holds; None/0 handled below).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)

@@ -12,6 +12,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
+from fitserve.core.outputs import RequestOutput
+
 
 class ResponseModel(BaseModel):
     omit_if_none: ClassVar[frozenset[str]] = frozenset()
@@ -29,10 +31,34 @@ def now_seconds() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(ResponseModel):
+    omit_if_none = frozenset({"prompt_tokens_details"})
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
+
+
+def final_usage(finals: list[RequestOutput], prompt_tokens_details: bool = False) -> UsageInfo:
+    """The usage of finished requests (a completion's prompts together); `prompt_tokens_details`
+    (--enable-prompt-tokens-details): with the prompt tokens the prefix cache held, as vLLM's
+    num_cached_tokens counts them."""
+    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
+    completion_tokens = sum(len(choice.token_ids) for final in finals for choice in final.outputs)
+    details = None
+    if prompt_tokens_details:
+        details = PromptTokensDetails(cached_tokens=sum(final.num_cached_tokens for final in finals))
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=details,
+    )
 
 
 class ChatTopLogprob(ResponseModel):

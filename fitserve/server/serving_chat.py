@@ -32,6 +32,7 @@ from fitserve.server.responses import (
     FunctionCallOut,
     ToolCallOut,
     UsageInfo,
+    final_usage,
 )
 from fitserve.server.serving_completion import truncate_prompt_ids
 from fitserve.server.streaming import SSE_DONE, EventStreamResponse, run_unless_disconnected, sse_event
@@ -71,7 +72,7 @@ class ChatHandler:
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            stream = await ctx.engine.add_request(request_id, prompt_text, prompt_ids, params)
+            stream = await ctx.add_request(request_id, prompt_text, prompt_ids, params)
         except ValueError as exc:
             raise APIError(str(exc)) from exc
         parsers = [self._choice_parser(prompt_text, tool_parser_cls, request) for _ in range(n)]
@@ -192,7 +193,10 @@ class ChatHandler:
                 )
             )
         return ChatCompletionResponse(
-            id=final.request_id, model=model_name, choices=choices, usage=_usage(final)
+            id=final.request_id,
+            model=model_name,
+            choices=choices,
+            usage=_usage(final, self.ctx.settings.enable_prompt_tokens_details),
         )
 
     async def _stream_events(
@@ -212,9 +216,12 @@ class ChatHandler:
             body = ChatCompletionChunk(id=request_id, model=model_name, choices=choices, usage=usage)
             return sse_event(body.model_dump_json())
 
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        options = request.stream_options
+        # --enable-force-include-usage: as if every stream asked for include_usage (vLLM)
+        force_usage = self.ctx.settings.enable_force_include_usage
+        include_usage = force_usage or bool(options and options.include_usage)
         # vLLM: usage in every chunk too (the prompt's tokens and that choice's tokens so far).
-        continuous_usage = include_usage and bool(request.stream_options.continuous_usage_stats)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
 
         def running_usage(completion_tokens: int) -> UsageInfo | None:
             if not continuous_usage:
@@ -281,7 +288,7 @@ class ChatHandler:
                     done[i] = finished
                     yield chunk([stream_choice], running_usage(len(choice.token_ids)))
             if include_usage and final is not None:
-                yield chunk([], usage=_usage(final))
+                yield chunk([], usage=_usage(final, self.ctx.settings.enable_prompt_tokens_details))
         except APIError as exc:
             yield exc.to_sse()
         except Exception as exc:
@@ -301,11 +308,5 @@ def _delta_tool_call(call: ToolCallDelta) -> DeltaToolCall:
     )
 
 
-def _usage(output: RequestOutput) -> UsageInfo:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+def _usage(output: RequestOutput, prompt_tokens_details: bool = False) -> UsageInfo:
+    return final_usage([output], prompt_tokens_details)

@@ -35,6 +35,7 @@ from fitserve.server.responses import (
     CompletionStreamChoice,
     PromptLogprob,
     UsageInfo,
+    final_usage,
 )
 from fitserve.server.streaming import (
     SSE_DONE,
@@ -101,7 +102,7 @@ class CompletionHandler:
         try:
             for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                streams.append(await ctx.engine.add_request(sub_id, prompt.text, prompt.token_ids, params))
+                streams.append(await ctx.add_request(sub_id, prompt.text, prompt.token_ids, params))
         except BaseException as exc:
             _close_all(streams)
             if isinstance(exc, ValueError):
@@ -237,7 +238,8 @@ class CompletionHandler:
                         prompt_logprobs=prompt_logprobs,
                     )
                 )
-        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=_usage(finals))
+        usage = _usage(finals, self.ctx.settings.enable_prompt_tokens_details)
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
     async def _stream_events(
         self,
@@ -248,9 +250,12 @@ class CompletionHandler:
         model_name: str,
         n: int,
     ) -> AsyncIterator[str]:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        options = request.stream_options
+        # --enable-force-include-usage: as if every stream asked for include_usage (vLLM)
+        force_usage = self.ctx.settings.enable_force_include_usage
+        include_usage = force_usage or bool(options and options.include_usage)
         # vLLM: usage in every chunk too (that prompt's tokens and that choice's tokens so far).
-        continuous_usage = include_usage and bool(request.stream_options.continuous_usage_stats)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
         progress: dict[int, _ChoiceProgress] = {}
         finals: dict[int, RequestOutput] = {}
         merged = merge_async_iterators(*streams)
@@ -271,7 +276,9 @@ class CompletionHandler:
                     body = CompletionResponse(id=request_id, model=model_name, choices=[event], usage=usage)
                     yield sse_event(body.model_dump_json())
             if include_usage and len(finals) == len(streams):
-                usage = _usage([finals[i] for i in range(len(streams))])
+                usage = _usage(
+                    [finals[i] for i in range(len(streams))], self.ctx.settings.enable_prompt_tokens_details
+                )
                 yield sse_event(
                     CompletionResponse(
                         id=request_id, model=model_name, choices=[], usage=usage
@@ -370,14 +377,8 @@ def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
-def _usage(finals: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
-    completion_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+def _usage(finals: list[RequestOutput], prompt_tokens_details: bool = False) -> UsageInfo:
+    return final_usage(finals, prompt_tokens_details)
 
 
 def _close_all(streams: list[RequestStream]) -> None:

@@ -1,7 +1,7 @@
 """vLLM's request fields that its own OpenAI-server tests use: logit_bias, allowed_token_ids,
 prompt_logprobs, truncate_prompt_tokens, chat echo, custom chat roles, continuous usage stats, and
-use_beam_search refused. Recorded outputs are replayed (tests/unit/server_helpers.py); what reaches the
-engine is recorded."""
+use_beam_search with a field it does not use refused. Recorded outputs are replayed
+(tests/unit/server_helpers.py); what reaches the engine is recorded."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(served, route: str, b
         ),
         ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids is empty"),
         ({"allowed_token_ids": [5, 10**6]}, "allowed_token_ids", "allowed_token_ids holds token id 1000000"),
-        ({"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported yet"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop", "is not used by beam search"),
         ({"truncate_prompt_tokens": 257}, "truncate_prompt_tokens", "greater than max_model_len=256"),
     ],
 )
