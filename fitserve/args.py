@@ -17,13 +17,17 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from fitserve.arg_parser import json_object, nullable_str
+from fitserve.args_explicit import (
+    config_key_sources,
+    explicit_engine_fields,
+    record_explicit_flags,
+)
+from fitserve.args_support import refuse_unsupported
 from fitserve.capture_sizes import parse_capture_sizes
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import check_cpu_kv_cache_space
@@ -35,8 +39,6 @@ DTYPES = {
     "float": torch.float32,
     "float32": torch.float32,
 }
-# Set on a parsed namespace by the engine flags' actions: the EngineArgs fields given on the command line.
-EXPLICIT_FLAGS_DEST = "explicit_engine_flags"
 
 
 def _flag(default: Any, help_text: str, **argparse_kwargs: Any) -> Any:
@@ -268,6 +270,29 @@ class EngineArgs:
         f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
         type=nullable_str,
     )
+    enable_expert_parallel: bool = _flag(False, f"{_NO_EFFECT}: one device holds every expert.", **_BOOL)
+    max_loras: int = _flag(1, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)
+    max_lora_rank: int = _flag(16, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)
+    max_cpu_loras: int | None = _flag(None, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)
+    model_impl: str = _flag(
+        "auto",
+        f"{_NO_EFFECT}: fitserve runs its own implementation of each architecture.",
+        choices=["auto", "vllm", "transformers", "terratorch"],
+    )
+    otlp_traces_endpoint: str | None = _flag(
+        None,
+        f"{_NO_EFFECT}: fitserve exports no OpenTelemetry traces (it logs and serves /metrics).",
+        type=nullable_str,
+    )
+    structured_outputs_config: str | dict | None = _flag(
+        None,
+        f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
+        type=json_object,
+    )
+    enable_prompt_embeds: bool = _flag(False, "Prompts as embeddings (not supported yet).", **_BOOL)
+    skip_tokenizer_init: bool = _flag(
+        False, "Serve token ids only, without a tokenizer (not supported yet).", **_BOOL
+    )
     # Not flags. The fields the user set (None: those that differ from their default), and, for fields a
     # --config file set, "the 'key' key of --config FILE": a refusal then names the file's key.
     explicit_fields: frozenset[str] | None = field(default=None, compare=False, repr=False)
@@ -277,11 +302,12 @@ class EngineArgs:
     def from_cli(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The engine fields of a parsed namespace (other attributes, server or sampling, are left out),
         with the fields the user set: flags on the command line and keys of the --config file."""
-        values = {f.name: getattr(namespace, f.name) for f in _flag_fields() if hasattr(namespace, f.name)}
+        names = frozenset(f.name for f in _flag_fields())
+        values = {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
         return cls(
             **values,
-            explicit_fields=explicit_engine_fields(namespace),
-            config_keys=config_key_sources(namespace),
+            explicit_fields=explicit_engine_fields(namespace, names),
+            config_keys=config_key_sources(namespace, names),
         )
 
     def explicit(self) -> frozenset[str]:
@@ -354,201 +380,10 @@ class EngineArgs:
             )
 
     def refuse_unsupported(self) -> None:
-        """Features asked for that fitserve cannot do yet stop here; none is silently ignored. A field a
-        --config file set is named by its key there, not by a flag the user never typed."""
-        config_keys = self.config_keys
-        refusals = [  # (field, asked, flag, fix, fix when a --config key set it)
-            (
-                "quantization",
-                self.quantization is not None,
-                f"--quantization {self.quantization}",
-                "drop --quantization",
-                "delete that key",
-            ),
-            (
-                "tensor_parallel_size",
-                self.tensor_parallel_size > 1,
-                f"--tensor-parallel-size {self.tensor_parallel_size}",
-                "set --tensor-parallel-size 1",
-                "set it to 1",
-            ),
-            (
-                "pipeline_parallel_size",
-                self.pipeline_parallel_size > 1,
-                f"--pipeline-parallel-size {self.pipeline_parallel_size}",
-                "set --pipeline-parallel-size 1",
-                "set it to 1",
-            ),
-            (
-                "task",
-                self.task not in ("auto", "generate"),
-                f"--task {self.task}",
-                "fitserve serves text generation: use --task generate or drop --task",
-                "fitserve serves text generation: set it to generate or delete that key",
-            ),
-            (
-                "enable_lora",
-                self.enable_lora,
-                "--enable-lora",
-                "merge the adapter into the weights, or drop --enable-lora",
-                "merge the adapter into the weights, or delete that key",
-            ),
-            (
-                "speculative_config",
-                self.speculative_config is not None,
-                "--speculative-config",
-                "drop --speculative-config",
-                "delete that key",
-            ),
-            (
-                "download_dir",
-                self.download_dir is not None,
-                f"--download-dir {self.download_dir}",
-                "give --model a local folder",
-                "delete that key and give --model a local folder",
-            ),
-            (
-                "data_parallel_size",
-                self.data_parallel_size > 1,
-                f"--data-parallel-size {self.data_parallel_size}",
-                "set --data-parallel-size 1, or start one fitserve per GPU behind a load balancer",
-                "set it to 1, or start one fitserve per GPU behind a load balancer",
-            ),
-            (
-                "tokenizer_mode",
-                self.tokenizer_mode in ("mistral", "custom"),
-                f"--tokenizer-mode {self.tokenizer_mode}",
-                "set --tokenizer-mode auto (the model's Hugging Face tokenizer)",
-                "set it to auto (the model's Hugging Face tokenizer)",
-            ),
-            (
-                "config_format",
-                self.config_format == "mistral",
-                f"--config-format {self.config_format}",
-                "set --config-format auto (the model's config.json)",
-                "set it to auto (the model's config.json)",
-            ),
-            (
-                "code_revision",
-                self.code_revision is not None,
-                f"--code-revision {self.code_revision}",
-                "drop --code-revision: the model's code comes from --revision",
-                "delete that key: the model's code comes from --revision",
-            ),
-            (
-                "hf_overrides",
-                self.hf_overrides is not None,
-                "--hf-overrides",
-                "edit config.json in a local copy of the model and pass that folder to --model",
-                "delete that key and edit config.json in a local copy of the model",
-            ),
-            (
-                "scheduling_policy",
-                self.scheduling_policy != "fcfs",
-                f"--scheduling-policy {self.scheduling_policy}",
-                "set --scheduling-policy fcfs (requests run in arrival order)",
-                "set it to fcfs (requests run in arrival order)",
-            ),
-            (
-                "kv_cache_memory_bytes",
-                self.kv_cache_memory_bytes is not None,
-                f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}",
-                "size the KV cache with --gpu-memory-utilization or --num-gpu-blocks-override",
-                "delete that key; size the KV cache with gpu-memory-utilization or num-gpu-blocks-override",
-            ),
-            (
-                "calculate_kv_scales",
-                self.calculate_kv_scales and self.kv_cache_dtype != "auto",
-                f"--calculate-kv-scales with --kv-cache-dtype {self.kv_cache_dtype}",
-                "drop --calculate-kv-scales: the checkpoint's k/v scales (else 1.0) are used",
-                "delete that key: the checkpoint's k/v scales (else 1.0) are used",
-            ),
-            (
-                "logits_processor_pattern",
-                self.logits_processor_pattern is not None,
-                f"--logits-processor-pattern {self.logits_processor_pattern}",
-                "drop --logits-processor-pattern: fitserve runs no logits processors sent by requests",
-                "delete that key: fitserve runs no logits processors sent by requests",
-            ),
-        ]
-        for name, asked, flag, fix, key_fix in refusals:
-            if asked and config_keys and name in config_keys:
-                raise ValueError(f"not supported yet: {flag}, set by {config_keys[name]} ({key_fix})")
-            if asked:
-                raise ValueError(f"not supported yet: {flag} ({fix})")
-        if self.enable_chunked_prefill is False:
-            logger.info(
-                "--no-enable-chunked-prefill: chunked prefill stays on in fitserve (it does not change "
-                "results)"
-            )
-        for flag, note in self._accepted_no_ops():
-            logger.info("%s: %s (results are unchanged)", flag, note)
-
-    def _accepted_no_ops(self) -> list[tuple[str, str]]:
-        """vLLM's flags that were given and that fitserve accepts without a mode of its own: each is
-        logged once at startup, naming what fitserve does instead."""
-        notes = [
-            (
-                self.async_scheduling,
-                "--async-scheduling",
-                "fitserve always schedules the next step while the device runs this one",
-            ),
-            (
-                self.preemption_mode == "swap",
-                "--preemption-mode swap",
-                "fitserve preempts by recompute: "
-                "the preempted request's blocks are computed again, usually found in the prefix cache",
-            ),
-            (
-                self.disable_sliding_window,
-                "--disable-sliding-window",
-                "fitserve attends over the whole context and keeps --max-model-len within the model's window",
-            ),
-            (
-                self.num_scheduler_steps > 1,
-                f"--num-scheduler-steps {self.num_scheduler_steps}",
-                "fitserve schedules every step (vLLM V0's multi-step scheduling is gone in vLLM too)",
-            ),
-            (
-                not self.multi_step_stream_outputs,
-                "--no-multi-step-stream-outputs",
-                "fitserve streams every step's tokens",
-            ),
-            (
-                self.max_num_partial_prefills > 1 or self.max_long_partial_prefills > 1,
-                f"--max-num-partial-prefills {self.max_num_partial_prefills} / --max-long-partial-prefills "
-                f"{self.max_long_partial_prefills}",
-                "fitserve prefills as many prompts per step as the "
-                "token budget (--max-num-batched-tokens) holds",
-            ),
-            (
-                self.max_parallel_loading_workers is not None,
-                f"--max-parallel-loading-workers {self.max_parallel_loading_workers}",
-                "fitserve loads the weights in one process",
-            ),
-            (
-                self.enable_sleep_mode,
-                "--enable-sleep-mode",
-                "fitserve has no sleep mode; the weights and the KV cache stay in memory",
-            ),
-            (self.disable_cascade_attn, "--disable-cascade-attn", "fitserve has no cascade attention"),
-            (
-                self.distributed_executor_backend is not None,
-                f"--distributed-executor-backend {self.distributed_executor_backend}",
-                "fitserve runs one device in one process",
-            ),
-            (
-                self.guided_decoding_backend is not None,
-                f"--guided-decoding-backend {self.guided_decoding_backend}",
-                "fitserve has no structured output; a request asking for it is refused with a 400",
-            ),
-            (
-                self.calculate_kv_scales and self.kv_cache_dtype == "auto",
-                "--calculate-kv-scales",
-                "the KV cache is not fp8 (--kv-cache-dtype auto), so there are no scales to calculate",
-            ),
-        ]
-        return [(flag, note) for given, flag, note in notes if given]
+        """Features asked for that fitserve cannot do yet stop here, naming the fix (a field a --config file
+        set is named by its key there); vLLM flags fitserve accepts without a mode of its own are logged
+        once (fitserve/args_support.py)."""
+        refuse_unsupported(self)
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
@@ -628,59 +463,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help=engine_field.metadata["help"],
             **kwargs,
         )
-    _record_explicit_flags(parser)
+    record_explicit_flags(parser, frozenset(f.name for f in _flag_fields()))
     return parser
 
 
 @functools.cache
 def _flag_fields() -> tuple[Field, ...]:
     return tuple(f for f in fields(EngineArgs) if "argparse" in f.metadata)
-
-
-def _record_explicit_flags(parser: argparse.ArgumentParser) -> None:
-    """Makes each engine flag record its field in the namespace when it appears on the command line."""
-    parser.set_defaults(**{EXPLICIT_FLAGS_DEST: frozenset()})
-    names = {f.name for f in _flag_fields()}
-    for action in parser._actions:
-        if action.option_strings and action.dest in names:
-            action.__class__ = _recording(type(action))
-
-
-@functools.cache
-def _recording(action_class: type[argparse.Action]) -> type[argparse.Action]:
-    def __call__(
-        self: argparse.Action, parser: Any, namespace: Any, values: Any, option_string: Any = None
-    ) -> None:
-        action_class.__call__(self, parser, namespace, values, option_string)
-        given = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
-        setattr(namespace, EXPLICIT_FLAGS_DEST, frozenset(given) | {self.dest})
-
-    return type(f"Recording{action_class.__name__}", (action_class,), {"__call__": __call__})
-
-
-def explicit_engine_fields(namespace: argparse.Namespace) -> frozenset[str]:
-    """The EngineArgs fields the user set: flags on the command line and keys of the --config file."""
-    explicit = set(getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset()))
-    return frozenset(explicit | _config_engine_keys(namespace).keys())
-
-
-def config_key_sources(namespace: argparse.Namespace) -> dict[str, str]:
-    """EngineArgs field -> "the 'key' key of --config FILE", for each field the --config file set and
-    the command line did not."""
-    on_command_line = getattr(namespace, EXPLICIT_FLAGS_DEST, frozenset())
-    return {
-        name: f"the '{key}' key of --config {namespace.config}"
-        for name, key in _config_engine_keys(namespace).items()
-        if name not in on_command_line
-    }
-
-
-def _config_engine_keys(namespace: argparse.Namespace) -> dict[str, str]:
-    """EngineArgs field -> the key that sets it in the --config file ({} without one)."""
-    config = getattr(namespace, "config", None)
-    if not config:
-        return {}
-    content = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-    names = {f.name for f in _flag_fields()}
-    keys = {str(key).replace("-", "_"): str(key) for key in content}
-    return {name: key for name, key in keys.items() if name in names}

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
-from fitserve.args import EXPLICIT_FLAGS_DEST, EngineArgs, add_engine_args
+from fitserve.args import EngineArgs, add_engine_args
+from fitserve.args_explicit import EXPLICIT_FLAGS_DEST
 from fitserve.cli.common import add_model_positional
 from fitserve.cli.generate import add_generate_args, run_generate
 from fitserve.cli.plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan

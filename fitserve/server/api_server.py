@@ -177,6 +177,7 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
             ssl_certfile=settings.ssl_certfile,
             ssl_ca_certs=settings.ssl_ca_certs,
             ssl_cert_reqs=settings.ssl_cert_reqs,
+            **({} if settings.ssl_ciphers is None else {"ssl_ciphers": settings.ssl_ciphers}),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
             **h11_options(settings),
         )

@@ -191,6 +191,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--ssl-cert-reqs", type=int, default=0, help="Whether client certificates are required (ssl module)."
     )
     group.add_argument(
+        "--ssl-ciphers", default=None, help="The TLS ciphers uvicorn offers (OpenSSL cipher list format)."
+    )
+    group.add_argument(
         "--h11-max-incomplete-event-size",
         type=int,
         default=None,
@@ -244,6 +247,7 @@ class ServerSettings:
     lora_modules: list[str] | None = None
     prompt_adapters: list[str] | None = None
     ssl_cert_reqs: int = 0
+    ssl_ciphers: str | None = None
     h11_max_incomplete_event_size: int | None = None
     h11_max_header_count: int | None = None
 

@@ -33,6 +33,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "fitserve.config",
             "fitserve.args",
+            "fitserve.args_explicit",
+            "fitserve.args_support",
             "fitserve.logger",
             "fitserve.arg_parser",
             "fitserve.cpu_kv_cache",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
-from fitserve.args import explicit_engine_fields
+from fitserve.args import EngineArgs
 from fitserve.cli import doctor
 from fitserve.cli import plan as cli_plan
 from fitserve.cli.doctor import CPU_KERNEL_NAMES, CUDA_TORCH_INSTALL, Check, machine_checks
@@ -123,13 +123,13 @@ def test_explicit_flags_and_yaml_keys_are_recorded(tmp_path: Path) -> None:
     namespace = parse(
         "plan", ["m", "--gpu-memory-utilization", "0.9", "--enforce-eager", "--config", str(config), "--json"]
     )
-    assert explicit_engine_fields(namespace) == {
+    assert EngineArgs.from_cli(namespace).explicit() == {
         "gpu_memory_utilization",
         "enforce_eager",
         "max_num_seqs",
         "block_size",
     }
-    assert explicit_engine_fields(parse("plan", ["m"])) == frozenset()
+    assert EngineArgs.from_cli(parse("plan", ["m"])).explicit() == frozenset()
 
 
 def test_explicit_default_utilization_is_not_lowered(capsys: pytest.CaptureFixture[str]) -> None:

@@ -59,6 +59,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: fitserve runs one"),
         (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar: fitserve has no"),
         (["--calculate-kv-scales"], "--calculate-kv-scales: the KV cache is not fp8"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel: one device holds every expert"),
+        (["--max-loras", "4"], "--max-loras / --max-lora-rank / --max-cpu-loras: LoRA adapters are not"),
+        (["--model-impl", "transformers"], "--model-impl transformers: fitserve runs its own implementation"),
+        (
+            ["--otlp-traces-endpoint", "http://c:4317"],
+            "--otlp-traces-endpoint http://c:4317: fitserve exports",
+        ),
+        (["--structured-outputs-config", '{"backend": "xgrammar"}'], "--structured-outputs-config: fitserve"),
     ],
 )
 def test_engine_flags_without_a_mode_are_accepted_and_logged(
@@ -385,3 +393,24 @@ def test_server_flags_accepted(caplog: pytest.LogCaptureFixture) -> None:
     assert notes[0].startswith("--api-server-count 4: fitserve runs one API server process")
     assert notes[1].startswith("--h11-max-header-count 100: uvicorn bounds")
     assert ServerSettings().accepted_no_ops() == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--enable-prompt-embeds"],
+            "not supported yet: --enable-prompt-embeds (send prompts as text or token",
+        ),
+        (["--skip-tokenizer-init"], "not supported yet: --skip-tokenizer-init (drop --skip-tokenizer-init"),
+    ],
+)
+def test_prompt_embeds_and_no_tokenizer_are_refused(argv: list[str], message: str) -> None:
+    args, _ = serve(argv)
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        args.refuse_unsupported()
+
+
+def test_ssl_ciphers_reach_the_server_settings() -> None:
+    _, namespace = serve(["--ssl-ciphers", "ECDHE+AESGCM"])
+    assert ServerSettings.from_namespace(namespace).ssl_ciphers == "ECDHE+AESGCM"

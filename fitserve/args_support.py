@@ -1,0 +1,247 @@
+"""What fitserve's engine does with vLLM's engine flags it has no mode for: refused when running them would
+change results or cannot be done here (`not supported yet: ... (fix)`), else accepted and logged once,
+naming what fitserve does instead ("results are unchanged"). fitserve/args.py holds the flags."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fitserve.args import EngineArgs
+
+logger = logging.getLogger("fitserve.args")
+
+
+def refuse_unsupported(args: EngineArgs) -> None:
+    """Features asked for that fitserve cannot do yet stop here; none is silently ignored. A field a
+    --config file set is named by its key there, not by a flag the user never typed."""
+    config_keys = args.config_keys
+    refusals = [  # (field, asked, flag, fix, fix when a --config key set it)
+        (
+            "quantization",
+            args.quantization is not None,
+            f"--quantization {args.quantization}",
+            "drop --quantization",
+            "delete that key",
+        ),
+        (
+            "tensor_parallel_size",
+            args.tensor_parallel_size > 1,
+            f"--tensor-parallel-size {args.tensor_parallel_size}",
+            "set --tensor-parallel-size 1",
+            "set it to 1",
+        ),
+        (
+            "pipeline_parallel_size",
+            args.pipeline_parallel_size > 1,
+            f"--pipeline-parallel-size {args.pipeline_parallel_size}",
+            "set --pipeline-parallel-size 1",
+            "set it to 1",
+        ),
+        (
+            "task",
+            args.task not in ("auto", "generate"),
+            f"--task {args.task}",
+            "fitserve serves text generation: use --task generate or drop --task",
+            "fitserve serves text generation: set it to generate or delete that key",
+        ),
+        (
+            "enable_prompt_embeds",
+            args.enable_prompt_embeds,
+            "--enable-prompt-embeds",
+            "send prompts as text or token ids, and drop --enable-prompt-embeds",
+            "send prompts as text or token ids, and delete that key",
+        ),
+        (
+            "skip_tokenizer_init",
+            args.skip_tokenizer_init,
+            "--skip-tokenizer-init",
+            "drop --skip-tokenizer-init: fitserve loads the model's tokenizer",
+            "delete that key: fitserve loads the model's tokenizer",
+        ),
+        (
+            "enable_lora",
+            args.enable_lora,
+            "--enable-lora",
+            "merge the adapter into the weights, or drop --enable-lora",
+            "merge the adapter into the weights, or delete that key",
+        ),
+        (
+            "speculative_config",
+            args.speculative_config is not None,
+            "--speculative-config",
+            "drop --speculative-config",
+            "delete that key",
+        ),
+        (
+            "download_dir",
+            args.download_dir is not None,
+            f"--download-dir {args.download_dir}",
+            "give --model a local folder",
+            "delete that key and give --model a local folder",
+        ),
+        (
+            "data_parallel_size",
+            args.data_parallel_size > 1,
+            f"--data-parallel-size {args.data_parallel_size}",
+            "set --data-parallel-size 1, or start one fitserve per GPU behind a load balancer",
+            "set it to 1, or start one fitserve per GPU behind a load balancer",
+        ),
+        (
+            "tokenizer_mode",
+            args.tokenizer_mode in ("mistral", "custom"),
+            f"--tokenizer-mode {args.tokenizer_mode}",
+            "set --tokenizer-mode auto (the model's Hugging Face tokenizer)",
+            "set it to auto (the model's Hugging Face tokenizer)",
+        ),
+        (
+            "config_format",
+            args.config_format == "mistral",
+            f"--config-format {args.config_format}",
+            "set --config-format auto (the model's config.json)",
+            "set it to auto (the model's config.json)",
+        ),
+        (
+            "code_revision",
+            args.code_revision is not None,
+            f"--code-revision {args.code_revision}",
+            "drop --code-revision: the model's code comes from --revision",
+            "delete that key: the model's code comes from --revision",
+        ),
+        (
+            "hf_overrides",
+            args.hf_overrides is not None,
+            "--hf-overrides",
+            "edit config.json in a local copy of the model and pass that folder to --model",
+            "delete that key and edit config.json in a local copy of the model",
+        ),
+        (
+            "scheduling_policy",
+            args.scheduling_policy != "fcfs",
+            f"--scheduling-policy {args.scheduling_policy}",
+            "set --scheduling-policy fcfs (requests run in arrival order)",
+            "set it to fcfs (requests run in arrival order)",
+        ),
+        (
+            "kv_cache_memory_bytes",
+            args.kv_cache_memory_bytes is not None,
+            f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes}",
+            "size the KV cache with --gpu-memory-utilization or --num-gpu-blocks-override",
+            "delete that key; size the KV cache with gpu-memory-utilization or num-gpu-blocks-override",
+        ),
+        (
+            "calculate_kv_scales",
+            args.calculate_kv_scales and args.kv_cache_dtype != "auto",
+            f"--calculate-kv-scales with --kv-cache-dtype {args.kv_cache_dtype}",
+            "drop --calculate-kv-scales: the checkpoint's k/v scales (else 1.0) are used",
+            "delete that key: the checkpoint's k/v scales (else 1.0) are used",
+        ),
+        (
+            "logits_processor_pattern",
+            args.logits_processor_pattern is not None,
+            f"--logits-processor-pattern {args.logits_processor_pattern}",
+            "drop --logits-processor-pattern: fitserve runs no logits processors sent by requests",
+            "delete that key: fitserve runs no logits processors sent by requests",
+        ),
+    ]
+    for name, asked, flag, fix, key_fix in refusals:
+        if asked and config_keys and name in config_keys:
+            raise ValueError(f"not supported yet: {flag}, set by {config_keys[name]} ({key_fix})")
+        if asked:
+            raise ValueError(f"not supported yet: {flag} ({fix})")
+    if args.enable_chunked_prefill is False:
+        logger.info(
+            "--no-enable-chunked-prefill: chunked prefill stays on in fitserve (it does not change results)"
+        )
+    for flag, note in accepted_no_ops(args):
+        logger.info("%s: %s (results are unchanged)", flag, note)
+
+
+def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
+    """vLLM's flags that were given and that fitserve accepts without a mode of its own: each is
+    logged once at startup, naming what fitserve does instead."""
+    notes = [
+        (
+            args.async_scheduling,
+            "--async-scheduling",
+            "fitserve always schedules the next step while the device runs this one",
+        ),
+        (
+            args.preemption_mode == "swap",
+            "--preemption-mode swap",
+            "fitserve preempts by recompute: "
+            "the preempted request's blocks are computed again, usually found in the prefix cache",
+        ),
+        (
+            args.disable_sliding_window,
+            "--disable-sliding-window",
+            "fitserve attends over the whole context and keeps --max-model-len within the model's window",
+        ),
+        (
+            args.num_scheduler_steps > 1,
+            f"--num-scheduler-steps {args.num_scheduler_steps}",
+            "fitserve schedules every step (vLLM V0's multi-step scheduling is gone in vLLM too)",
+        ),
+        (
+            not args.multi_step_stream_outputs,
+            "--no-multi-step-stream-outputs",
+            "fitserve streams every step's tokens",
+        ),
+        (
+            args.max_num_partial_prefills > 1 or args.max_long_partial_prefills > 1,
+            f"--max-num-partial-prefills {args.max_num_partial_prefills} / --max-long-partial-prefills "
+            f"{args.max_long_partial_prefills}",
+            "fitserve prefills as many prompts per step as the token budget (--max-num-batched-tokens) holds",
+        ),
+        (
+            args.max_parallel_loading_workers is not None,
+            f"--max-parallel-loading-workers {args.max_parallel_loading_workers}",
+            "fitserve loads the weights in one process",
+        ),
+        (
+            args.enable_sleep_mode,
+            "--enable-sleep-mode",
+            "fitserve has no sleep mode; the weights and the KV cache stay in memory",
+        ),
+        (args.disable_cascade_attn, "--disable-cascade-attn", "fitserve has no cascade attention"),
+        (
+            args.distributed_executor_backend is not None,
+            f"--distributed-executor-backend {args.distributed_executor_backend}",
+            "fitserve runs one device in one process",
+        ),
+        (
+            args.guided_decoding_backend is not None,
+            f"--guided-decoding-backend {args.guided_decoding_backend}",
+            "fitserve has no structured output; a request asking for it is refused with a 400",
+        ),
+        (
+            args.calculate_kv_scales and args.kv_cache_dtype == "auto",
+            "--calculate-kv-scales",
+            "the KV cache is not fp8 (--kv-cache-dtype auto), so there are no scales to calculate",
+        ),
+    ]
+    notes += [
+        (args.enable_expert_parallel, "--enable-expert-parallel", "one device holds every expert"),
+        (
+            (args.max_loras, args.max_lora_rank, args.max_cpu_loras) != (1, 16, None),
+            "--max-loras / --max-lora-rank / --max-cpu-loras",
+            "LoRA adapters are not supported yet (--enable-lora is refused), so there are none to size",
+        ),
+        (
+            args.model_impl != "auto",
+            f"--model-impl {args.model_impl}",
+            "fitserve runs its own implementation of the architecture, tested against transformers'",
+        ),
+        (
+            args.otlp_traces_endpoint is not None,
+            f"--otlp-traces-endpoint {args.otlp_traces_endpoint}",
+            "fitserve exports no traces; the request log and /metrics carry the timings",
+        ),
+        (
+            args.structured_outputs_config is not None,
+            "--structured-outputs-config",
+            "fitserve has no structured output; a request asking for it is refused with a 400",
+        ),
+    ]
+    return [(flag, note) for given, flag, note in notes if given]
