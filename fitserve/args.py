@@ -397,7 +397,8 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict[str, Any]) -> Engine
     return EngineArgs(model=model, **kwargs, explicit_fields=explicit)
 
 
-# --override-generation-config keys (generation_config.json's names) -> SamplingParams fields, as vLLM reads
+# generation_config.json keys fitserve reads (as does --override-generation-config) -> SamplingParams fields,
+# as vLLM reads them
 GENERATION_CONFIG_KEYS = {
     "temperature": "temperature",
     "top_p": "top_p",

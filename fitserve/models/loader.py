@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitserve.args import GENERATION_CONFIG_KEYS
 from fitserve.config import ModelConfig
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.cpu_offload import CpuOffload, offloading
@@ -60,15 +61,6 @@ _MAX_LENGTH_KEYS = (
 _FALLBACK_MAX_LENGTH = 2048
 # RoPE types whose max_position_embeddings already is the extended length.
 _ROPE_TYPES_WITHOUT_EXTENSION = ("default", "su", "longrope", "llama3", "mrope")
-# generation_config.json key -> SamplingParams field.
-_GENERATION_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
@@ -127,7 +119,9 @@ def load_generation_defaults(model_path: str) -> dict[str, Any]:
     Only keys present (and not null) in the file appear; {} when there is no file.
     """
     raw = read_generation_config(model_path)
-    return {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items() if raw.get(theirs) is not None}
+    return {
+        ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items() if raw.get(theirs) is not None
+    }
 
 
 def read_generation_config(model_path: str) -> dict[str, Any]:

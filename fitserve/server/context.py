@@ -137,14 +137,7 @@ class ServingContext:
     def check_prompt_ids(self, prompt_ids: list[int], param: str) -> None:
         if not prompt_ids:
             raise APIError(f"{param} is empty (0 tokens): send at least one token of text", param=param)
-        vocab_size = self.engine.config.model.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                f"{param} holds token id {bad}, outside the vocabulary [0, {vocab_size}): "
-                "send ids this model's tokenizer produced",
-                param=param,
-            )
+        self.check_vocabulary(prompt_ids, param)
         if len(prompt_ids) >= self.max_model_len:
             raise APIError(
                 f"{param} has {len(prompt_ids)} tokens, but this model's maximum context length is "
