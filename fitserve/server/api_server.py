@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import resource
@@ -27,7 +28,6 @@ from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.engine import Engine
 from fitserve.planner.memory import MemoryPlan
-from fitserve.server.app import ROUTES, build_app
 from fitserve.server.args import API_KEY_ENV_VARS, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> Non
     model = engine.config.model
     max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     logger.info("%s", memory_line(engine.engine.memory_plan, max_rss_bytes))
+    from fitserve.server.app import ROUTES
+
     logger.info("Routes: %s", ", ".join(ROUTES))
     names = tuple(model.served_model_name) or (model.model,)
     logger.info(
@@ -161,10 +163,18 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
             settings.host,
         )
     sock = bind_socket(settings.host, settings.port)
+    # The web app's modules (fastapi, pydantic's models, jinja2: about a second on a small CPU) import on a
+    # thread while the model loads; build_app below waits for them if they are not in yet.
+    app_modules = threading.Thread(
+        target=importlib.import_module, args=("fitserve.server.app",), name="fitserve-app-import", daemon=True
+    )
+    app_modules.start()
     try:
         with _sigterm_as_interrupt():
             engine = Engine.from_engine_args(engine_args, serving=True)
         async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
+        from fitserve.server.app import build_app
+
         app = build_app(async_engine, settings)
         config = uvicorn.Config(
             app,

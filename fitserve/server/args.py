@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitserve.server.chat import CONTENT_FORMAT_CHOICES, load_chat_template
 from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+# --chat-template-content-format values (fitserve/server/chat.py renders each). Parsing the flags imports
+# no web framework: fastapi and jinja2 load when the server starts, beside the model.
+CONTENT_FORMAT_CHOICES = ("auto", "string", "openai")
 
 API_KEY_ENV_VARS = ("FITSERVE_API_KEY", "VLLM_API_KEY")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
@@ -258,7 +261,10 @@ class ServerSettings:
         values = {name: getattr(ns, name) for name in names}
         if not values.get("api_key"):
             values["api_key"] = next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
-        values["chat_template"] = load_chat_template(values.get("chat_template"))
+        if values.get("chat_template") is not None:  # a file or inline text, checked before the model loads
+            from fitserve.server.chat import load_chat_template
+
+            values["chat_template"] = load_chat_template(values["chat_template"])
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             if name in values:
                 values[name] = _flatten(values[name])

@@ -19,13 +19,13 @@ import jinja2
 import jinja2.nodes
 from jinja2.exceptions import TemplateError
 
+from fitserve.server.args import CONTENT_FORMAT_CHOICES
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import ChatCompletionToolParam, ChatMessage
 
 logger = logging.getLogger(__name__)
 
 ContentFormat = Literal["string", "openai"]
-CONTENT_FORMAT_CHOICES = ("auto", "string", "openai")
 # Arguments the renderer passes to the tokenizer's template call itself (or that change what it returns):
 # chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
