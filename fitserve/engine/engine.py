@@ -329,7 +329,9 @@ class Engine:
         one naming the knob to turn), free their blocks, and go on with the others."""
         num_tokens, num_seqs = scheduler_output.num_batched_tokens, len(scheduler_output.scheduled)
         if isinstance(error, torch.OutOfMemoryError):
-            message = out_of_memory_message(self.config, num_tokens, num_seqs, error)
+            message = out_of_memory_message(
+                self.config, num_tokens, num_seqs, error, self.memory_plan.kv_cache_bytes
+            )
             logger.error(message)
         else:
             message = step_failure_message(error, num_seqs)

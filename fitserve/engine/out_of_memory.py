@@ -23,8 +23,15 @@ UTILIZATION_STEP = 0.05
 _SIZE = r"([\d.]+ [KMGT]?i?B)"
 
 
-def out_of_memory_message(config: EngineConfig, num_tokens: int, num_seqs: int, error: BaseException) -> str:
-    """One paragraph: the step, torch's numbers, that the server goes on, and the knobs to turn."""
+def out_of_memory_message(
+    config: EngineConfig,
+    num_tokens: int,
+    num_seqs: int,
+    error: BaseException,
+    kv_cache_bytes: int | None = None,
+) -> str:
+    """One paragraph: the step, torch's numbers, that the server goes on, and the knobs to turn.
+    `kv_cache_bytes`: the KV cache the engine allocated (its memory plan's), when known."""
     on_gpu = config.device.device == "cuda"
     where = "GPU memory" if on_gpu else "memory"
     head = (
@@ -32,7 +39,7 @@ def out_of_memory_message(config: EngineConfig, num_tokens: int, num_seqs: int, 
         f"({describe_allocation_failure(error)}). The requests of that step were ended "
         '(finish_reason "error"); the server stays up, the other requests go on, and these can be retried.'
     )
-    fixes = knob_suggestions(config, error)
+    fixes = knob_suggestions(config, error, kv_cache_bytes)
     return f"{head} To give a step more room, restart with one of: {'; '.join(fixes)}."
 
 
@@ -58,7 +65,9 @@ def step_failure_message(error: BaseException, num_seqs: int) -> str:
     )
 
 
-def knob_suggestions(config: EngineConfig, error: BaseException | None = None) -> list[str]:
+def knob_suggestions(
+    config: EngineConfig, error: BaseException | None = None, kv_cache_bytes: int | None = None
+) -> list[str]:
     """Each setting that leaves a step more memory: `--flag VALUE (now CURRENT: why)`."""
     scheduler = config.scheduler
     fixes = []
@@ -74,7 +83,7 @@ def knob_suggestions(config: EngineConfig, error: BaseException | None = None) -
             "sample at once, so the sampler's logits are smaller)"
         )
     on_gpu = config.device.device == "cuda"
-    kv_fix = _smaller_kv_cache(config)
+    kv_fix = _smaller_kv_cache(config, kv_cache_bytes)
     if kv_fix is not None:
         fixes.append(kv_fix)
     if on_gpu and not config.compilation.enforce_eager:
@@ -88,7 +97,7 @@ def knob_suggestions(config: EngineConfig, error: BaseException | None = None) -
     return fixes
 
 
-def _smaller_kv_cache(config: EngineConfig) -> str | None:
+def _smaller_kv_cache(config: EngineConfig, kv_cache_bytes: int | None = None) -> str | None:
     """The setting that sizes the KV cache, lowered: what it gives up stays free for the steps."""
     cache = config.cache
     override = cache.num_gpu_blocks_override
@@ -108,7 +117,9 @@ def _smaller_kv_cache(config: EngineConfig) -> str | None:
             f"{UTILIZATION_STEP:.0%} less of the GPU and leaves that room to the steps)"
         )
     space = cache.cpu_kv_cache_space_gib
-    if space is None:  # sized automatically at startup; this is that rule's size without the RAM cap
+    if space is None and kv_cache_bytes is not None:  # sized automatically: what the engine allocated
+        space = round(kv_cache_bytes / 2**30, 2)
+    elif space is None:  # not known here: the automatic rule's size without the RAM cap
         from fitserve.cpu_kv_cache import engine_cpu_kv_cache_size
 
         space = round(engine_cpu_kv_cache_size(config, None).gib, 2)

@@ -130,6 +130,9 @@ def test_an_automatic_cpu_kv_cache_is_halved_from_the_size_its_rule_gives() -> N
     assert "--cpu-kv-cache-space 0.35 (now 0.7 GiB: a smaller KV cache leaves RAM to the steps)" in (
         knob_suggestions(cpu)
     )
+    # the engine passes what it allocated (its memory plan's bytes, capped by the RAM): that is "now"
+    capped = knob_suggestions(cpu, None, kv_cache_bytes=2**29)
+    assert "--cpu-kv-cache-space 0.25 (now 0.5 GiB: a smaller KV cache leaves RAM to the steps)" in capped
 
 
 @pytest.mark.parametrize(
