@@ -121,14 +121,11 @@ def imports_of(
 def upward_imports(
     sources: Mapping[str, tuple[str, bool]],
     layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS,
-    allowed: Iterable[tuple[str, str]] = (),
     facade_names: Mapping[str, str] | None = None,
-) -> tuple[list[str], set[tuple[str, str]]]:
-    """The imports that go up a layer, as messages, and the `allowed` entries that excused one."""
+) -> list[str]:
+    """The imports that go up a layer, as messages."""
     facade_names = fitserve._LAZY if facade_names is None else facade_names
-    allowed = tuple(allowed)
     problems: dict[str, None] = {}  # ordered, without repeats (`from a import b, c` is one line)
-    used: set[tuple[str, str]] = set()
     for module, (source, is_package) in sorted(sources.items()):
         if module == FACADE:
             continue
@@ -139,16 +136,12 @@ def upward_imports(
             imported_layer = layer_index(edge.imported, layers)
             if importer_layer is None or imported_layer is None or imported_layer >= importer_layer:
                 continue  # a module outside the layers is reported by its own test
-            excuse = next((a for a in allowed if _under(module, a[0]) and _under(edge.imported, a[1])), None)
-            if excuse is not None:
-                used.add(excuse)
-                continue
             message = (
                 f"{module} -> {edge.imported} (layer {layers[importer_layer][0]} may not import layer "
                 f"{layers[imported_layer][0]}), line {edge.line}"
             )
             problems[message] = None
-    return list(problems), used
+    return list(problems)
 
 
 def test_every_module_is_in_a_layer() -> None:
@@ -160,7 +153,7 @@ def test_every_module_is_in_a_layer() -> None:
 
 
 def test_imports_go_down_the_layers() -> None:
-    problems, _ = upward_imports(fitserve_sources())
+    problems = upward_imports(fitserve_sources())
     assert not problems, "imports that go up a layer:\n" + "\n".join(problems)
 
 
@@ -181,7 +174,7 @@ def test_checker_catches_an_upward_import() -> None:
         "fitserve.models.facade_user": ("from fitserve import LLM\nimport fitserve\n", False),
         "fitserve.layers.linear": ("from . import activation\nfrom fitserve.kernels import ok\n", False),
     }
-    problems, _ = upward_imports(sources, facade_names={"LLM": "fitserve.engine.llm"})
+    problems = upward_imports(sources, facade_names={"LLM": "fitserve.engine.llm"})
     assert problems == [
         "fitserve.core.typed -> fitserve.worker.sampler (layer core may not import layer worker), line 3",
         "fitserve.kernels.nested.bad -> fitserve.layers.linear (layer kernels may not import layer layers), "
@@ -189,13 +182,6 @@ def test_checker_catches_an_upward_import() -> None:
         "fitserve.models.facade_user -> fitserve.engine.llm (layer models may not import layer engine), "
         "line 1",
     ]
-    # An allowed pair is excused and reported as used.
-    problems, used = upward_imports(
-        sources,
-        allowed=[("fitserve.kernels.nested", "fitserve.layers")],
-        facade_names={"LLM": "fitserve.engine.llm"},
-    )
-    assert len(problems) == 2 and used == {("fitserve.kernels.nested", "fitserve.layers")}
 
 
 def test_a_module_takes_the_layer_of_its_longest_prefix() -> None:
