@@ -12,6 +12,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fitserve.args")
 
+# --quantization values naming the format of an already-quantized int4 checkpoint, which fitserve runs
+# (layers/quantization/quant_config.py checks the checkpoint against them); any other value asks to
+# quantize while loading, which fitserve does not do yet.
+CHECKPOINT_QUANTIZATIONS = (
+    "gptq",
+    "gptq_marlin",
+    "awq",
+    "awq_marlin",
+    "compressed-tensors",
+    "auto-round",
+    "inc",
+)
+CLOSEST_QUANTIZATION = (
+    "the closest that runs is an int4 GPTQ, AWQ, compressed-tensors or AutoRound checkpoint of the model"
+)
+
 
 def refuse_unsupported(args: EngineArgs) -> None:
     """Features asked for that fitserve cannot do yet stop here; none is silently ignored. A field a
@@ -20,10 +36,10 @@ def refuse_unsupported(args: EngineArgs) -> None:
     refusals = [  # (field, asked, flag, fix, fix when a --config key set it)
         (
             "quantization",
-            args.quantization is not None,
+            args.quantization is not None and args.quantization.lower() not in CHECKPOINT_QUANTIZATIONS,
             f"--quantization {args.quantization}",
-            "drop --quantization",
-            "delete that key",
+            f"drop --quantization; {CLOSEST_QUANTIZATION}",
+            f"delete that key; {CLOSEST_QUANTIZATION}",
         ),
         (
             "tensor_parallel_size",

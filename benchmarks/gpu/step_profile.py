@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens of every request")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--top", type=int, default=8, help="kernels to list, by time")
     parser.add_argument(
         "--prefill",
@@ -47,7 +48,12 @@ def main() -> None:
     )
     parser.add_argument("--trace", default=None, help="also save a Chrome trace (CPU + CUDA) of 6 steps here")
     args = parser.parse_args()
-    llm = LLM(str(MODELS / args.model), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
+    llm = LLM(
+        str(MODELS / args.model),
+        tokenizer=str(TOKENIZER),
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+    )
     engine = llm.engine
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.input_len)] for _ in range(args.batch)]

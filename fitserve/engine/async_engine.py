@@ -1,5 +1,11 @@
 """AsyncEngine: the synchronous Engine driven from a background thread, for the asyncio server.
 
+Two backends, one surface. `AsyncEngine(engine)` runs the Engine on a thread of this process (the
+contract below). `AsyncEngine(EngineProcess.start(args))` runs it in a child process (engine_process.py,
+what `fitserve serve` does on a GPU): the same `EngineLoop` runs there, commands go down a pipe, and a
+receiver thread here hands each round's reply (acceptances, a step's outputs, stats) to the event loop
+with one `call_soon_threadsafe`; the child's death fails in-flight requests as the thread's death does.
+
 Threading contract: only the engine thread touches the Engine (it is not thread-safe). The event loop
 hands it work through a thread-safe command queue (add, abort, stop); the engine thread hands outputs
 back with `loop.call_soon_threadsafe`, one call per step, into each request's own asyncio.Queue. The
@@ -82,7 +88,7 @@ class _AddCommand:
     prompt: str | None
     prompt_token_ids: list[int] | None
     params: Any  # SamplingParams
-    accepted: asyncio.Future[None]
+    accepted: asyncio.Future[None] | None = None  # None when sent to the engine process (not picklable)
 
 
 @dataclass
@@ -90,7 +96,12 @@ class _AbortCommand:
     request_ids: list[str]
 
 
-_STOP = object()
+@dataclass(frozen=True)
+class _StopCommand:
+    """Stop the engine loop (a class, not a bare object, so that it survives pickling)."""
+
+
+_STOP = _StopCommand()
 
 
 class RequestStream:
@@ -181,20 +192,36 @@ class AsyncEngine:
         self._stats_task: asyncio.Task[None] | None = None
         self._accepting = False
         self._dead: BaseException | None = None
-        self._engine_request_ids: set[str] = set()  # engine thread only
+        # The process backend (engine_process.EngineProcess): the Engine runs in a child process; commands go
+        # through a pipe and a receiver thread hands its replies to the event loop.
+        self._process: Any = engine if getattr(engine, "runs_in_process", False) else None
+        self._pending_adds: dict[str, asyncio.Future[None]] = {}  # process backend: sent, not yet answered
+        self._receiver: threading.Thread | None = None
+        self._stop_sent = False
 
     # ---- event-loop side -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run_engine_thread, name="fitserve-engine", daemon=True)
-        self._thread.start()
+        if self._process is not None:
+            self._receiver = threading.Thread(
+                target=self._receive_replies, name="fitserve-engine-replies", daemon=True
+            )
+            self._receiver.start()
+        else:
+            self._thread = threading.Thread(
+                target=self._run_engine_thread, name="fitserve-engine", daemon=True
+            )
+            self._thread.start()
         if self.log_stats:
             self._stats_task = asyncio.create_task(self._log_stats_forever())
 
     @property
     def is_healthy(self) -> bool:
+        if self._process is not None:
+            receiving = self._receiver is not None and self._receiver.is_alive()
+            return self._dead is None and receiving and self._process.is_alive()
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     @property
@@ -225,7 +252,11 @@ class AsyncEngine:
         stream = RequestStream(request_id, getattr(params, "n", 1), on_close=self.abort)
         self._streams[request_id] = stream
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._commands.put(_AddCommand(request_id, prompt, prompt_token_ids, params, accepted))
+        if self._process is not None:
+            self._pending_adds[request_id] = accepted
+            self._send(_AddCommand(request_id, prompt, prompt_token_ids, params))
+        else:
+            self._commands.put(_AddCommand(request_id, prompt, prompt_token_ids, params, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -234,6 +265,8 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        finally:
+            self._pending_adds.pop(request_id, None)
         return stream
 
     async def generate(
@@ -257,7 +290,7 @@ class AsyncEngine:
         if stream is None:
             return
         self._notify(stream.aborted_output())
-        self._commands.put(_AbortCommand([request_id]))
+        self._send(_AbortCommand([request_id]))
 
     def begin_shutdown(self) -> None:
         """Refuse new requests, end every in-flight one with a final aborted output, stop the thread."""
@@ -269,16 +302,35 @@ class AsyncEngine:
             stream.put(final)
         if streams:
             logger.info("Shutting down: aborted %d in-flight request(s)", len(streams))
-            self._commands.put(_AbortCommand(list(streams)))
-        self._commands.put(_STOP)
+            self._send(_AbortCommand(list(streams)))
+        self._stop_sent = True
+        self._send(_STOP)
         if self._stats_task is not None:
             self._stats_task.cancel()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._process is not None:
+            if self._accepting or not self._stop_sent:
+                self.begin_shutdown()
+            # the engine process finishes its step, takes the stop and exits (killed if it does not in time)
+            await asyncio.get_running_loop().run_in_executor(None, self._process.stop, timeout_s)
+            if self._receiver is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._receiver.join, timeout_s)
+            return
         if self._accepting or self._thread is None or self._thread.is_alive():
             self.begin_shutdown()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+
+    def _send(self, command: Any) -> None:
+        """A command for the engine: onto the engine thread's queue, or down the engine process's pipe."""
+        if self._process is None:
+            self._commands.put(command)
+            return
+        try:
+            self._process.send(command)
+        except (OSError, ValueError):  # the process is gone (its death is reported by the receiver)
+            logger.debug("engine process gone: dropped %s", type(command).__name__)
 
     def _notify(self, output: RequestOutput) -> None:
         for observer in self.observers:
@@ -315,6 +367,41 @@ class AsyncEngine:
     def _on_thread_death(self, error: BaseException) -> None:
         self._dead = error
         self._fail(list(self._streams), EngineUnavailableError(_stopped_message(error)))
+        pending, self._pending_adds = self._pending_adds, {}
+        for accepted in pending.values():
+            self._resolve(accepted, EngineUnavailableError(_stopped_message(error)))
+
+    # ---- process backend: the receiver thread and what it hands the event loop -----------------------
+
+    def _receive_replies(self) -> None:
+        """The receiver thread: it only waits on the pipe (without the GIL), unpickles one reply per
+        engine round and queues its handling on the event loop."""
+        assert self._process is not None
+        try:
+            while True:
+                reply = self._process.receive()
+                if reply.died is not None:  # the engine loop raised: the process logged it and exits
+                    error: BaseException = reply.died
+                    break
+                self._call_in_loop(self._on_reply, reply)
+        except (EOFError, OSError):
+            if self._stop_sent:
+                return  # it exited after our stop, as it should
+            error = self._process.death_error()
+            logger.error("%s", error)
+        self._call_in_loop(self._on_thread_death, error)
+
+    def _on_reply(self, reply: Any) -> None:
+        if reply.stats is not None:
+            self._stats = reply.stats
+        for request_id, error in reply.accepted:
+            accepted = self._pending_adds.pop(request_id, None)
+            if accepted is not None:
+                self._resolve(accepted, error)
+        if reply.failed is not None:
+            self._fail(*reply.failed)
+        if reply.outputs:
+            self._deliver(reply.outputs)
 
     async def _log_stats_forever(self) -> None:
         previous, previous_time = self._stats, time.monotonic()
@@ -332,29 +419,70 @@ class AsyncEngine:
 
     def _run_engine_thread(self) -> None:
         try:
-            while True:
-                idle = not self.engine.has_unfinished_requests()
-                commands = self._take_commands(block=idle)
-                stop = any(command is _STOP for command in commands)
-                for command in commands:
-                    self._apply(command)
-                if stop:
-                    self._stats = self.engine.get_stats()
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._stats = self.engine.get_stats()
+            _ThreadEngineLoop(self).run()
         except BaseException as error:
             logger.exception("the engine thread stopped")
             self._call_in_loop(self._on_thread_death, error)
 
+    def _call_in_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown: nobody is listening
+            self._loop.call_soon_threadsafe(callback, *args)
+
+
+class EngineLoop:
+    """Drives an Engine: takes the commands queued for it, applies them, steps while it has work, and
+    reports what happened through the `on_*` hooks. The engine thread runs one (its hooks call into the
+    event loop); so does the engine process (engine_process.py: its hooks send replies to the server).
+    `run()` returns after a stop command and raises what stops the engine for good."""
+
+    def __init__(self, engine: Any, commands: queue.SimpleQueue[Any]) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.request_ids: set[str] = set()  # the requests the engine holds (accepted, not finished)
+
+    # ---- hooks -----------------------------------------------------------------------------------
+
+    def on_accepted(self, command: _AddCommand, error: BaseException | None) -> None:
+        """The engine took the request (error None) or refused it (its ValueError)."""
+
+    def on_commands_applied(self) -> None:
+        """Every command taken this round is applied; the next step has not started."""
+
+    def on_outputs(self, outputs: list[RequestOutput], stats: Any) -> None:
+        """A step's outputs (possibly none), with the stats after it."""
+
+    def on_failed(self, request_ids: list[str], error: BaseException) -> None:
+        """A step raised: these requests were aborted in the engine and end with `error`."""
+
+    def on_stats(self, stats: Any) -> None:
+        """The stats after a round (commands, then a step if there was work)."""
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            idle = not engine.has_unfinished_requests()
+            commands = self._take_commands(block=idle)
+            stop = any(isinstance(command, _StopCommand) for command in commands)
+            for command in commands:
+                self._apply(command)
+            self.on_commands_applied()
+            if stop:
+                self.on_stats(engine.get_stats())
+                return
+            if engine.has_unfinished_requests():
+                self._step()
+            self.on_stats(engine.get_stats())
+
     def _take_commands(self, block: bool) -> list[Any]:
         commands: list[Any] = []
         if block:
-            commands.append(self._commands.get())
+            commands.append(self.commands.get())
         with contextlib.suppress(queue.Empty):
             while True:
-                commands.append(self._commands.get_nowait())
+                commands.append(self.commands.get_nowait())
         return commands
 
     def _apply(self, command: Any) -> None:
@@ -364,40 +492,56 @@ class AsyncEngine:
                     command.request_id, command.prompt, command.prompt_token_ids, command.params
                 )
             except Exception as error:
-                self._call_in_loop(self._resolve, command.accepted, error)
+                self.on_accepted(command, error)
                 return
-            self._engine_request_ids.add(command.request_id)
-            self._call_in_loop(self._resolve, command.accepted, None)
+            self.request_ids.add(command.request_id)
+            self.on_accepted(command, None)
         elif isinstance(command, _AbortCommand):
-            live = [rid for rid in command.request_ids if rid in self._engine_request_ids]
+            live = [rid for rid in command.request_ids if rid in self.request_ids]
             if live:
                 self.engine.abort_request(live)
-                self._engine_request_ids.difference_update(live)
+                self.request_ids.difference_update(live)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as error:
             # One bad step must not take the server down: end the requests it was running and go on.
-            logger.exception("engine step failed; aborting its %d request(s)", len(self._engine_request_ids))
-            failed = list(self._engine_request_ids)
+            logger.exception("engine step failed; aborting its %d request(s)", len(self.request_ids))
+            failed = list(self.request_ids)
             with contextlib.suppress(Exception):
                 self.engine.abort_request(failed)
-            self._engine_request_ids.clear()
+            self.request_ids.clear()
             failure = RuntimeError(
                 f"the engine failed while generating ({type(error).__name__}; the server log has the details)"
             )
-            self._call_in_loop(self._fail, failed, failure)
+            self.on_failed(failed, failure)
             return
         for output in outputs:
             if output.finished:
-                self._engine_request_ids.discard(output.request_id)
+                self.request_ids.discard(output.request_id)
         # Published before the outputs: a client that has its last token reads stats that count it done.
-        self._stats = self.engine.get_stats()
-        if outputs:
-            self._call_in_loop(self._deliver, outputs)
+        self.on_outputs(outputs, self.engine.get_stats())
 
-    def _call_in_loop(self, callback: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown: nobody is listening
-            self._loop.call_soon_threadsafe(callback, *args)
+
+class _ThreadEngineLoop(EngineLoop):
+    """The engine thread's loop: results go to the event loop with `call_soon_threadsafe`."""
+
+    def __init__(self, owner: AsyncEngine) -> None:
+        super().__init__(owner.engine, owner._commands)
+        self.owner = owner
+
+    def on_accepted(self, command: _AddCommand, error: BaseException | None) -> None:
+        assert command.accepted is not None
+        self.owner._call_in_loop(self.owner._resolve, command.accepted, error)
+
+    def on_outputs(self, outputs: list[RequestOutput], stats: Any) -> None:
+        self.owner._stats = stats
+        if outputs:
+            self.owner._call_in_loop(self.owner._deliver, outputs)
+
+    def on_failed(self, request_ids: list[str], error: BaseException) -> None:
+        self.owner._call_in_loop(self.owner._fail, request_ids, error)
+
+    def on_stats(self, stats: Any) -> None:
+        self.owner._stats = stats

@@ -38,6 +38,23 @@ class PrefillLaunchConfig:
 
 
 DEFAULT_PREFILL_CONFIG = PrefillLaunchConfig()
+# Steps of long queries only (long prompts, chunks of them; no decode rows among them): taller query
+# tiles, narrower key tiles, three stages. On the H100, 8B heads (benchmarks/gpu/prefill_attention_configs.py,
+# benchmarks/results/h100_prefill_attention_configs.json): one 8k prompt 360 -> 373 TFLOP/s, an 8k chunk at
+# 24k-32k 355 -> 376, 4 x 2k 298 -> 324. It would also take 64 prompts of 128 from 72 to 83, but from a
+# mean of 512 query tokens only: below, the default's numerics stay (the other config's summation order
+# turned a near-tie of tests/gpu/test_engine_gpu.py's greedy Qwen3 run). With decode rows in the step the
+# default is faster anyway (one-token queries fill a tenth of a tall tile): 207 against 176 TFLOP/s for a
+# 1k chunk beside 32 decodes.
+LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+LONG_QUERY_MIN_MEAN = 512  # mean query tokens per sequence from which the long-query config runs
+
+
+def choose_prefill_config(num_tokens: int, num_seqs: int) -> PrefillLaunchConfig:
+    """The launch config for a step of `num_tokens` query tokens over `num_seqs` sequences."""
+    if num_tokens >= LONG_QUERY_MIN_MEAN * num_seqs:
+        return LONG_QUERY_CONFIG
+    return DEFAULT_PREFILL_CONFIG
 
 
 @fast_launch
@@ -67,10 +84,12 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    # The last query tiles see the most keys: launched first, they do not finish alone at the end.
+    q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -101,7 +120,29 @@ def _prefill_kernel(
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     last_query = tl.minimum(first_query + BLOCK_Q, q_len) - 1
     key_end = context_start + last_query + 1
-    for key_start in range(0, key_end, BLOCK_N):
+    # Keys before the tile's first query are visible to every row: those tiles need no causal mask
+    # and no bounds checks. Only the last few tiles, up to the diagonal, are masked.
+    full_end = (context_start + first_query) // BLOCK_N * BLOCK_N
+    for key_start in range(0, full_end, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        block = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
+        key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+        if EVEN_D:
+            k = tl.load(k_base + key_rows[:, None] + dims[None, :]).to(q.dtype)
+            v = tl.load(v_base + key_rows[:, None] + dims[None, :]).to(q.dtype)
+        else:
+            k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
+            v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for key_start in range(full_end, key_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
@@ -137,7 +178,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
-    config: PrefillLaunchConfig = DEFAULT_PREFILL_CONFIG,
+    config: PrefillLaunchConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -146,7 +187,8 @@ def paged_prefill_attention(
     query_start_loc int32 [B+1], seq_lens int32 [B], block_tables int32 [B, max_blocks] on the device;
     max_query_len (host int) only sizes the grid. Sequence i's queries are the last q_len_i tokens of
     its seq_lens[i]-token context, whose keys/values must already be in kv_cache. k_scale, v_scale
-    (host floats): a float8 cache's scales; other caches ignore them.
+    (host floats): a float8 cache's scales; other caches ignore them. config: None chooses one by the
+    step's mean query length (choose_prefill_config).
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -162,6 +204,8 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if config is None:
+        config = choose_prefill_config(num_tokens, num_seqs)
     block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     block_d = next_power_of_2(head_dim)
@@ -193,6 +237,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
+        EVEN_D=block_d == head_dim,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

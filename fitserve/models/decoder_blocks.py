@@ -6,6 +6,8 @@ RMSNorm -> gated SiLU MLP -> residual add] -> RMSNorm -> LM head. A family diffe
 
 Parameter names follow HF checkpoints, except that q/k/v live in one `qkv_proj` and gate/up in one
 `gate_up_proj`; `load_weights` maps the checkpoint's names onto them through `packed_modules_mapping`.
+An int4 checkpoint (config.json's quantization_config) gives the projections it quantizes an int4 linear
+method (layers/quantization), whose parameters carry the checkpoint's names (qweight, scales, ...).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from fitserve.layers.activation import SiluAndMul
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.linear import (
+    LinearMethod,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     ShardId,
     default_weight_loader,
 )
+from fitserve.layers.quantization.int4_method import linear_method_for
+from fitserve.layers.quantization.quant_config import Int4Format, int4_format
 from fitserve.layers.rotary_embedding import RotaryEmbedding, StepRope, rope_settings_from_config
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
@@ -57,14 +62,39 @@ def sliding_windows_of(config: Any) -> list[int | None]:
     return [window if i >= first_sliding else None for i in range(num_layers)]
 
 
+def quantized(
+    fmt: Int4Format | None, prefix: str, layer: str, modules: tuple[str, ...]
+) -> LinearMethod | None:
+    """The linear method of `prefix`.`layer` (None: unquantized), fused from the checkpoint's `modules`."""
+    return linear_method_for(fmt, f"{prefix}.{layer}", [f"{prefix}.{module}" for module in modules])
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        hidden_act: str,
+        quant: Int4Format | None = None,
+        prefix: str = "mlp",
+    ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported: this decoder implements 'silu'")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=bias,
+            linear_method=quantized(quant, prefix, "gate_up_proj", ("gate_proj", "up_proj")),
+        )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            linear_method=quantized(quant, prefix, "down_proj", ("down_proj",)),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Calls the sublayers' forward directly (see DecoderLayer)."""
@@ -72,15 +102,33 @@ class GatedMLP(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        spec: DecoderSpec,
+        layer_idx: int,
+        sliding_window: int | None,
+        quant: Int4Format | None = None,
+    ) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=spec.qkv_bias,
+            linear_method=quantized(quant, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
         )
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            bias=spec.o_bias,
+            linear_method=quantized(quant, prefix, "o_proj", ("o_proj",)),
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(
@@ -136,12 +184,26 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        spec: DecoderSpec,
+        layer_idx: int,
+        sliding_window: int | None,
+        quant: Int4Format | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, spec, layer_idx, sliding_window)
+        self.self_attn = DecoderAttention(config, spec, layer_idx, sliding_window, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, config.hidden_act)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            spec.mlp_bias,
+            config.hidden_act,
+            quant,
+            f"model.layers.{layer_idx}.mlp",
+        )
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
@@ -183,9 +245,10 @@ class DecoderModel(nn.Module):
             head_dim_of(config), rope_settings_from_config(config), config.max_position_embeddings
         )
         windows = sliding_windows_of(config)
+        quant = int4_format(config)  # an int4 checkpoint's format (layers/quantization), else None
         # make_layers: --cpu-offload-gb moves the first layers to CPU memory as they are built
         self.layers = make_layers(
-            config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i])
+            config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i], quant)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fitserve.args import EngineArgs
+from fitserve.args_support import CHECKPOINT_QUANTIZATIONS
 from fitserve.config import FP8_KV_CACHE_DTYPES
 from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE, vllm_only
 from fitserve.planner.fit_options import Headroom, fitting_options
@@ -119,7 +120,7 @@ def check_quantization(quantization: str | None, model: ModelInfo, used: Sequenc
             f"quantization={quantization!r} needs compute capability "
             f"{format_capability(method.min_capability)}, "
             f"the GPU has {format_capability(min(capabilities))}: "
-            + vllm_only("use --quantization awq or gptq (4-bit) instead", "quantization"),
+            + "use a 4-bit AWQ or GPTQ checkpoint of the model instead (fitserve runs those)",
         )
 
 
@@ -316,9 +317,14 @@ def _kv_tokens(inputs: MemoryInputs, kv_gib: float) -> int:
 
 def planned_only_notes(args: EngineArgs) -> list[str]:
     """Settings asked for that the planner sizes but fitserve's engine does not run yet (EngineArgs
-    refuses them): `planned only: --quantization awq (fitserve does not run quantized weights yet; ...)`."""
+    refuses them): `planned only: --quantization fp8 (fitserve runs int4 AWQ / GPTQ checkpoints, not
+    this yet; vLLM does)`."""
     asked = [
-        ("quantization", args.quantization is not None, f"--quantization {args.quantization}"),
+        (
+            "quantization",
+            args.quantization is not None and args.quantization.lower() not in CHECKPOINT_QUANTIZATIONS,
+            f"--quantization {args.quantization}",
+        ),
         (
             "tensor_parallel_size",
             args.tensor_parallel_size > 1,

@@ -33,6 +33,8 @@ _QUANT_GROUPS: dict[tuple[str, ...], str] = {
     ("awq", "gptq"): "4-bit, needs an AWQ or GPTQ checkpoint of the model",
     ("bitsandbytes",): QUANTIZATION_METHODS["bitsandbytes"].how,
 }
+# fitserve's engine runs these from a checkpoint quantized that way (not yet with --cpu-offload-gb)
+RUN_BY_FITSERVE = {("awq", "gptq")}
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ def fitting_options(
     if offload:
         options.append(offload)
     quantization = _quantization_options(inputs, needed_tokens)
-    options += [vllm_only(option, "quantization") for option in quantization]
+    runs = [text for group, text in quantization if group in RUN_BY_FITSERVE]
+    needs_vllm = [text for group, text in quantization if group not in RUN_BY_FITSERVE]
+    options += runs + [vllm_only(text, "quantization") for text in needs_vllm]
     if not quantization and _can_quantize(inputs):
         for group in (("awq", "gptq"), ("bitsandbytes",)):
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
@@ -101,7 +105,8 @@ def _can_quantize(inputs: MemoryInputs) -> bool:
     return inputs.quantization is None and inputs.weights.checkpoint_quantization is None
 
 
-def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[str]:
+def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[tuple[tuple[str, ...], str]]:
+    """(methods, suggestion) for each group of quantization methods that makes the plan fit."""
     if not _can_quantize(inputs):
         return []
     options = []
@@ -114,9 +119,11 @@ def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[str]
         if plan is None:
             continue
         options.append(
-            f"--quantization {' or '.join(group)} ({how}): weights {plan.weights_gib_per_gpu:.2f} GiB "
-            "per GPU, "
-            f"{plan.kv_cache_tokens:,} KV tokens"
+            (
+                group,
+                f"--quantization {' or '.join(group)} ({how}): weights {plan.weights_gib_per_gpu:.2f} GiB "
+                f"per GPU, {plan.kv_cache_tokens:,} KV tokens",
+            )
         )
     return options
 

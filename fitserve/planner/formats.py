@@ -46,12 +46,24 @@ QUANTIZATION_METHODS: dict[str, QuantMethod] = {
     "fp8": QuantMethod("fp8", 8.0, "8-bit, quantized from this checkpoint while loading", False, (8, 0)),
     "awq": QuantMethod("awq", _GROUPED_4BIT, "4-bit, needs an AWQ checkpoint of the model", True, (7, 5)),
     "gptq": QuantMethod("gptq", _GROUPED_4BIT, "4-bit, needs a GPTQ checkpoint of the model", True, (6, 0)),
+    "compressed-tensors": QuantMethod(
+        "compressed-tensors", _GROUPED_4BIT, "4-bit, needs a W4A16 checkpoint of the model", True, (7, 5)
+    ),
+    "auto-round": QuantMethod(
+        "auto-round", _GROUPED_4BIT, "4-bit, needs an AutoRound checkpoint of the model", True, (6, 0)
+    ),
     "bitsandbytes": QuantMethod(
         "bitsandbytes", 4 + 32 / 64, "4-bit nf4, quantized from this checkpoint while loading", False, (7, 0)
     ),
 }
 # Names vLLM also accepts for the same storage.
-QUANTIZATION_ALIASES: dict[str, str] = {"awq_marlin": "awq", "gptq_marlin": "gptq", "bnb": "bitsandbytes"}
+QUANTIZATION_ALIASES: dict[str, str] = {
+    "awq_marlin": "awq",
+    "gptq_marlin": "gptq",
+    "bnb": "bitsandbytes",
+    "inc": "auto-round",
+    "intel/auto-round": "auto-round",
+}
 
 
 def canonical_dtype(value: str | torch.dtype) -> str:

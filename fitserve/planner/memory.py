@@ -331,7 +331,7 @@ def cuda_graph_bytes(inputs: MemoryInputs) -> int:
     decode = pool + len(sizes) * inputs.shape.num_layers * CUDA_GRAPH_BYTES_PER_LAYER
     if inputs.cpu_offload_gb > 0:
         return decode
-    piece_sizes = piecewise_capture_sizes(inputs.max_num_batched_tokens)
+    piece_sizes = piecewise_capture_sizes(inputs.max_num_batched_tokens, inputs.device.total_bytes)
     # a piece is about one layer; a model of L layers is cut into L + 1 of them
     pieces = len(piece_sizes) * (inputs.shape.num_layers + 1) * CUDA_GRAPH_BYTES_PER_LAYER
     return decode + forward_activation_bytes(inputs, max(piece_sizes)) + pieces

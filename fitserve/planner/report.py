@@ -137,6 +137,10 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
     weights = (
         f"weights ({inputs.weights.total_params / 1e9:.2f} B params, {inputs.quantization or inputs.dtype}"
     )
+    stored = inputs.weights.stored_bytes
+    if inputs.weights.checkpoint_quantization and stored:
+        # an int4 checkpoint: packed codes, zeros, g_idx and scales as stored; the rest in the dtype
+        weights += f"; {inputs.weights.checkpoint_quantization} int4 {stored / GiB:.2f} GiB as stored"
     if inputs.tensor_parallel_size > 1:
         weights += f", 1/{inputs.tensor_parallel_size} per GPU"
     if plan.weights_offloaded_bytes:

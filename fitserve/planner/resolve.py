@@ -3,7 +3,8 @@
 
     args (what the user asked, and which fields they set)
       -> check the values, refuse what the engine does not run
-      -> find the devices and inspect the model once (config.json and the weights' headers)
+      -> find the devices and inspect the model once (config.json and the weights' headers); an int4
+         checkpoint's format, options and group size are checked here, before any weight loads
       -> auto_fit fills every setting the user left unset, each with its reason (planner/fit.py)
       -> one log line per setting, then a frozen EngineConfig holding exactly those values
 
@@ -31,7 +32,8 @@ from fitserve.config import (
 from fitserve.logger import configure_default_logging
 from fitserve.planner.fit import FitResult, auto_fit
 from fitserve.planner.hardware import DeviceSpec, cpu_device, parse_assume_gpus, probe_gpus, probe_host
-from fitserve.planner.model_info import ModelInfo, inspect_model
+from fitserve.planner.model_info import inspect_model
+from fitserve.planner.quantized_checkpoint import check_quantized_checkpoint
 
 logger = logging.getLogger("fitserve")
 
@@ -57,7 +59,7 @@ def plan_settings(args: EngineArgs, request: PlanRequest = PlanRequest()) -> Fit
     devices, host_ram = planning_devices(args.device, request.assume_gpus, can_assume=request.planning_only)
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
     if not request.planning_only:
-        _refuse_quantized_checkpoint(model)
+        check_quantized_checkpoint(model, args.quantization)
     return auto_fit(model, args, devices, args.explicit(), host_ram, request.serving)
 
 
@@ -172,15 +174,6 @@ def _use_hf_token(token: str | bool | None) -> None:
     (True) or none leaves the token of `hf auth login`, as vLLM does."""
     if isinstance(token, str) and token:
         os.environ["HF_TOKEN"] = token
-
-
-def _refuse_quantized_checkpoint(model: ModelInfo) -> None:
-    method = model.weights.checkpoint_quantization
-    if method is not None:
-        raise ValueError(
-            f"not supported yet: a quantized checkpoint (quant_method {method} in {model.name}) "
-            "(pick the model's unquantized release)"
-        )
 
 
 def _cpu_offload_gb(cpu_offload_gb: float, device: str) -> float:

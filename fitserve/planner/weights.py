@@ -5,8 +5,10 @@ dtype, shape and byte range; only those N + 8 bytes are read. A GGUF file's head
 (name, shape, type, byte size); gguf.GGUFReader maps the file and reads only that part.
 
 Floating-point tensors are counted in parameters, because fitserve loads them in the model dtype
-whatever dtype the file stores. Other tensors (an AWQ/GPTQ checkpoint's packed int32 weights, fp8
-weights) are counted in bytes: they are loaded as stored. GGUF tensors are all counted in parameters:
+whatever dtype the file stores. Other tensors (an AWQ/GPTQ checkpoint's packed int32 weights, zeros and
+g_idx, fp8 weights) are counted in bytes: they are loaded as stored, and so are an int4 checkpoint's
+float scales. Its unquantized layers (embeddings, LM head, an ignore list's) count at the model dtype.
+GGUF tensors are all counted in parameters:
 fitserve dequantizes a GGUF file into the model dtype when it converts it (models/gguf_convert.py).
 
 On the CPU the engine then keeps some of them in a smaller form (`CpuKeptForms`): decoder matrices that
@@ -33,6 +35,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # Decoder-layer tensors: HF "model.layers.3.", GPT-2 style "h.3.", GGUF "blk.3.".
 _LAYER_PATTERN = re.compile(r"(^|\.)(layers|h|blk)\.\d+\.")
+# An int4 checkpoint's float scales (GPTQ / AWQ `scales`, compressed-tensors `weight_scale`): loaded as
+# stored, beside the packed int32 codes, zeros and g_idx (which are not float, so stored already).
+QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale")
 # MoE routers: small, kept whole on every tensor-parallel rank, never quantized.
 _ROUTER_PATTERN = re.compile(r"(mlp\.gate|block_sparse_moe\.gate|shared_expert_gate|ffn_gate_inp)\.weight$")
 # GGUF tensor types whose matrices are 4-bit groups of 32 (w = d q or d q + m, q in 0..15): the CPU
@@ -104,7 +109,8 @@ def inventory_from_headers(
             start, end = entry["data_offsets"]
             file_bytes += int(end) - int(start)
             types.add(dtype)
-            if dtype not in _FLOAT_DTYPES:
+            quant_scale = checkpoint_quantization is not None and name.endswith(QUANT_SCALE_SUFFIXES)
+            if dtype not in _FLOAT_DTYPES or quant_scale:
                 stored += int(end) - int(start)
                 continue
             kind = classify_tensor(name, len(shape))

@@ -2,8 +2,12 @@
 
 Shutdown contract: SIGINT or SIGTERM stops accepting connections, ends every in-flight request with
 a final output (finish_reason "abort"; streams get their last chunk and `data: [DONE]`), stops the
-engine thread and returns, so the process exits with status 0 within a few seconds. A second SIGINT
-forces the exit.
+engine (its thread, or its process) and returns, so the process exits with status 0 within a few
+seconds. A second SIGINT forces the exit.
+
+On a GPU the engine runs in a process of its own (fitserve/engine/engine_process.py), so that the HTTP
+side's work never holds the GIL the engine's step launches wait for; on the CPU, and with
+--disable-frontend-multiprocessing, it runs on a thread of this process.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import uvicorn
 from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.engine import Engine
+from fitserve.engine.engine_process import EngineProcess
 from fitserve.planner.memory import MemoryPlan
 from fitserve.server.args import API_KEY_ENV_VARS, ServerSettings
 
@@ -128,6 +133,8 @@ def _auth_header(api_key: str | None) -> str:
 def _log_ready(engine: AsyncEngine, base_url: str, auth_header: str = "") -> None:
     model = engine.config.model
     max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the engine process's own peak (the model's weights are there), not the HTTP side's
+    max_rss_bytes = getattr(engine.engine, "peak_rss_bytes", max_rss_bytes)
     logger.info("%s", memory_line(engine.engine.memory_plan, max_rss_bytes))
     from fitserve.server.app import ROUTES
 
@@ -152,6 +159,25 @@ def h11_options(settings: ServerSettings) -> dict[str, int]:
     return {} if size is None else {"h11_max_incomplete_event_size": size}
 
 
+def use_engine_process(engine_args: EngineArgs, settings: ServerSettings) -> bool:
+    """The engine runs in a process of its own on a GPU (where the GIL it shares with the HTTP side costs
+    throughput); on the CPU, and with --disable-frontend-multiprocessing, on a thread of this process."""
+    if settings.disable_frontend_multiprocessing or engine_args.device == "cpu":
+        return False
+    if engine_args.device == "cuda":
+        return True
+    import torch  # no CUDA context: the count comes from the driver
+
+    return torch.cuda.is_available()
+
+
+def create_engine(engine_args: EngineArgs, settings: ServerSettings) -> Engine | EngineProcess:
+    if use_engine_process(engine_args, settings):
+        # the server decodes logprob tokens in its handlers (see build_app)
+        return EngineProcess.start(engine_args, serving=True, decode_logprob_tokens=False)
+    return Engine.from_engine_args(engine_args, serving=True)
+
+
 def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM; `namespace` holds the server flags. Bad flags raise ValueError before
     anything loads."""
@@ -169,9 +195,10 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
         target=importlib.import_module, args=("fitserve.server.app",), name="fitserve-app-import", daemon=True
     )
     app_modules.start()
+    engine: Engine | EngineProcess | None = None
     try:
         with _sigterm_as_interrupt():
-            engine = Engine.from_engine_args(engine_args, serving=True)
+            engine = create_engine(engine_args, settings)
         async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
         from fitserve.server.app import build_app
 
@@ -196,6 +223,8 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
         logger.info("Interrupted while starting: exiting")
     finally:
         sock.close()
+        if isinstance(engine, EngineProcess):  # already stopped, unless the server failed to start
+            engine.stop()
 
 
 @contextlib.contextmanager

@@ -146,7 +146,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--disable-frontend-multiprocessing",
         action="store_true",
-        help="Accepted for vLLM compatibility; fitserve's server and engine always share one process.",
+        help="Run the engine on a thread of the server's process, as on the CPU, instead of in a process of "
+        "its own (the default on a GPU).",
     )
     group.add_argument(
         "--enable-log-requests",

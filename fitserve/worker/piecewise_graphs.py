@@ -1,4 +1,4 @@
-"""CUDA graphs for steps with prompt tokens (prefill chunks, mixed batches) of up to 512 tokens.
+"""CUDA graphs for steps with prompt tokens (prefill chunks, mixed batches) of up to 1,024 tokens.
 
 A decode step replays one graph of the whole forward (cuda_graphs.py). A step with prompt tokens
 cannot: its attention kernel's grid depends on the sequences' query lengths, host values that change

@@ -17,7 +17,11 @@ from fitserve.kernels.activation import silu_and_mul  # noqa: E402
 from fitserve.kernels.cache_write import reshape_and_cache  # noqa: E402
 from fitserve.kernels.decode_attention import DecodeLaunchConfig, paged_decode_attention  # noqa: E402
 from fitserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from fitserve.kernels.prefill_attention import PrefillLaunchConfig, paged_prefill_attention  # noqa: E402
+from fitserve.kernels.prefill_attention import (  # noqa: E402
+    LONG_QUERY_CONFIG,
+    PrefillLaunchConfig,
+    paged_prefill_attention,
+)
 from fitserve.kernels.rotary import rotary_embedding  # noqa: E402
 from fitserve.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from fitserve.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -265,7 +269,9 @@ def test_prefill_attention_matches_reference(
     run_prefill_case(q_heads, kv_heads, head_dim, block_size, query_lens, lens)
 
 
-@pytest.mark.parametrize("config", [PrefillLaunchConfig(128, 64, 8, 2), PrefillLaunchConfig(64, 32, 4, 3)])
+@pytest.mark.parametrize(
+    "config", [PrefillLaunchConfig(128, 64, 8, 2), PrefillLaunchConfig(64, 32, 4, 3), LONG_QUERY_CONFIG]
+)
 def test_prefill_launch_configs_match_reference(config: PrefillLaunchConfig) -> None:
     run_prefill_case(32, 4, 128, 16, [100, 513, 1, 7], [1000, MAX_CONTEXT, 2000, 7], config)
 

@@ -99,7 +99,8 @@ def test_fixture_configs_stop_at_the_first_unsupported_feature(name: str) -> Non
         ValueError,
         match=r"^not supported yet: --quantization bitsandbytes, set by the 'quantization' key of --config "
         + re.escape(str(FIXTURES / name))
-        + r" \(delete that key\)$",
+        + r" \(delete that key; the closest that runs is an int4 GPTQ, AWQ, compressed-tensors or AutoRound "
+        + r"checkpoint of the model\)$",
     ):
         create_engine_config(EngineArgs.from_cli(namespace))
 
@@ -219,7 +220,8 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
     [
         (
             dict(quantization="bitsandbytes"),
-            "not supported yet: --quantization bitsandbytes (drop --quantization)",
+            "not supported yet: --quantization bitsandbytes (drop --quantization; the closest that runs is "
+            "an int4 GPTQ, AWQ, compressed-tensors or AutoRound checkpoint of the model)",
         ),
         (
             dict(tensor_parallel_size=2),
@@ -287,15 +289,15 @@ def test_choices_are_checked_for_python_callers(kwargs: dict, message: str) -> N
         create_engine_config(EngineArgs(**kwargs))
 
 
-def test_quantized_checkpoint_is_refused(tiny_model: str, tmp_path: Path) -> None:
+def test_unsupported_quantized_checkpoint_is_refused(tiny_model: str, tmp_path: Path) -> None:
+    """fitserve runs 4-bit AWQ / GPTQ / compressed-tensors / AutoRound checkpoints
+    (tests/unit/test_quant_int4_*.py); other bit widths are refused before loading."""
     quantized = tmp_path / "quantized"
     shutil.copytree(tiny_model, quantized)
     config = json.loads((quantized / "config.json").read_text(encoding="utf-8"))
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 3}
     (quantized / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    with pytest.raises(
-        ValueError, match=r"^not supported yet: a quantized checkpoint \(quant_method awq in "
-    ):
+    with pytest.raises(ValueError, match=r"^AWQ bits=3: fitserve runs 4-bit AWQ checkpoints only"):
         create_engine_config(EngineArgs(model=str(quantized)))
 
 

@@ -129,7 +129,10 @@ def test_python_dash_m_fitserve_runs_the_cli(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--quantization", "awq"], "not supported yet: --quantization awq (drop --quantization)"),
+        (
+            ["--quantization", "bitsandbytes"],
+            "not supported yet: --quantization bitsandbytes (drop --quantization; the closest that runs",
+        ),
         (["--top-p", "2"], "top_p=2.0 is outside the range (0, 1]"),
         (["--max-tokens", "0"], "max_tokens=0 is below the minimum 1"),
     ],

@@ -61,8 +61,9 @@ def no_model_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
             "(set --pipeline-parallel-size 1)",
         ),
         (
-            ["serve", "--quantization", "awq"],
-            "fitserve serve: error: not supported yet: --quantization awq (drop --quantization)",
+            ["serve", "--quantization", "fp8"],
+            "fitserve serve: error: not supported yet: --quantization fp8 (drop --quantization; the closest "
+            "that runs is an int4 GPTQ, AWQ, compressed-tensors or AutoRound checkpoint of the model)",
         ),
         (
             ["serve", "--enable-lora"],
@@ -135,7 +136,8 @@ def test_generate_with_a_serve_config_stops_on_the_quantization_key(
 ) -> None:
     assert error_of(["generate", "--config", str(config), "--prompt", "hi"], capsys) == (
         "fitserve generate: error: not supported yet: --quantization bitsandbytes, set by the "
-        f"'quantization' key of --config {config} (delete that key)"
+        f"'quantization' key of --config {config} (delete that key; the closest that runs is an int4 GPTQ, "
+        "AWQ, compressed-tensors or AutoRound checkpoint of the model)"
     )
 
 

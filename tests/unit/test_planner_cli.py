@@ -165,8 +165,8 @@ def test_user_yaml_with_server_keys_plans(capsys: pytest.CaptureFixture[str], tm
     assert plan["weights_gib_per_gpu"] == pytest.approx(4.36, abs=0.005)
     assert "more than the 35.86 GiB of weights in the model's 80 decoder layers" in plan["notes"][0]
     assert (
-        "planned only: --quantization bitsandbytes (fitserve does not run quantized weights yet; vLLM does)"
-        in plan["notes"]
+        "planned only: --quantization bitsandbytes (fitserve runs int4 AWQ / GPTQ checkpoints, not this yet; "
+        "vLLM does)" in plan["notes"]
     )
     planned_only = [note for note in plan["notes"] if note.startswith("planned only")]
     assert len(planned_only) == 1  # CPU offload runs in fitserve: only the quantization is noted

@@ -152,9 +152,12 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
 
 
 VLLM_ONLY = {
-    "--quantization": " (fitserve does not run quantized weights yet; vLLM does)",
+    "--quantization": " (fitserve runs int4 AWQ / GPTQ checkpoints, not this yet; vLLM does)",
     "--tensor-parallel-size": " (fitserve does not run tensor parallel yet; vLLM does)",
 }
+
+
+RUNS_INT4_CHECKPOINT = re.compile(r"--quantization awq or gptq \(4-bit[^)]*\): ")
 
 
 def assert_runnable_first(message: str) -> None:
@@ -162,7 +165,10 @@ def assert_runnable_first(message: str) -> None:
     line fitserve runs."""
     lines = message.split("What would fit (any one line):\n", 1)[1].splitlines()
     options = [line.strip() for line in lines]
-    refused = [any(o.startswith(flag) for flag in VLLM_ONLY) for o in options]
+    # fitserve runs an int4 AWQ / GPTQ checkpoint on its own (not with offload): that suggestion is runnable
+    refused = [
+        any(o.startswith(flag) for flag in VLLM_ONLY) and not RUNS_INT4_CHECKPOINT.match(o) for o in options
+    ]
     for option, is_refused in zip(options, refused):
         if is_refused:
             flag = next(flag for flag in VLLM_ONLY if option.startswith(flag))
@@ -186,15 +192,14 @@ def test_refusals_that_name_a_vllm_only_fix_say_so() -> None:
     with pytest.raises(PlanError) as capability:
         fit("llama-3.1-8b", "1x80@7.0", quantization="fp8", max_model_len=4096)
     assert str(capability.value).endswith(
-        "the GPU has 7.0: use --quantization awq or gptq (4-bit) instead (fitserve does not run quantized "
-        "weights yet; vLLM does)"
+        "the GPU has 7.0: use a 4-bit AWQ or GPTQ checkpoint of the model instead (fitserve runs those)"
     )
     with pytest.raises(PlanError) as host:
         args = EngineArgs(cpu_offload_gb=8, max_model_len=4096)
         auto_fit(model_info("llama-3.1-8b"), args, parse_assume_gpus("1x24@8.9"), host_ram_available=4 * GiB)
     assert str(host.value).endswith(
-        "lower --cpu-offload-gb, or add --quantization to shrink the weights (fitserve does not run "
-        "quantized weights yet; vLLM does)"
+        "lower --cpu-offload-gb, or add --quantization to shrink the weights (fitserve runs int4 AWQ / "
+        "GPTQ checkpoints, not this yet; vLLM does)"
     )
     with pytest.raises(
         PlanError, match=r"split the model with --tensor-parallel-size instead \(fitserve does"

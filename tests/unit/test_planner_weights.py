@@ -106,12 +106,13 @@ def test_already_quantized_tensors_count_as_stored(tmp_path: Path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"))
     info = inspect_model(str(tmp_path))
     assert info.weights.checkpoint_quantization == "awq"
-    assert info.weights.stored_bytes == (64 * 8 + 8) * 4
+    # packed codes and zeros (int32) and the float16 scales, as stored
+    assert info.weights.stored_bytes == (64 * 8 + 8) * 4 + 64 * 2
     inputs = memory_inputs(
         "llama-3.1-8b", shape=info.shape, weights=info.weights, dtype="bfloat16", quantization="awq"
     )
-    float_params = 256 * 64 + 64 + 64
-    assert weight_bytes_total(inputs) == (64 * 8 + 8) * 4 + float_params * 2
+    float_params = 256 * 64 + 64
+    assert weight_bytes_total(inputs) == (64 * 8 + 8) * 4 + 64 * 2 + float_params * 2
 
 
 def _write_gguf(path: Path) -> dict[str, tuple[int, int]]:

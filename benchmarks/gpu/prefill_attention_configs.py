@@ -1,0 +1,95 @@
+"""The prefill attention kernel's launch configs on long prompts, chunks of long prompts and mixed steps.
+
+Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128, blocks of 16, bf16), each case timed with
+triton's do_bench (median) for every config below; TFLOP/s counts the causal pairs' two matmuls.
+  python benchmarks/gpu/prefill_attention_configs.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import save  # noqa: I001
+from triton.testing import do_bench
+
+from fitserve.kernels.prefill_attention import PrefillLaunchConfig, paged_prefill_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+CASES = {
+    "1 x 8192 fresh": ([8192], [8192]),
+    "8192 chunk at 24k-32k": ([8192], [32768]),
+    "4 x 2048 fresh": ([2048] * 4, [2048] * 4),
+    "1024 chunk at 3k-4k beside 32 decodes at 1536": ([1] * 32 + [1024], [1536] * 32 + [4096]),
+    "768 prompt beside 128 decodes at 700": ([1] * 128 + [768], [700] * 128 + [768]),
+    "64 prompts of 128": ([128] * 64, [128] * 64),
+}
+CONFIGS = [
+    PrefillLaunchConfig(64, 64, 4, 2),
+    PrefillLaunchConfig(128, 64, 8, 2),
+    PrefillLaunchConfig(128, 64, 8, 3),
+    PrefillLaunchConfig(128, 128, 8, 2),
+    PrefillLaunchConfig(128, 128, 8, 3),
+    PrefillLaunchConfig(64, 128, 4, 2),
+    PrefillLaunchConfig(128, 32, 4, 3),
+]
+
+
+def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
+    return sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
+
+
+def run_case(query_lens: list[int], seq_lens: list[int]) -> list[dict]:
+    blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device="cuda")
+    start = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = order[start : start + count]
+        start += count
+    q = torch.randn(sum(query_lens), Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    flops = 4 * causal_pairs(query_lens, seq_lens) * Q_HEADS * HEAD_DIM
+    reference = None
+    rows = []
+    for config in CONFIGS:
+
+        def run(config: PrefillLaunchConfig = config) -> None:
+            paged_prefill_attention(
+                q, cache, starts, lens, tables, max(query_lens), HEAD_DIM**-0.5, out, config
+            )
+
+        run()
+        if reference is None:
+            reference = out.clone()
+        difference = (out.float() - reference.float()).abs().max().item()
+        ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+        rows.append(
+            {
+                "config": vars(config),
+                "us": round(ms * 1e3, 1),
+                "tflops": round(flops / ms / 1e9, 1),
+                "max_abs_difference_from_first_config": difference,
+            }  # fmt: skip
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    figures = {}
+    for name, (query_lens, seq_lens) in CASES.items():
+        figures[name] = run_case(query_lens, seq_lens)
+        best = max(figures[name], key=lambda row: row["tflops"])
+        print(name, "best", best["config"], best["tflops"], "TFLOP/s", flush=True)
+    save("prefill_attention_configs", figures, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The linear method of a layer an int4 checkpoint stores quantized.
+
+`create_weights` makes one parameter per checkpoint tensor of the format (int4_formats.ParamSpec: qweight,
+qzeros, scales, g_idx for GPTQ; ...), sized for the whole layer; a fused layer (q/k/v, gate/up) loads
+each projection's tensors into its rows, as the unquantized layers do. Each loader checks the tensor's
+shape, naming it, before copying. Once every tensor of every shard is in, the layer's tensors become one
+Int4Weight (int4_formats.to_int4_weight), then the form it computes with (int4_cpu.make_runnable), and
+the packed checkpoint tensors are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitserve.layers.quantization.int4_cpu import make_runnable
+from fitserve.layers.quantization.int4_formats import (
+    optional_params,
+    pack_zero_point_rows,
+    param_specs,
+    to_int4_weight,
+)
+from fitserve.layers.quantization.quant_config import Int4Format
+
+
+class Int4LinearMethod:
+    def __init__(self, fmt: Int4Format, prefix: str = "") -> None:
+        self.fmt = fmt
+        self.prefix = prefix  # the layer's name, for messages
+        self.runnable: Any = None
+        self.path = ""  # "triton-int4", "c-kernel", "torch-int4" or "dequantized", once loaded
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        self.dtype = torch.get_default_dtype()
+        self.specs = param_specs(self.fmt, input_size, output_size)
+        for name, spec in self.specs.items():
+            param = nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=False)
+            param.weight_loader = self._loader(layer, name)  # type: ignore[attr-defined]
+            layer.register_parameter(name, param)
+        if bias:
+            layer.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False)
+            layer.bias.weight_loader = self._loader(layer, "bias")  # type: ignore[attr-defined]
+        else:
+            layer.register_parameter("bias", None)
+        self._loaded: set[tuple[str, Any]] = set()
+        self._g_idx_source: str | None = None
+
+    def _loader(self, layer: nn.Module, name: str) -> Any:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            self._load(layer, name, param, loaded, shard_id)
+
+        return load
+
+    def _load(
+        self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
+    ) -> None:
+        if self.runnable is not None:
+            if name in optional_params(self.fmt):  # a g_idx without act order, after the rest: k // group
+                groups = torch.arange(loaded.numel()) // self.fmt.group_for(loaded.numel())
+                if torch.equal(loaded.to(torch.int64), groups):
+                    return
+            raise ValueError(f"{self.prefix}: {name} came after the layer was loaded and repacked")
+        shard = None if shard_id is None else layer.shard_offsets[shard_id]
+        what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id!r})")
+        spec = self.specs.get(name)
+        if name == "bias":
+            target = param if shard is None else param.narrow(0, *shard)
+        elif spec.shard_dim is None or shard is None:
+            target = param
+        else:
+            start, size = shard
+            if start % spec.rows_per or size % spec.rows_per:
+                raise ValueError(f"{what}: shard rows {start}+{size} are not a multiple of {spec.rows_per}")
+            target = param.narrow(spec.shard_dim, start // spec.rows_per, -(-size // spec.rows_per))
+        if name == "weight_zero_point" and loaded.dim() == 2 and loaded.shape[0] == 8 * target.shape[0]:
+            loaded = pack_zero_point_rows(loaded)  # an unpacked [N, G] signed zero point (older writers)
+        if name == "weight_shape":
+            self._check_weight_shape(layer, loaded, shard, what)
+        elif tuple(loaded.shape) != tuple(target.shape):
+            raise ValueError(
+                f"quantized tensor {what} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)} "
+                f"for {self.fmt.describe()}: the checkpoint is truncated or does not match config.json "
+                "(download it again, or check its quantization_config)"
+            )
+        elif spec is not None and spec.shard_dim is None and (name, None) in self._loaded_names():
+            self._check_shared(param, loaded, what)
+        else:
+            with torch.no_grad():
+                target.copy_(loaded)
+        self._loaded.add((name, shard_id))
+        if name.endswith("g_idx") and self._g_idx_source is None:
+            self._g_idx_source = what
+        if self._complete(layer):
+            self._finish(layer)
+
+    def _loaded_names(self) -> set[tuple[str, None]]:
+        return {(name, None) for name, _ in self._loaded}
+
+    def _check_shared(self, param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+        if not torch.equal(param.detach().cpu().to(loaded.dtype), loaded.cpu()):
+            raise ValueError(
+                f"{what} differs from {self._g_idx_source}: the projections fused into {self.prefix} must "
+                "share "
+                "one g_idx (act order) as real GPTQ checkpoints do; this checkpoint cannot be fused"
+            )
+
+    def _check_weight_shape(self, layer: nn.Module, loaded: torch.Tensor, shard: Any, what: str) -> None:
+        rows = layer.output_size if shard is None else shard[1]
+        expected = [rows, layer.input_size]
+        if loaded.tolist() != expected:
+            raise ValueError(f"quantized tensor {what} says {loaded.tolist()}, expected {expected}")
+
+    def _complete(self, layer: nn.Module) -> bool:
+        shards = tuple(getattr(layer, "shard_ids", ())) or (None,)
+        names = [name for name in self.specs if name not in optional_params(self.fmt)]
+        if layer.bias is not None:
+            names.append("bias")
+        loaded = self._loaded
+        return all(
+            (name, shard) in loaded or (shard is not None and (name, None) in loaded)
+            for name in names
+            for shard in shards
+        )
+
+    def _finish(self, layer: nn.Module) -> None:
+        # The canonical form is built on the CPU (a one-time unpack); make_runnable puts the layer's
+        # runnable form on the device its parameters live on.
+        device = next(iter(getattr(layer, name) for name in self.specs)).device
+        tensors = {name: getattr(layer, name).data.cpu() for name in self.specs}
+        if ("g_idx", None) not in self._loaded_names() and "g_idx" in tensors:
+            del tensors["g_idx"]
+        weight = to_int4_weight(self.fmt, tensors, layer.input_size, self.prefix)
+        for name in self.specs:
+            delattr(layer, name)
+        self.runnable, self.path = make_runnable(layer, weight, self.dtype, self.fmt.method, device)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.runnable is None:
+            raise RuntimeError(f"{self.prefix}: the quantized weights were not loaded")
+        return self.runnable.apply(layer, x)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing: the layer repacks itself once its last tensor arrives (see the module doc)."""
+
+
+def linear_method_for(fmt: Int4Format | None, layer_name: str, modules: list[str]) -> Int4LinearMethod | None:
+    """The method for the layer `layer_name` made of the checkpoint's linear `modules` (one, or the
+    projections a fused layer packs): int4 when the checkpoint quantizes them, None (unquantized) when it
+    leaves them out; ValueError when it quantizes some of a fused layer's projections and not others."""
+    if fmt is None:
+        return None
+    quantized = [fmt.quantizes(module) for module in modules]
+    if all(quantized):
+        return Int4LinearMethod(fmt, layer_name)
+    if not any(quantized):
+        return None
+    kept = [module for module, flag in zip(modules, quantized, strict=True) if not flag]
+    raise ValueError(
+        f"{fmt.method} checkpoint leaves {', '.join(kept)} unquantized but quantizes the other projections "
+        f"fused into {layer_name}: fitserve fuses them into one layer; quantize all of them or none"
+    )
