@@ -122,9 +122,17 @@ def initialize_dummy_weights(model: nn.Module, seed: int, device: torch.device |
     Matrices (ndim >= 2) ~ N(0, DUMMY_STD); 1-D `*weight` (norm scales) = 1; 1-D `*bias` = 0. Matrices are
     drawn on `device` (default: each parameter's own) and copied to a parameter that lives elsewhere, so
     the layers --cpu-offload-gb keeps in CPU memory get the values they would have on the GPU.
+
+    A layer whose linear method has `initialize_dummy` (an int4 checkpoint's layers,
+    layers/quantization/int4_method.py) gets a random weight in its own form first, one layer at a time,
+    made runnable as a loaded one is; its remaining floating-point parameters (a bias) follow the rules above.
     """
     draw_device = None if device is None else _indexed(torch.device(device))
     generators: dict[torch.device, torch.Generator] = {}
+    for module in model.modules():
+        initialize = getattr(getattr(module, "linear_method", None), "initialize_dummy", None)
+        if initialize is not None:
+            initialize(module, seed, DUMMY_STD, draw_device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not param.is_floating_point():

@@ -8,11 +8,11 @@ None                -> the default model, resolved as the engine resolves it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fitserve.planner.model_shape import ModelShape
+from fitserve.planner.model_shape import ModelShape, ParamCounts
 from fitserve.planner.weights import (
     WeightInventory,
     inventory_from_config,
@@ -88,10 +88,35 @@ def inspect_model(
     shape = ModelShape.from_hf_config(hf_config)
     quant = checkpoint_quantization(hf_config)
     if load_format == "dummy":
-        weights = inventory_from_config(shape, quant, source="config.json shapes (--load-format dummy)")
+        weights = _config_inventory(shape, hf_config, quant, "config.json shapes (--load-format dummy)")
     else:
         weights = inventory_from_folder(folder, shape, quant)
     return ModelInfo.from_hf_config(name, source, hf_config, weights, resolved)
+
+
+def _config_inventory(shape: ModelShape, hf_config: Any, quant: str | None, source: str) -> WeightInventory:
+    """The weights from config.json's shapes; an int4 checkpoint's quantized projections at the bytes its
+    format stores them in (layers/quantization/int4_formats.stored_int4_from_config), as the headers would."""
+    inventory = inventory_from_config(shape, quant, source=source)
+    if quant is None:
+        return inventory
+    from fitserve.layers.quantization.int4_formats import stored_int4_from_config
+    from fitserve.layers.quantization.quant_config import int4_format
+
+    try:
+        fmt = int4_format(hf_config)
+    except ValueError:  # refused, with its message, where the format is checked
+        return inventory
+    sized = None if fmt is None else stored_int4_from_config(fmt, hf_config)
+    if sized is None:
+        return inventory
+    params, stored = sized
+    counts = inventory.counts
+    return replace(
+        inventory,
+        counts=ParamCounts(counts.linear - params, counts.other, counts.replicated),
+        stored_bytes=stored,
+    )
 
 
 def _inspect_gguf(path: Path) -> ModelInfo:
@@ -133,5 +158,5 @@ def _inspect_hub(model: str, revision: str | None, trust_remote_code: bool, load
             weights = inventory_from_hub_metadata(metadata.files_metadata, quant)
         except Exception:  # no safetensors on the hub, or the hub went away: the shapes still size it
             weights = None
-    weights = weights or inventory_from_config(shape, quant)
+    weights = weights or _config_inventory(shape, hf_config, quant, "config.json shapes (no weight files)")
     return ModelInfo.from_hf_config(model, f"Hugging Face model {model} ({folder})", hf_config, weights)

@@ -10,8 +10,9 @@ from http import HTTPStatus
 from typing import Any
 
 from fitserve.core.sampling_params import SamplingParams
-from fitserve.engine.async_engine import AsyncEngine, RequestStream
+from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.beam_search import BeamSearchParams, BeamSearchStream, check_beam_width
+from fitserve.engine.request_stream import RequestStream
 from fitserve.server.args import ServerSettings
 from fitserve.server.chat import ChatRenderer
 from fitserve.server.errors import APIError

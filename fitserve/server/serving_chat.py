@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from fitserve.core.outputs import CompletionOutput, RequestOutput
-from fitserve.engine.async_engine import RequestStream
+from fitserve.engine.request_stream import RequestStream
 from fitserve.server.choice_parsing import ChoiceParser, final_finish_reason
 from fitserve.server.context import ServingContext
 from fitserve.server.errors import APIError, raise_if_generation_failed

@@ -26,6 +26,7 @@ from fitserve.engine import engine_process
 from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError
 from fitserve.engine.engine import Engine
 from fitserve.engine.engine_process import EngineProcess, EngineProcessError
+from fitserve.engine.output_deltas import OutputDecoder, OutputEncoder
 from fitserve.planner.resolve import create_engine_config
 from fitserve.server.api_server import use_engine_process
 from fitserve.server.args import ServerSettings
@@ -299,7 +300,7 @@ def test_outputs_cross_the_pipe_as_deltas_and_come_back_whole() -> None:
 
     from fitserve.core.outputs import CompletionOutput, Logprob
 
-    encoder, decoder = engine_process.OutputEncoder(), engine_process.OutputDecoder()
+    encoder, decoder = OutputEncoder(), OutputDecoder()
     prompt = list(range(10_000, 10_300))
 
     def output(request_id: str, step: int, finished: bool = False) -> RequestOutput:

@@ -10,7 +10,8 @@ import pytest
 
 from fitserve.core.outputs import RequestOutput
 from fitserve.core.sampling_params import SamplingParams
-from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError, format_stats_line
+from fitserve.engine.async_engine import AsyncEngine, EngineUnavailableError
+from fitserve.engine.stats_line import format_stats_line
 from fitserve.server.streaming import EventStreamResponse
 from tests.unit.oom_replay import OutOfMemoryReplayEngine
 from tests.unit.server_helpers import ReplayEngine, smollm2_tokenizer

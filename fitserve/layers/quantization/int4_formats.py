@@ -18,8 +18,10 @@ output rows per element (8 where 8 rows share an int32).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,3 +133,39 @@ def to_int4_weight(
     weight = Int4Weight(codes.contiguous(), scales, zeros.contiguous(), group, perm)
     weight.check()
     return weight
+
+
+_DENSE_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] | None:
+    """(parameters its quantized projections hold, their tensors' bytes as a checkpoint of `fmt` stores
+    them: packed codes and zeros, g_idx (GPTQ writers store it even without act order), float16 scales)
+    from config.json's shapes alone, for a folder without weight files (--load-format dummy); None for a
+    config this does not size (MoE)."""
+    if any(getattr(hf_config, name, None) for name in ("num_local_experts", "num_experts")):
+        return None
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv = (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim
+    intermediate = hf_config.intermediate_size
+    shapes = dict(
+        zip(
+            _DENSE_PROJECTIONS,
+            ((hidden, heads * head_dim), (hidden, kv), (hidden, kv), (heads * head_dim, hidden)),
+        )
+    )
+    shapes.update(
+        zip(_MLP_PROJECTIONS, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden)))
+    )
+    params = stored = 0
+    for layer in range(hf_config.num_hidden_layers):
+        for suffix, (in_features, out_features) in shapes.items():
+            if not fmt.quantizes(f"model.layers.{layer}.{suffix}"):
+                continue
+            params += in_features * out_features
+            for spec in param_specs(fmt, in_features, out_features).values():
+                size = 2 if spec.dtype.is_floating_point else spec.dtype.itemsize
+                stored += math.prod(spec.shape) * size
+    return params, stored

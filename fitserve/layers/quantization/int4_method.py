@@ -6,10 +6,14 @@ each projection's tensors into its rows, as the unquantized layers do. Each load
 shape, naming it, before copying. Once every tensor of every shard is in, the layer's tensors become one
 Int4Weight (int4_formats.to_int4_weight), then the form it computes with (int4_cpu.make_runnable), and
 the packed checkpoint tensors are dropped.
+
+With --load-format dummy no tensor arrives: `initialize_dummy` builds a random Int4Weight
+(int4_weight.random_int4_weight) in place of the checkpoint's and makes it runnable the same way.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -22,6 +26,7 @@ from fitserve.layers.quantization.int4_formats import (
     param_specs,
     to_int4_weight,
 )
+from fitserve.layers.quantization.int4_weight import random_int4_weight
 from fitserve.layers.quantization.quant_config import Int4Format
 
 
@@ -136,6 +141,29 @@ class Int4LinearMethod:
             delattr(layer, name)
         self.runnable, self.path = make_runnable(layer, weight, self.dtype, self.fmt.method, device)
 
+    def initialize_dummy(
+        self, layer: nn.Module, seed: int, std: float, device: torch.device | str | None = None
+    ) -> None:
+        """--load-format dummy: a random int4 weight (random_int4_weight, dequantized std about `std`)
+        instead of the checkpoint's tensors, drawn on `device` (default: the layer's parameters') from a
+        generator seeded by `seed` and the layer's name, then made runnable on the parameters' device as a
+        loaded weight is (the same kernels run); a bias becomes 0. Only this layer's weight is ever drawn."""
+        if self.runnable is not None:
+            raise ValueError(f"{self.prefix}: dummy weights for a layer that was already loaded")
+        home = next(iter(getattr(layer, name) for name in self.specs)).device
+        on = home if device is None else torch.device(device)
+        generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
+        group = self.fmt.group_for(layer.input_size)
+        weight = random_int4_weight(
+            layer.output_size, layer.input_size, group, self.fmt.symmetric, std, generator, on
+        )
+        if layer.bias is not None:
+            with torch.no_grad():
+                layer.bias.zero_()
+        for name in self.specs:
+            delattr(layer, name)
+        self.runnable, self.path = make_runnable(layer, weight, self.dtype, self.fmt.method, home)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runnable is None:
             raise RuntimeError(f"{self.prefix}: the quantized weights were not loaded")
@@ -143,6 +171,12 @@ class Int4LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing: the layer repacks itself once its last tensor arrives (see the module doc)."""
+
+
+def _layer_seed(seed: int, name: str) -> int:
+    """A generator seed from the model's seed and a layer's name: each layer's dummy weight is the same
+    whatever order the layers are initialized in."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
 
 def linear_method_for(fmt: Int4Format | None, layer_name: str, modules: list[str]) -> Int4LinearMethod | None:

@@ -7,6 +7,10 @@ original order, or for GPTQ act-order (desc_act / g_idx) the order `perm` that m
 contiguous; a layer then computes x[:, perm] @ (that matrix)^T. `zeros` is the code zero point z
 (symmetric formats: 8). `dequantize` gives the float32 weight in the ORIGINAL column order: the reference
 the loaders, the CPU forms and the GPU kernel are tested against.
+
+`random_int4_weight` draws one for --load-format dummy: uniform codes, zero point 8 (symmetric) or a random
+code near the codes' mean (asymmetric), scales around the one that gives the dequantized weight a chosen
+standard deviation (initialize_dummy_weights' 0.02), no act order.
 """
 
 from __future__ import annotations
@@ -72,6 +76,39 @@ def dequantize(weight: Int4Weight) -> torch.Tensor:
     original = torch.empty_like(values)
     original[:, weight.perm] = values
     return original
+
+
+# E[(q - z)^2] for codes q uniform on 0..15 (variance 255/12, mean 7.5): z = 8, or z uniform on
+# 4..11 (_DUMMY_ZEROS, variance 63/12, mean 7.5, so no group is biased on average).
+_DUMMY_ZEROS = (4, 12)
+_DUMMY_SQUARE = {True: 255 / 12 + 0.25, False: 255 / 12 + 63 / 12}
+
+
+def random_int4_weight(
+    out_features: int,
+    in_features: int,
+    group_size: int,
+    symmetric: bool,
+    std: float,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+) -> Int4Weight:
+    """A random Int4Weight [N, K] on `device` (the generator's): codes uniform on 0..15, zeros 8 when
+    `symmetric` else uniform integers 4..11, float32 scales uniform on [0.75, 1.25] times the one that makes
+    the dequantized weight's standard deviation about `std`; perm None. Reproducible for a generator state."""
+    groups = (out_features, in_features // group_size)
+    codes = torch.randint(
+        0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator, device=device
+    )
+    if symmetric:
+        zeros = torch.full(groups, 8.0, device=device)
+    else:
+        zeros = torch.randint(*_DUMMY_ZEROS, groups, generator=generator, device=device).float()
+    base = std / _DUMMY_SQUARE[symmetric] ** 0.5
+    scales = (torch.rand(groups, generator=generator, device=device) * 0.5 + 0.75) * base
+    weight = Int4Weight(codes, scales, zeros, group_size)
+    weight.check()
+    return weight
 
 
 def act_order_from_g_idx(g_idx: torch.Tensor, group_size: int, name: str) -> torch.Tensor | None:
