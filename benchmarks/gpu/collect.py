@@ -46,8 +46,30 @@ def main() -> None:
             "kv_tokens_8b": 444528,
         },
     }
+    summary["under_load"] = under_load()
     (RESULTS / "h100.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+
+
+def under_load() -> dict:
+    """Issue 27's keys: serving from h100_load_suite_final.json (the engine in its own process), the
+    offline figures from h100_load_suite_ab.json, vLLM's from h100_load_suite_vs_vllm.json (another
+    lease: see each file's note before reading a ratio)."""
+    serve = figures("load_suite_final").get("engine_process", {})
+    offline = figures("load_suite_ab").get("offline_after_another_lease", {})
+    vllm = figures("load_suite_vs_vllm").get("vllm_0_26_0", {})
+    keys = [
+        f"serve_c{c}_{what}"
+        for c in (64, 128, 256)
+        for what in ("out_tok_per_s", "mean_tpot_ms", "p99_ttft_ms")
+    ]
+    offline_keys = ["prefill_heavy_out_tok_per_s", "prefill_32k_ttft_ms", "prefill_tok_per_s_8k_chunks"]
+    fitserve = {key: serve.get(key) for key in keys} | {key: offline.get(key) for key in offline_keys}
+    fitserve["kv_tokens_8b_serve"] = serve.get("kv_tokens_8b")
+    reference = {key: vllm.get(key) for key in keys + offline_keys} | {
+        "kv_tokens_8b_serve": vllm.get("kv_tokens_8b")
+    }
+    return {"fitserve": fitserve, "vllm_0_26_0_first_lease": reference}
 
 
 if __name__ == "__main__":
