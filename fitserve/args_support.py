@@ -12,9 +12,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fitserve.args")
 
-# --quantization values naming the format of an already-quantized int4 checkpoint, which fitserve runs
-# (layers/quantization/quant_config.py checks the checkpoint against them); any other value asks to
-# quantize while loading, which fitserve does not do yet.
+# --quantization values fitserve runs: the format of an already-quantized checkpoint (layers/quantization/
+# quant_config.py checks the checkpoint against them), and fp8 / bitsandbytes, which also quantize a 16-bit
+# checkpoint while loading; any other value is refused here.
 CHECKPOINT_QUANTIZATIONS = (
     "gptq",
     "gptq_marlin",
@@ -23,9 +23,13 @@ CHECKPOINT_QUANTIZATIONS = (
     "compressed-tensors",
     "auto-round",
     "inc",
+    "fp8",  # an fp8 checkpoint, or a 16-bit one quantized to fp8 while loading
+    "bitsandbytes",  # a bitsandbytes 4-bit checkpoint, or a 16-bit one quantized to nf4 while loading
+    "bnb",
 )
 CLOSEST_QUANTIZATION = (
-    "the closest that runs is an int4 GPTQ, AWQ, compressed-tensors or AutoRound checkpoint of the model"
+    "the closest that run are --quantization fp8 or bitsandbytes (quantized while loading), or an int4 "
+    "GPTQ, AWQ, compressed-tensors or AutoRound checkpoint of the model"
 )
 
 

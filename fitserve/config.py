@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from fitserve.kv_groups import KvCacheGroup, elements_per_request_token, kv_cache_groups
+from fitserve.kv_layers import KvLayerSpec, kv_layer_specs
+
 # --kv-cache-dtype values other than "auto" (the model dtype) -> the cache's torch dtype. As in vLLM,
 # "fp8" is e4m3. One byte per element: twice the tokens of a 16-bit cache in the same memory.
 FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -63,6 +66,8 @@ class ModelConfig:
     revision: str | None = None
     # GiB of decoder-layer weights kept in CPU memory (--cpu-offload-gb); 0 on the CPU device
     cpu_offload_gb: float = 0.0
+    # --quantization: reaches model construction on hf_config (models/loader.py, layers/quantization)
+    quantization: str | None = None
     # Sampling defaults the model's publisher states outside generation_config.json (the default model's
     # card), and where; with generation_config "auto" they sit under the file's own values.
     card_sampling: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +101,11 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
+
+    @property
+    def kv_layers(self) -> tuple[KvLayerSpec, ...]:
+        """Each decoder layer's KV cache geometry (differs by layer on Gemma-4)."""
+        return kv_layer_specs(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -165,7 +175,21 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token over all layers: K and V, in the cache's element type."""
+        """KV cache bytes per token of a max_model_len request over the layers that own a cache (each with
+        its own geometry, fitserve/kv_layers.py; a sliding group counts only the blocks its window keeps,
+        fitserve/kv_groups.py): K and V, in the cache's element type."""
         model = self.model
         element = self.cache.torch_kv_cache_dtype(model.dtype).itemsize
-        return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+        elements = elements_per_request_token(self.kv_groups, model.max_model_len, self.cache.block_size)
+        return elements * element
+
+    @property
+    def kv_groups(self) -> tuple[KvCacheGroup, ...]:
+        """The layers grouped by the blocks they keep (fitserve/kv_groups.py): one group unless some layers
+        have a sliding window shorter than max_model_len needs."""
+        return kv_cache_groups(
+            self.model.kv_layers,
+            self.model.max_model_len,
+            self.scheduler.max_num_batched_tokens,
+            self.cache.block_size,
+        )

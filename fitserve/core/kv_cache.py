@@ -75,21 +75,27 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
-        """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
+        """Take a reference on cache-hit blocks, pulling free ones out of the free queue (the null block,
+        a sliding group's stand-in for blocks behind its window, is skipped)."""
         for block in blocks:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
             if block.ref_cnt == 0:
                 del self.free_block_queue[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the end of the free queue in order."""
+        """Drop one reference each; blocks reaching zero join the end of the free queue in order (the null
+        block is skipped)."""
         for block in blocks:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue[block.block_id] = block
 
     def cache(self, block: KVBlock, block_hash: int) -> None:
-        if block.block_hash is not None:
+        if block.block_hash is not None or block.block_id == NULL_BLOCK_ID:
             return
         if block_hash in self.cached_blocks:
             return  # an identical block is already cached; this one stays private
@@ -111,6 +117,8 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 class KVCacheManager:
     """Block tables per request over one BlockPool, with prefix-cache lookups and hit counters."""
+
+    num_groups = 1  # one block table per request (kv_cache_groups.py: one per group of layers)
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
@@ -162,6 +170,16 @@ class KVCacheManager:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
+        """Whether allocate_slots with these arguments would find enough free blocks (changes nothing)."""
+        blocks = self.req_blocks.get(request.request_id, ())
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = max(-(-total_tokens // self.block_size) - len(blocks) - len(computed_blocks), 0)
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return num_needed + num_revived <= self.pool.num_free_blocks
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()

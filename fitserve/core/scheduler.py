@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from fitserve.config import SchedulerConfig
 from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.kv_cache_groups import HybridKVCacheManager
 from fitserve.core.request import Request, RequestStatus
 
 
@@ -35,6 +36,9 @@ class ScheduledRequest:
     block_ids: list[int]
     # True when this step computes the request's last token (known or placeholder): a new one is sampled.
     samples: bool
+    # The tables of KV cache groups 1.. (sliding-window layers: null before the window), for a model that
+    # has several groups (core/kv_cache_groups.py); () with one group, whose table is block_ids.
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -52,9 +56,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager | HybridKVCacheManager) -> None:
         self.config = config
         self.kv_manager = kv_manager
+        self._several_groups = kv_manager.num_groups > 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -171,6 +176,9 @@ class Scheduler:
         if samples:
             request.num_output_placeholders += 1
         block_ids = self.kv_manager.block_ids(request.request_id)
+        if self._several_groups:
+            groups = self.kv_manager.group_block_ids(request.request_id)  # type: ignore[union-attr]
+            return ScheduledRequest(request, start, num_new, block_ids, samples, groups)
         return ScheduledRequest(request, start, num_new, block_ids, samples)
 
     def _preempt(self, request: Request) -> None:

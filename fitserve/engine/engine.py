@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fitserve.config import EngineConfig
-from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.kv_cache_groups import make_kv_cache_manager
 from fitserve.core.outputs import RequestMetrics, RequestOutput
 from fitserve.core.request import Request, RequestStatus
 from fitserve.core.sampling_params import SamplingParams
@@ -23,6 +23,7 @@ from fitserve.engine.detokenizer import IncrementalDetokenizer
 from fitserve.engine.out_of_memory import out_of_memory_message, request_failure_message, step_failure_message
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
 from fitserve.engine.token_bytes import token_byte_table
+from fitserve.kv_groups import group_num_blocks
 from fitserve.logger import configure_default_logging
 from fitserve.models.loader import (
     load_generation_defaults,
@@ -88,9 +89,11 @@ class Engine:
             self.tokenizer = tokenizer.result()
         finally:
             tokenizer_loader.shutdown(wait=False, cancel_futures=True)
-        num_blocks = self.memory_plan.num_kv_blocks
-        self.kv_manager = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        groups = config.kv_groups
+        full_need = -(-mc.max_model_len // config.cache.block_size)
+        num_blocks = group_num_blocks(groups, self.memory_plan.num_kv_blocks, full_need)
+        self.kv_manager = make_kv_cache_manager(
+            groups, num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.output_processor = OutputProcessor(self.tokenizer)

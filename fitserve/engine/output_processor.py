@@ -15,7 +15,7 @@ from fitserve.core.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
-from fitserve.core.request import Request
+from fitserve.core.request import Request, RequestStatus
 from fitserve.core.sampling_params import RequestOutputKind, SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
 
@@ -103,7 +103,10 @@ class OutputProcessor:
             detokenizer = parent.detokenizers[child.index]
             if detokenizer is None:
                 continue
-            stop = detokenizer.add_tokens([token_id])
+            if _ended_by_stop_token(child, parent.params.include_stop_str_in_output):
+                stop = None  # the EOS / stop token's own text is left out, as vLLM does
+            else:
+                stop = detokenizer.add_tokens([token_id])
             if stop is None and child.is_finished:
                 detokenizer.finish()  # flush a trailing partial character as decode() would
             if stop is not None and not child.is_finished:
@@ -238,3 +241,9 @@ class LazyPromptLogprobs(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._positions())
+
+
+def _ended_by_stop_token(child: Request, include_stop_str_in_output: bool) -> bool:
+    """The child's last token is an end-of-sequence or stop_token_ids token (the scheduler finished it
+    with "stop" as it was sampled: stop strings end a child only after its text is built)."""
+    return child.status is RequestStatus.FINISHED_STOPPED and not include_stop_str_in_output

@@ -52,6 +52,10 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
+# Heads wider than 128 take the default tile (WHOLE_CONTEXT_CONFIG's five stages of 128 keys would not fit
+# shared memory), and wider than 256 (Gemma-4's 512) 16-key tiles: key and value tiles of 16 x 512 over
+# two stages take 64 KB.
+WIDE_HEAD_DECODE_CONFIG = DecodeLaunchConfig(tile_tokens=16, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -277,12 +281,14 @@ def paged_decode_attention(
         return out
     max_context_len = block_tables.shape[1] * block_size
     sm_count = _sm_count(q.device.index or 0)
+    block_d = next_power_of_2(head_dim)
+    if config is None and block_d > 128:
+        config = WIDE_HEAD_DECODE_CONFIG if block_d > 256 else DEFAULT_DECODE_CONFIG
     if num_partitions is None:
         tile_tokens = (config or DEFAULT_DECODE_CONFIG).tile_tokens
         num_partitions = choose_num_partitions(num_seqs, num_kv_heads, max_context_len, sm_count, tile_tokens)
     if config is None:
         config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count)
-    block_d = next_power_of_2(head_dim)
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1

@@ -49,6 +49,16 @@ MIN_BLOCK_N = 16
 MAX_SPLIT_ROW_TILES = 8
 
 
+def packed_int4_bytes(in_features: int, out_features: int, group_size: int, dtype_bytes: int = 2) -> int:
+    """The bytes `repack_int4` allocates for one layer (the planner counts these on a GPU): the codes padded
+    to BLOCK_K, a (scale, zero point) pair per padded group and output row in the activation dtype, and
+    the split-K counters."""
+    padded = -(-in_features // BLOCK_K) * BLOCK_K
+    groups = -(-padded // group_size)
+    counters = -(-out_features // MIN_BLOCK_N) * MAX_SPLIT_ROW_TILES
+    return out_features * padded // 2 + groups * out_features * 2 * dtype_bytes + 4 * counters
+
+
 @dataclass(frozen=True)
 class PackedInt4:
     """One linear layer's int4 weight in the kernels' layout (module docstring)."""

@@ -47,6 +47,10 @@ DEFAULT_PREFILL_CONFIG = PrefillLaunchConfig()
 # default is faster anyway (one-token queries fill a tenth of a tall tile): 207 against 176 TFLOP/s for a
 # 1k chunk beside 32 decodes.
 LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+# Heads wider than 256 (Gemma-4's 512 on its full-attention layers): a [64, 512] query tile, [16, 512] key
+# and value tiles over two stages (64 + 64 KB of shared memory; the long-query config's 128-row tile and
+# three stages need 256 KB, more than the H100's 227), and 8 warps for the [64, 512] float32 accumulator.
+WIDE_HEAD_CONFIG = PrefillLaunchConfig(block_m=64, block_n=16, num_warps=8, num_stages=2)
 LONG_QUERY_MIN_MEAN = 512  # mean query tokens per sequence from which the long-query config runs
 
 
@@ -204,11 +208,13 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    block_d = next_power_of_2(head_dim)
     if config is None:
         config = choose_prefill_config(num_tokens, num_seqs)
+        if block_d > 256:
+            config = WIDE_HEAD_CONFIG
     block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    block_d = next_power_of_2(head_dim)
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)
     grid = (num_seqs, num_kv_heads, cdiv(max_query_len, block_q))
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)

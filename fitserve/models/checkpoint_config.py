@@ -6,7 +6,7 @@ transformers and torch._dynamo: 10.6 s on a fresh H100 machine
 fitserve reads a few dozen keys, so for its own architectures it reads config.json itself and fills
 what the file leaves out with the defaults of the family's transformers config class
 (tests/unit/test_checkpoint_config.py checks they agree). Any other architecture, or a config that
-asks for remote code, still goes through AutoConfig.
+asks for remote code, still goes through AutoConfig. Gemma-4 (both forms) is read by gemma4_config.py.
 
 The values stay as config.json writes them, except `dtype`, which becomes a torch.dtype. RoPE settings
 stay in `rope_theta` and `rope_scaling` (or `rope_parameters` for files written by transformers >= 5);
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fitserve.models.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_values
 
 _COMMON = {
     "hidden_size": 4096,
@@ -100,9 +102,13 @@ class CheckpointConfig:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return None  # AutoConfig reports it in its own words
-        if not isinstance(raw, dict) or "auto_map" in raw or "text_config" in raw:
+        if not isinstance(raw, dict) or "auto_map" in raw:
             return None
         architectures = raw.get("architectures") or []
+        if len(architectures) == 1 and architectures[0] in GEMMA4_ARCHITECTURES:
+            return cls(gemma4_values(raw))  # its text_config flattened (gemma4_config.py)
+        if "text_config" in raw:
+            return None
         if len(architectures) != 1 or architectures[0] not in FAMILY_DEFAULTS:
             return None
         defaults = FAMILY_DEFAULTS[architectures[0]]

@@ -9,10 +9,14 @@ shared with the planner.
    large chunks of page-locked memory from torch's own pinned allocator on CUDA (plain CPU memory
    elsewhere), laid out by `HostChunks` (fitserve/offload_split.py), which keeps that allocator's
    power-of-two rounding to less than one layer per chunk.
-2. The weights load into those views like into any parameter.
+2. The weights load into those views like into any parameter. A quantized layer (layers/quantization)
+   then replaces its checkpoint tensors with the form it computes with, as buffers: `place` marks every
+   module of an offloaded layer with the device it runs on (layers/quantization/placement.py), so that
+   form is the GPU kernels' one, kept in CPU memory; `attach` moves such layers into new host chunks
+   laid out for what they hold now and frees the old ones.
 3. `CpuOffload.attach(model)` then allocates the device staging buffers once (one set per layer layout:
-   parameter names, shapes and dtypes; every decoder layer of a family has the same one), points each
-   offloaded parameter at its view of them, and registers a forward pre-hook per offloaded layer that
+   parameter and buffer names, shapes and dtypes; every decoder layer of a family has the same one),
+   points each offloaded tensor at its view of them, and registers a forward pre-hook per offloaded layer that
    copies the layer's host buffers into them.
 
 Invariants. Outside a forward, an offloaded layer's parameters read the staging buffer, i.e. whichever
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fitserve.layers.quantization.placement import mark_offloaded
 from fitserve.offload_split import (
     HOST_ALIGN_BYTES,
     GiB,
@@ -89,7 +94,7 @@ class FlatLayout:
     def of(cls, layer: nn.Module) -> FlatLayout:
         entries = []
         numel: dict[torch.dtype, int] = {}
-        for name, param in layer.named_parameters():
+        for name, param in _named_tensors(layer):
             align = max(1, _ALIGN_BYTES // param.element_size())
             start = -(-numel.get(param.dtype, 0) // align) * align
             entries.append((name, param.dtype, start, param.shape))
@@ -157,7 +162,7 @@ class CpuOffload:
 
     def place(self, index: int, layer: nn.Module, num_layers: int) -> None:
         """Called by `make_layers` as each layer is built: moves it to CPU memory while more is wanted."""
-        nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        nbytes = _tensor_bytes(layer)
         layout = FlatLayout.of(layer)
         if index == 0:  # refuse before anything moves (all layers of a family are the same size)
             split = split_offload([nbytes] * num_layers, self.cpu_offload_gb)
@@ -166,6 +171,7 @@ class CpuOffload:
         self.num_model_layers += 1
         self.model_layer_bytes += nbytes
         if self.offloaded_bytes < self.cpu_offload_gb * GiB:
+            mark_offloaded(layer, self.device)  # a quantized layer repacks for the device it runs on
             self.layers.append(self._move_to_host(index, layer, layout, nbytes))
 
     def attach(self, model: nn.Module) -> None:
@@ -181,6 +187,7 @@ class CpuOffload:
             raise ValueError(
                 offload_too_large_message(self.cpu_offload_gb, self.model_layer_bytes, self.num_model_layers)
             )
+        self._rehome_repacked_layers()
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.layers:
                 staging = self.staging.get(layer.layout.key)
@@ -191,8 +198,8 @@ class CpuOffload:
                     }
                     self.staging[layer.layout.key] = staging
                 views = layer.layout.views(staging)
-                for name, param in layer.module.named_parameters():
-                    param.data = views[name]
+                for name, tensor in _named_tensors(layer.module):
+                    tensor.data = views[name]
                 layer.module.register_forward_pre_hook(_copy_in_hook(layer.host, staging))
         model.cpu_offload = self
         logger.info(
@@ -216,10 +223,26 @@ class CpuOffload:
         host = {dtype: self._host_empty(numel, dtype) for dtype, numel in layout.numel.items()}
         views = layout.views(host)
         with torch.no_grad():
-            for name, param in layer.named_parameters():
-                views[name].copy_(param)  # from the device: a synchronous copy
-                param.data = views[name]  # the device copy is freed here, before the next layer is built
+            for name, tensor in _named_tensors(layer):
+                views[name].copy_(tensor)  # from the device: a synchronous copy
+                tensor.data = views[name]  # the device copy is freed here, before the next layer is built
         return OffloadedLayer(index, layer, layout, host, nbytes)
+
+    def _rehome_repacked_layers(self) -> None:
+        """A quantized layer replaces its checkpoint tensors with the form it computes with once loaded
+        (layers/quantization: e.g. int4 repacked for the GPU kernels, kept in CPU memory because the layer
+        is marked offloaded): when any offloaded layer's tensors differ from those it was built with, every
+        offloaded layer moves into new host chunks laid out for what it holds now, and the old chunks
+        (the checkpoint tensors' views) are freed."""
+        if all(FlatLayout.of(layer.module).key == layer.layout.key for layer in self.layers):
+            return
+        layouts = [FlatLayout.of(layer.module) for layer in self.layers]
+        self.host_chunks = []
+        self._chunk_layout = HostChunks(sum(layout.host_request_bytes for layout in layouts))
+        self.layers = [
+            self._move_to_host(layer.index, layer.module, layout, _tensor_bytes(layer.module))
+            for layer, layout in zip(self.layers, layouts, strict=True)
+        ]
 
     def _host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer of `numel` elements, a view of a host chunk (a new one when the last is full).
@@ -240,6 +263,16 @@ class CpuOffload:
                 ) from error
             self.host_chunks.append(chunk)
         return self.host_chunks[chunk_index][offset : offset + nbytes].view(dtype)
+
+
+def _named_tensors(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What an offloaded layer keeps in CPU memory: its parameters and buffers (a quantized layer keeps
+    its runnable form as buffers)."""
+    return [*layer.named_parameters(), *layer.named_buffers()]
+
+
+def _tensor_bytes(layer: nn.Module) -> int:
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in _named_tensors(layer))
 
 
 def _copy_in_hook(

@@ -30,7 +30,8 @@ from fitserve.layers.linear import (
     ShardId,
     default_weight_loader,
 )
-from fitserve.layers.quantization.int4_method import linear_method_for
+from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
+from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.quantization.quant_config import Int4Format, int4_format
 from fitserve.layers.rotary_embedding import RotaryEmbedding, StepRope, rope_settings_from_config
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -245,7 +246,7 @@ class DecoderModel(nn.Module):
             head_dim_of(config), rope_settings_from_config(config), config.max_position_embeddings
         )
         windows = sliding_windows_of(config)
-        quant = int4_format(config)  # an int4 checkpoint's format (layers/quantization), else None
+        quant = int4_format(config)  # a quantized checkpoint's format (layers/quantization), else None
         # make_layers: --cpu-offload-gb moves the first layers to CPU memory as they are built
         self.layers = make_layers(
             config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i], quant)
@@ -347,6 +348,7 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(self.skipped_weight_suffixes):
                 continue
+            name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             if self.lm_head.tied and name.startswith("lm_head."):
                 continue  # tied: the head reads the embedding, loaded under its own name
             target, packed, shard_id = self._map_checkpoint_name(name)

@@ -21,4 +21,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's layers; its `sliding_window` (when set) caps the context the attention layers accept."""
+    """Llama's layers; its `sliding_window` (when set) is each attention layer's window (masked on the CPU;
+    the CUDA path refuses contexts longer than it)."""

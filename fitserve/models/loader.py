@@ -19,6 +19,7 @@ from torch import nn
 
 from fitserve.args import GENERATION_CONFIG_KEYS
 from fitserve.config import ModelConfig
+from fitserve.layers.quantization.quant_config import with_quantization_flag
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.cpu_offload import CpuOffload, offloading
 from fitserve.models.resolve import ResolvedModel, require_config_json, resolve_model, resolve_tokenizer_path
@@ -187,7 +188,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
 
     offload = CpuOffload(model_config.cpu_offload_gb, device) if model_config.cpu_offload_gb > 0 else None
     with default_dtype(model_config.dtype), device, offloading(offload):
-        model = model_class(model_config.hf_config)
+        model = model_class(with_quantization_flag(model_config.hf_config, model_config.quantization))
 
     started = time.perf_counter()
     with torch.no_grad():

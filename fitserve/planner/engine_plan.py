@@ -19,9 +19,9 @@ from fitserve.planner.hardware import DeviceSpec, gpu_device_spec
 
 __all__ = ["gpu_device_spec", "inputs_from_engine_config"]
 from fitserve.planner.memory import MemoryInputs
-from fitserve.planner.model_info import checkpoint_quantization
+from fitserve.planner.model_info import weights_inventory
 from fitserve.planner.model_shape import ModelShape
-from fitserve.planner.weights import WeightInventory, inventory_from_config, inventory_from_folder
+from fitserve.planner.weights import WeightInventory
 
 
 def inputs_from_engine_config(
@@ -31,11 +31,9 @@ def inputs_from_engine_config(
     model = config.model
     shape = ModelShape.from_hf_config(model.hf_config)
     if weights is None:
-        quant = checkpoint_quantization(model.hf_config)
-        if model.load_format == "dummy":
-            weights = inventory_from_config(shape, quant, source="config.json shapes (dummy weights)")
-        else:
-            weights = inventory_from_folder(Path(model.model_path), shape, quant)
+        weights = weights_inventory(
+            Path(model.model_path), shape, model.hf_config, model.load_format == "dummy"
+        )
     on_gpu = device.kind == "cuda"
     compilation = config.compilation
     sizes: tuple[int, ...] = ()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 # EngineArgs field -> why a run with it needs vLLM for now.
 NOT_RUN_BY_FITSERVE: dict[str, str] = {
-    "quantization": "fitserve runs int4 AWQ / GPTQ checkpoints, not this yet; vLLM does",
+    "quantization": "fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does",
     "tensor_parallel_size": "fitserve does not run tensor parallel yet; vLLM does",
 }
 
 
 def vllm_only(suggestion: str, setting: str) -> str:
-    """`suggestion` with the plain reason fitserve cannot run it: `--quantization fp8 ... (fitserve runs
-    int4 AWQ / GPTQ checkpoints, not this yet; vLLM does)`."""
+    """`suggestion` with the plain reason fitserve cannot run it: `--tensor-parallel-size 2 ... (fitserve
+    does not run tensor parallel yet; vLLM does)`."""
     return f"{suggestion} ({NOT_RUN_BY_FITSERVE[setting]})"

@@ -39,6 +39,7 @@ from fitserve.planner.fit_knobs import (
 from fitserve.planner.fit_options import Headroom
 from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
 from fitserve.planner.hardware import DeviceSpec, GiB
+from fitserve.planner.kv_length import largest_length
 from fitserve.planner.memory import MemoryInputs, MemoryPlan, cpu_kept_forms, plan_memory, with_settings
 from fitserve.planner.model_info import ModelInfo
 
@@ -240,7 +241,7 @@ def _choose_max_model_len(
         )
     floor = min(own, MIN_AUTO_MAX_MODEL_LEN)
     for requests in (FULL_LENGTH_REQUESTS, 1):
-        length = min(own, usable_blocks // requests * block)
+        length = largest_length(plan, requests, own)
         if length >= floor:
             fit = (
                 f"that {requests} requests fit"

@@ -237,8 +237,8 @@ def check_host_memory(plan: MemoryPlan, host_ram_available: int | None) -> None:
                 f"cpu_offload_gb={inputs.cpu_offload_gb:g} per GPU keeps {offloaded / GiB:.2f} GiB of "
                 "weights in "
                 f"host RAM but {host_ram_available / GiB:.2f} GiB is available: lower "
-                "--cpu-offload-gb, or "
-                + vllm_only("add --quantization to shrink the weights", "quantization"),
+                "--cpu-offload-gb, or add --quantization fp8 or bitsandbytes (or use an int4 checkpoint) to "
+                "shrink the weights",
             )
         return
     if _ram_needed(plan) > plan.budget_bytes:

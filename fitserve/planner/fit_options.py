@@ -33,8 +33,8 @@ _QUANT_GROUPS: dict[tuple[str, ...], str] = {
     ("awq", "gptq"): "4-bit, needs an AWQ or GPTQ checkpoint of the model",
     ("bitsandbytes",): QUANTIZATION_METHODS["bitsandbytes"].how,
 }
-# fitserve's engine runs these from a checkpoint quantized that way (not yet with --cpu-offload-gb)
-RUN_BY_FITSERVE = {("awq", "gptq")}
+# fitserve's engine runs these (awq / gptq from a checkpoint quantized that way), with --cpu-offload-gb too
+RUN_BY_FITSERVE = {("awq", "gptq"), ("fp8",), ("bitsandbytes",)}
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,11 @@ def fitting_options(
     needs_vllm = [text for group, text in quantization if group not in RUN_BY_FITSERVE]
     options += runs + [vllm_only(text, "quantization") for text in needs_vllm]
     if not quantization and _can_quantize(inputs):
-        for group in (("awq", "gptq"), ("bitsandbytes",)):
+        for group in (("fp8",), ("awq", "gptq"), ("bitsandbytes",)):
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
             if combined:
-                suggestion = f"--quantization {' or '.join(group)} with {combined}"
-                options.append(vllm_only(suggestion, "quantization"))
+                checkpoint = " (an AWQ or GPTQ checkpoint of the model)" if group == ("awq", "gptq") else ""
+                options.append(f"--quantization {' or '.join(group)}{checkpoint} with {combined}")
     tensor_parallel = _tensor_parallel_option(inputs, needed_tokens, headroom)
     if tensor_parallel:
         options.append(vllm_only(tensor_parallel, "tensor_parallel_size"))
@@ -139,6 +139,9 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
         return None
     offloadable = decoder_layer_bytes_per_gpu(inputs) * inputs.shape.num_layers
     offload_gib = inputs.cpu_offload_gb + math.ceil(short / GiB / OFFLOAD_STEP_GIB) * OFFLOAD_STEP_GIB
+    # never start past the decoder layers' bytes: a guess that rounds up beyond them may still fit below
+    largest = math.floor(offloadable / GiB / OFFLOAD_STEP_GIB) * OFFLOAD_STEP_GIB
+    offload_gib = max(inputs.cpu_offload_gb, min(offload_gib, largest))
     fitted = None
     # The first guess frees `short` but ignores the staging buffer of one layer the GPU then holds.
     while fitted is None and offload_gib * GiB <= offloadable:

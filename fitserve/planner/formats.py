@@ -39,8 +39,9 @@ class QuantMethod:
 
 
 # AWQ / GPTQ: 4-bit weights in groups of 128, each group with an fp16 scale and a 4-bit zero point:
-# 4 + (16 + 4) / 128 bits. bitsandbytes nf4: blocks of 64 with an fp32 absmax: 4 + 32 / 64 bits.
-# fp8: one byte per weight and a per-tensor scale.
+# 4 + (16 + 4) / 128 bits. bitsandbytes nf4: blocks of 64, each absmax held as float16 (fitserve's form,
+# layers/quantization/bnb_sizes.py): 4 + 16 / 64 bits.
+# fp8: one byte per weight; its float32 scale per output row is counted apart (memory.py).
 _GROUPED_4BIT = 4 + (16 + 4) / 128
 QUANTIZATION_METHODS: dict[str, QuantMethod] = {
     "fp8": QuantMethod("fp8", 8.0, "8-bit, quantized from this checkpoint while loading", False, (8, 0)),
@@ -53,7 +54,7 @@ QUANTIZATION_METHODS: dict[str, QuantMethod] = {
         "auto-round", _GROUPED_4BIT, "4-bit, needs an AutoRound checkpoint of the model", True, (6, 0)
     ),
     "bitsandbytes": QuantMethod(
-        "bitsandbytes", 4 + 32 / 64, "4-bit nf4, quantized from this checkpoint while loading", False, (7, 0)
+        "bitsandbytes", 4 + 16 / 64, "4-bit nf4, quantized from this checkpoint while loading", False, (7, 0)
     ),
 }
 # Names vLLM also accepts for the same storage.

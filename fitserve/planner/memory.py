@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from fitserve.capture_sizes import piecewise_capture_sizes
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import CpuKvCacheSize, cpu_kv_cache_size
+from fitserve.kv_groups import KvCacheGroup, elements_per_request_token, group_num_blocks, kv_cache_groups
 from fitserve.offload_split import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
 from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
@@ -115,6 +116,15 @@ class MemoryPlan:
         return max(0, self.num_kv_blocks - 1) / blocks_per_request
 
     @property
+    def group_num_blocks(self) -> tuple[int, ...]:
+        """Each KV cache group's pool (null block included), in kv_groups order; (num_kv_blocks,) for one."""
+        groups = kv_groups(self.inputs)
+        if len(groups) <= 1:
+            return (self.num_kv_blocks,)
+        full_need = math.ceil(self.inputs.max_model_len / self.inputs.block_size)
+        return group_num_blocks(groups, self.num_kv_blocks, full_need)
+
+    @property
     def weights_gib_per_gpu(self) -> float:
         return self.terms.weights / GiB
 
@@ -204,15 +214,36 @@ def weight_bytes_total(inputs: MemoryInputs) -> int:
         (counts.linear - int4) * linear_bytes_per_param(inputs) + int4 * forms.int4_bytes_per_weight
     )
     head_copy = 2 * inputs.shape.vocab_size * inputs.shape.hidden_size if forms.fp16_head else 0
-    return inputs.weights.stored_bytes + linear + counts.other * DTYPE_BYTES[inputs.dtype] + head_copy
+    scales = fp8_on_load_scale_bytes(inputs)
+    gpu_forms = inputs.weights.gpu_extra_bytes if inputs.on_gpu else 0
+    stored = inputs.weights.stored_bytes + gpu_forms
+    return stored + linear + counts.other * DTYPE_BYTES[inputs.dtype] + head_copy + scales
+
+
+def fp8_on_load_scale_bytes(inputs: MemoryInputs) -> int:
+    """--quantization fp8 on a 16-bit checkpoint: one float32 scale per output row of every decoder
+    projection (layers/quantization/fp8_method.py); the weights themselves are 1 byte each (formats.py)."""
+    if (inputs.quantization or "").lower() != "fp8" or inputs.weights.checkpoint_quantization is not None:
+        return 0
+    shape = inputs.shape
+    attention = (shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim + shape.hidden_size
+    experts = max(1, shape.num_experts)
+    width = shape.moe_intermediate_size if shape.num_experts else shape.intermediate_size
+    mlp = experts * (2 * width + shape.hidden_size)
+    if shape.shared_expert_intermediate_size:
+        mlp += 2 * shape.shared_expert_intermediate_size + shape.hidden_size
+    return 4 * shape.num_layers * (attention + mlp)
 
 
 def cpu_kept_forms(inputs: MemoryInputs) -> CpuKeptForms:
     """The int4 matrices and float16 LM head the CPU engine keeps (planner/weights.py), where they apply:
-    on the CPU, without --quantization; the float16 head only beside float32 weights."""
+    on the CPU; the int4 matrices without --quantization (which quantizes them its own way), the float16
+    head (never quantized) only beside float32 weights."""
     forms = inputs.weights.cpu_forms
-    if inputs.on_gpu or inputs.quantization is not None or forms == NO_CPU_FORMS:
+    if inputs.on_gpu or forms == NO_CPU_FORMS:
         return NO_CPU_FORMS
+    if inputs.quantization is not None:
+        forms = replace(forms, int4_params=0)
     return replace(forms, fp16_head=forms.fp16_head and inputs.dtype == "float32")
 
 
@@ -267,13 +298,35 @@ def offload_split(inputs: MemoryInputs) -> tuple[OffloadSplit, str | None]:
     return split, f"{too_large}; the plan offloads all {len(layers)} layers"
 
 
-def kv_bytes_per_token(inputs: MemoryInputs) -> int:
-    """K and V of every layer for one token on one rank."""
-    shape = inputs.shape
-    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
-    return (
-        2 * shape.num_layers * shape.kv_heads_per_rank(inputs.tensor_parallel_size) * shape.head_dim * element
+def kv_groups(inputs: MemoryInputs) -> tuple[KvCacheGroup, ...]:
+    """The KV cache groups the engine allocates (fitserve/kv_groups.py); () for a model whose layers are
+    alike (no per-layer geometry): one full group."""
+    if not inputs.shape.kv_layers:
+        return ()
+    return kv_cache_groups(
+        inputs.shape.kv_layers,
+        inputs.max_model_len,
+        inputs.max_num_batched_tokens,
+        inputs.block_size,
+        inputs.tensor_parallel_size,
     )
+
+
+def kv_bytes_per_context_token(inputs: MemoryInputs) -> int:
+    """K and V of every layer that owns a cache for one token on one rank, windows or not."""
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
+    return inputs.shape.kv_elements_per_token(inputs.tensor_parallel_size) * element
+
+
+def kv_bytes_per_token(inputs: MemoryInputs) -> int:
+    """K and V of every layer that owns a cache (each with its own geometry) for one token of a
+    max_model_len request on one rank; a sliding-window group counts only the blocks its window keeps
+    (fitserve/kv_groups.py), so a pool of N tokens holds N / max_model_len full-length requests."""
+    groups = kv_groups(inputs)
+    if not groups:
+        return kv_bytes_per_context_token(inputs)
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
+    return elements_per_request_token(groups, inputs.max_model_len, inputs.block_size) * element
 
 
 def forward_activation_bytes(inputs: MemoryInputs, num_tokens: int) -> int:
@@ -312,7 +365,18 @@ def activation_peak_bytes(inputs: MemoryInputs) -> int:
     """The larger of the forward and the sampling peaks of a step of max_num_batched_tokens tokens."""
     tokens = inputs.max_num_batched_tokens
     rows = min(inputs.max_num_seqs, tokens)
-    return max(forward_activation_bytes(inputs, tokens), sampling_activation_bytes(inputs, tokens, rows))
+    peak = max(forward_activation_bytes(inputs, tokens), sampling_activation_bytes(inputs, tokens, rows))
+    return peak + dequant_scratch_bytes(inputs)
+
+
+# kernels/int4_dequant.py's SCRATCH_BYTES: on a GPU, quantized layers multiply the rows of a long step
+# through chunks of their weight dequantized into one buffer of this size (allocated in the profiling run).
+DEQUANT_SCRATCH_BYTES = 64 << 20
+
+
+def dequant_scratch_bytes(inputs: MemoryInputs) -> int:
+    quantized = inputs.weights.checkpoint_quantization is not None or bool(inputs.quantization)
+    return DEQUANT_SCRATCH_BYTES if inputs.on_gpu and quantized else 0
 
 
 def cuda_graph_bytes(inputs: MemoryInputs) -> int:

@@ -86,12 +86,38 @@ def inspect_model(
         return _inspect_hub(model, revision, trust_remote_code, load_format)
     hf_config = load_hf_config(str(folder), trust_remote_code=trust_remote_code)
     shape = ModelShape.from_hf_config(hf_config)
+    weights = weights_inventory(folder, shape, hf_config, load_format == "dummy")
+    return ModelInfo.from_hf_config(name, source, hf_config, weights, resolved)
+
+
+def weights_inventory(folder: Path, shape: ModelShape, hf_config: Any, dummy: bool) -> WeightInventory:
+    """The weights the engine holds: from the safetensors headers, or config.json's shapes for dummy
+    weights (a quantized checkpoint's projections at the bytes its format stores); on a GPU, int4 weights
+    also count what their repacked form takes beyond that (`gpu_extra_bytes`)."""
     quant = checkpoint_quantization(hf_config)
-    if load_format == "dummy":
+    if dummy:
         weights = _config_inventory(shape, hf_config, quant, "config.json shapes (--load-format dummy)")
     else:
         weights = inventory_from_folder(folder, shape, quant)
-    return ModelInfo.from_hf_config(name, source, hf_config, weights, resolved)
+    if quant is None:
+        return weights
+    from fitserve.layers.quantization.int4_formats import gpu_extra_from_config
+    from fitserve.layers.quantization.quant_config import Int4Format, quant_format
+
+    try:
+        fmt = quant_format(hf_config)
+    except ValueError:  # refused, with its message, where the format is checked
+        return weights
+    if not isinstance(fmt, Int4Format):
+        return weights
+    from fitserve.layers.quantization.int4_formats import stored_int4_from_config
+
+    sized = stored_int4_from_config(fmt, hf_config)
+    # Files that hold other quantized tensors than config.json describes (a partial checkpoint) are
+    # counted as stored: the repack's extra is worked out from the config's shapes.
+    if sized is None or abs(weights.stored_bytes - sized[1]) > 0.01 * sized[1]:
+        return weights
+    return replace(weights, gpu_extra_bytes=gpu_extra_from_config(fmt, hf_config))
 
 
 def _config_inventory(shape: ModelShape, hf_config: Any, quant: str | None, source: str) -> WeightInventory:
@@ -100,14 +126,14 @@ def _config_inventory(shape: ModelShape, hf_config: Any, quant: str | None, sour
     inventory = inventory_from_config(shape, quant, source=source)
     if quant is None:
         return inventory
-    from fitserve.layers.quantization.int4_formats import stored_int4_from_config
+    from fitserve.layers.quantization.methods import stored_from_config
     from fitserve.layers.quantization.quant_config import int4_format
 
     try:
         fmt = int4_format(hf_config)
     except ValueError:  # refused, with its message, where the format is checked
         return inventory
-    sized = None if fmt is None else stored_int4_from_config(fmt, hf_config)
+    sized = None if fmt is None else stored_from_config(fmt, hf_config)
     if sized is None:
         return inventory
     params, stored = sized

@@ -3,13 +3,17 @@
 Families: the pre-norm decoders (Llama, Mistral, Qwen2, Qwen3 and the like), with mixture-of-experts
 MLPs as Mixtral (`num_local_experts`, experts of `intermediate_size`) and Qwen-MoE (`num_experts`,
 experts of `moe_intermediate_size`, an optional shared expert) name them; every layer of a MoE model
-is taken as sparse.
+is taken as sparse. Gemma-4 (mixed layer geometries, per-layer inputs, KV-shared layers, experts beside a
+dense MLP) is counted by gemma4_shape.py; its `kv_layers` hold each layer's cache geometry (kv_layers.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from fitserve.kv_layers import KvLayerSpec, is_gemma4, kv_elements_per_token, kv_layer_specs
+from fitserve.planner.gemma4_shape import gemma4_counts
 
 # model_type values whose q/k/v projections carry a bias without saying so in config.json.
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
@@ -48,6 +52,12 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     torch_dtype: str | None = None  # config.json's dtype of the checkpoint, e.g. "bfloat16"
+    # Each layer's KV cache geometry where layers differ (Gemma-4), else (): every layer has
+    # num_kv_heads x head_dim. head_dim is then the largest layer's (activation estimates).
+    kv_layers: tuple[KvLayerSpec, ...] = ()
+    counts: ParamCounts | None = None  # counted by the family's own rule (Gemma-4), else from the shape
+    active_params: int | None = None  # parameters a token runs, where it differs from the total (MoE)
+    towers: tuple[str, ...] = ()  # multimodal towers config.json describes, not counted (text only)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelShape:
@@ -60,6 +70,8 @@ class ModelShape:
         moe_width = _first_int(config, "moe_intermediate_size", default=0)
         dense_width = _first_int(config, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
         archs = getattr(hf_config, "architectures", None) or []
+        if is_gemma4(config):
+            return cls._gemma4(config, archs[0] if archs else "")
         return cls(
             architecture=archs[0] if archs else "",
             model_type=model_type,
@@ -80,6 +92,41 @@ class ModelShape:
             shared_expert_intermediate_size=_first_int(config, "shared_expert_intermediate_size", default=0),
             torch_dtype=_dtype_name(config),
         )
+
+    @classmethod
+    def _gemma4(cls, config: Any, architecture: str) -> ModelShape:
+        specs = kv_layer_specs(config)
+        counts = gemma4_counts(config)
+        moe = bool(getattr(config, "enable_moe_block", False))
+        return cls(
+            architecture=architecture,
+            model_type="gemma4_text",
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=max(spec.num_kv_heads for spec in specs),
+            head_dim=max(spec.head_dim for spec in specs),
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=True,
+            num_experts=int(config.num_experts) if moe else 0,
+            num_experts_per_tok=int(config.top_k_experts) if moe else 0,
+            moe_intermediate_size=int(config.moe_intermediate_size) if moe else 0,
+            torch_dtype=_dtype_name(config),
+            kv_layers=specs,
+            counts=ParamCounts(counts.linear, counts.other, counts.replicated),
+            active_params=counts.active if moe else None,
+            towers=tuple(getattr(config, "towers", ()) or ()),
+        )
+
+    def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
+        """K and V elements per token over the layers that own a cache, on one rank."""
+        if self.kv_layers:
+            return kv_elements_per_token(self.kv_layers, tensor_parallel_size)
+        return 2 * self.num_layers * self.kv_heads_per_rank(tensor_parallel_size) * self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -102,6 +149,8 @@ class ModelShape:
 
     def parameter_counts(self) -> ParamCounts:
         """Counted from the shapes alone: what a checkpoint of this config holds."""
+        if self.counts is not None:
+            return self.counts
         hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
         attention = hidden * (q + 2 * kv) + q * hidden
         linear_per_layer = attention + self.mlp_linear_params_per_layer()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from fitserve.layers.quantization.quant_config import Int4Format, check_layer_shapes, int4_format
+from fitserve.planner.bnb_headers import check_bnb_checkpoint
 from fitserve.planner.model_info import ModelInfo
 
 logger = logging.getLogger("fitserve")
@@ -19,5 +20,7 @@ def check_quantized_checkpoint(model: ModelInfo, quantization: str | None) -> In
     if fmt is None:
         return None
     check_layer_shapes(fmt, model.hf_config)
+    if getattr(fmt, "prequantized", False) and model.resolved is not None and model.weights.file_bytes:
+        check_bnb_checkpoint(fmt, model.resolved.model_path, model.hf_config)  # bitsandbytes: its headers
     logger.info("Quantized checkpoint: %s", fmt.describe())
     return fmt

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitserve.kv_layers import describe_kv_layers
 from fitserve.planner.fit import FitResult
-from fitserve.planner.formats import format_capability
+from fitserve.planner.formats import format_capability, kv_cache_bytes_per_element
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryPlan, cpu_kept_forms
+from fitserve.planner.memory import MemoryPlan, cpu_kept_forms, kv_bytes_per_context_token, kv_groups
 
 _SETTING_WIDTH = 24
 _MEMORY_LABEL_WIDTH = 62
@@ -21,6 +22,8 @@ def plan_json(result: FitResult) -> dict[str, Any]:
             "source": model.source,
             "architecture": model.shape.architecture,
             "parameters": model.weights.total_params,
+            "active_parameters": model.shape.active_params,
+            "towers_not_loaded": list(model.shape.towers),
             "weights_source": model.weights.source,
             "weights_file_bytes": model.weights.file_bytes,
             "max_model_len": model.max_model_len,
@@ -42,7 +45,19 @@ def plan_json(result: FitResult) -> dict[str, Any]:
         "activation_gib": round(plan.activation_gib, 3),
         "cuda_graph_gib": round(plan.cuda_graph_gib, 3),
         "runtime_overhead_gib": round(plan.runtime_overhead_gib, 3),
-        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        # every layer's K and V for one token; the pool is sized per token of a max_model_len request
+        # (sliding-window groups count only their window's blocks: fitserve/kv_groups.py)
+        "kv_bytes_per_token": kv_bytes_per_context_token(plan.inputs),
+        "kv_bytes_per_request_token": plan.kv_bytes_per_token,
+        "kv_groups": [
+            {
+                "sliding_window": group.sliding_window,
+                "layers": list(group.layers),
+                "blocks_per_request": group.blocks_per_request,
+                "num_blocks": count,
+            }
+            for group, count in zip(kv_groups(plan.inputs), plan.group_num_blocks)
+        ],
         "kv_cache_gib_per_gpu": round(plan.kv_cache_gib_per_gpu, 3),
         "num_kv_blocks": plan.num_kv_blocks,
         "kv_cache_tokens": plan.kv_cache_tokens,
@@ -88,8 +103,10 @@ def plan_text(result: FitResult) -> str:
     lines = [
         f"Plan for {model.name or model.source}",
         f"  model    {model.shape.architecture or model.shape.model_type}, "
-        f"{model.weights.total_params / 1e9:.2f} B parameters, context {model.max_model_len:,} tokens",
+        f"{model.weights.total_params / 1e9:.2f} B parameters{_active(model.shape)}, "
+        f"context {model.max_model_len:,} tokens",
         f"  sizes    from {model.weights.source}",
+        *_towers_line(model.shape),
         f"  devices  {_devices_line(result)}",
         "",
         "Settings",
@@ -139,8 +156,10 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
     )
     stored = inputs.weights.stored_bytes
     if inputs.weights.checkpoint_quantization and stored:
-        # an int4 checkpoint: packed codes, zeros, g_idx and scales as stored; the rest in the dtype
-        weights += f"; {inputs.weights.checkpoint_quantization} int4 {stored / GiB:.2f} GiB as stored"
+        # a quantized checkpoint: packed codes, zeros, g_idx, fp8 weights and scales as stored; the rest
+        # in the dtype
+        kind = "fp8" if "F8_E4M3" in inputs.weights.file_tensor_types else "int4"
+        weights += f"; {inputs.weights.checkpoint_quantization} {kind} {stored / GiB:.2f} GiB as stored"
     if inputs.tensor_parallel_size > 1:
         weights += f", 1/{inputs.tensor_parallel_size} per GPU"
     if plan.weights_offloaded_bytes:
@@ -173,20 +192,61 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
     return lines
 
 
+def _active(shape: Any) -> str:
+    return f" ({shape.active_params / 1e9:.2f} B active per token)" if shape.active_params else ""
+
+
+def _towers_line(shape: Any) -> list[str]:
+    if not shape.towers:
+        return []
+    return [
+        f"  text     weights of the text model only: the {' and '.join(shape.towers)} tower(s) are not loaded"
+    ]
+
+
 def _kv_lines(plan: MemoryPlan) -> list[str]:
     inputs = plan.inputs
     shape = inputs.shape
     heads = shape.kv_heads_per_rank(inputs.tensor_parallel_size)
-    element = plan.kv_bytes_per_token // (2 * shape.num_layers * heads * shape.head_dim)
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
     per_token = plan.kv_bytes_per_token / 1024
+    if shape.kv_layers:
+        formula = describe_kv_layers(shape.kv_layers, element)
+    else:
+        formula = (
+            f"2 (K, V) x {shape.num_layers} layers x {heads} KV heads x {shape.head_dim} x {element} bytes"
+        )
+    groups = kv_groups(inputs)
+    if len(groups) > 1:
+        return [
+            f"KV cache: {plan.kv_cache_tokens:,} tokens of max_model_len requests; {per_token:g} KiB per "
+            f"token of a {inputs.max_model_len:,}-token request, where a sliding group keeps only its "
+            f"window's blocks (every layer's whole context: {kv_bytes_per_context_token(inputs) / 1024:g} "
+            f"KiB per token = {formula})",
+            *_group_lines(plan, groups, element),
+            f"Maximum concurrency for {inputs.max_model_len:,} tokens per request: "
+            f"{plan.max_concurrency:.2f}x",
+            *([plan.cpu_kv.log_line()] if plan.cpu_kv is not None else []),
+        ]
     return [
         f"KV cache: {plan.kv_cache_tokens:,} tokens in {plan.num_kv_blocks:,} blocks of {inputs.block_size} "
-        f"(one reserved); {per_token:g} KiB per token = 2 (K, V) x {shape.num_layers} layers x "
-        f"{heads} KV heads "
-        f"x {shape.head_dim} x {element} bytes",
+        f"(one reserved); {per_token:g} KiB per token = {formula}",
         f"Maximum concurrency for {inputs.max_model_len:,} tokens per request: {plan.max_concurrency:.2f}x",
         *([plan.cpu_kv.log_line()] if plan.cpu_kv is not None else []),
     ]
+
+
+def _group_lines(plan: MemoryPlan, groups: tuple, element: int) -> list[str]:
+    """One line per KV cache group: its layers, window, blocks per full-length request and pool."""
+    lines = []
+    for group, count in zip(groups, plan.group_num_blocks):
+        kind = f"sliding window {group.sliding_window:,}" if group.is_sliding else "full attention"
+        block_kib = group.elements_per_token * element * plan.inputs.block_size / 1024
+        lines.append(
+            f"  {kind}: {len(group.layers)} layers, {group.blocks_per_request:,} blocks a request at most, "
+            f"{count:,} blocks of {block_kib:g} KiB (one reserved)"
+        )
+    return lines
 
 
 def _display(value: Any) -> str:

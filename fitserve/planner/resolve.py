@@ -107,6 +107,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         served_model_name=served_names(args.served_model_name),
         revision=args.revision,
         cpu_offload_gb=_cpu_offload_gb(args.cpu_offload_gb, device),
+        quantization=args.quantization,
         card_sampling=resolved.card_sampling,
         card_sampling_source=resolved.card_sampling_source,
         max_logprobs=args.max_logprobs,

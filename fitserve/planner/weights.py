@@ -29,15 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitserve.planner.bnb_headers import bnb_held_bytes
 from fitserve.planner.model_shape import ModelShape, ParamCounts
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # Decoder-layer tensors: HF "model.layers.3.", GPT-2 style "h.3.", GGUF "blk.3.".
 _LAYER_PATTERN = re.compile(r"(^|\.)(layers|h|blk)\.\d+\.")
-# An int4 checkpoint's float scales (GPTQ / AWQ `scales`, compressed-tensors `weight_scale`): loaded as
-# stored, beside the packed int32 codes, zeros and g_idx (which are not float, so stored already).
-QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale")
+# A multimodal checkpoint's towers (Gemma-4's), which fitserve does not load when serving text.
+TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+# A quantized checkpoint's float scales (GPTQ / AWQ `scales`, compressed-tensors `weight_scale`, fp8's
+# `weight_scale_inv` and static `input_scale`): loaded as stored, beside the packed int32 codes, zeros,
+# g_idx and fp8 weights (which are not float, so stored already).
+QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale", ".weight_scale_inv", ".input_scale")
 # MoE routers: small, kept whole on every tensor-parallel rank, never quantized.
 _ROUTER_PATTERN = re.compile(r"(mlp\.gate|block_sparse_moe\.gate|shared_expert_gate|ffn_gate_inp)\.weight$")
 # GGUF tensor types whose matrices are 4-bit groups of 32 (w = d q or d q + m, q in 0..15): the CPU
@@ -74,6 +78,9 @@ class WeightInventory:
     checkpoint_quantization: str | None = None  # config.json's quantization_config.quant_method
     file_tensor_types: tuple[str, ...] = ()  # the dtypes / GGML types the file stores
     cpu_forms: CpuKeptForms = NO_CPU_FORMS  # on the CPU: what the engine keeps smaller than the dtype
+    # on a GPU: bytes the engine's forms of quantized weights take beyond stored_bytes (int4 repacked for
+    # the Triton kernels: layers/quantization/int4_formats.gpu_extra_from_config)
+    gpu_extra_bytes: int = 0
 
     @property
     def total_params(self) -> int:
@@ -98,7 +105,7 @@ def inventory_from_headers(
 ) -> WeightInventory:
     """`int4_gguf_type`: the folder was converted from a GGUF of that type (Q4_0 / Q4_1): its decoder
     matrices are 4-bit groups, its LM head float16 values (see the module doc)."""
-    linear = other = replicated = stored = file_bytes = int4 = 0
+    linear = other = replicated = stored = file_bytes = int4 = towers = 0
     types: set[str] = set()
     row_block = int4_row_block() if int4_gguf_type else 0
     for header in headers:
@@ -108,7 +115,14 @@ def inventory_from_headers(
             dtype, shape = str(entry["dtype"]), list(entry["shape"])
             start, end = entry["data_offsets"]
             file_bytes += int(end) - int(start)
+            if name.startswith(TOWER_PREFIXES):
+                towers += 1
+                continue
             types.add(dtype)
+            held = bnb_held_bytes(name, shape) if checkpoint_quantization == "bitsandbytes" else None
+            if held is not None:  # a bitsandbytes block-scale tensor: what fitserve holds for it
+                stored += held
+                continue
             quant_scale = checkpoint_quantization is not None and name.endswith(QUANT_SCALE_SUFFIXES)
             if dtype not in _FLOAT_DTYPES or quant_scale:
                 stored += int(end) - int(start)
@@ -124,7 +138,9 @@ def inventory_from_headers(
         counts=ParamCounts(linear, other, replicated),
         stored_bytes=stored,
         file_bytes=file_bytes,
-        source=source + (f"; converted from a {int4_gguf_type} GGUF" if int4_gguf_type else ""),
+        source=source
+        + (f"; converted from a {int4_gguf_type} GGUF" if int4_gguf_type else "")
+        + (f"; {towers} vision/audio tower tensors not counted (not loaded)" if towers else ""),
         checkpoint_quantization=checkpoint_quantization,
         file_tensor_types=tuple(sorted(types)),
         cpu_forms=forms_kept_on_this_host(int4, bool(int4_gguf_type), int4_gguf_type or ""),

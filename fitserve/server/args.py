@@ -77,7 +77,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
-        help="Put the <think> part of the output in reasoning_content.",
+        help="Put the reasoning part of the output (<think>...</think>; gemma4: its thought channel) in "
+        "reasoning_content.",
     )
     group.add_argument(
         "--enable-auto-tool-choice",

@@ -58,6 +58,7 @@ class ChatHandler:
         ctx.check_extra_fields(request, MISPLACED_FIELDS, ROUTE)
         n = ctx.check_common(request)
         tool_parser_cls = self._tool_parser_class(request)
+        self._keep_special_tokens_for_parsers(request, tool_parser_cls)
         self._check_response_format(request)
         ctx.check_logprobs(request.top_logprobs, "top_logprobs")
         prompt_text, prompt_ids = await ctx.render_chat(request, request.add_special_tokens)
@@ -130,6 +131,17 @@ class ChatHandler:
                 param="tool_choice",
             )
         return TOOL_CALL_PARSERS[settings.tool_call_parser]
+
+    def _keep_special_tokens_for_parsers(
+        self, request: ChatCompletionRequest, tool_parser_cls: type[ToolParser] | None
+    ) -> None:
+        """Parsers whose tags are special tokens (gemma4) need them in the text: as vLLM's adjust_request,
+        such a reasoning parser sets skip_special_tokens false for every request, such a tool parser for
+        requests it parses (tools given, tool_choice not "none")."""
+        name = self.ctx.settings.reasoning_parser
+        reasoning_cls = REASONING_PARSERS[name] if name else None
+        if any(cls is not None and cls.keeps_special_tokens for cls in (reasoning_cls, tool_parser_cls)):
+            request.skip_special_tokens = False
 
     @staticmethod
     def _check_response_format(request: ChatCompletionRequest) -> None:

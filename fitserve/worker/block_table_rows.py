@@ -55,3 +55,49 @@ class BlockTableRows:
         row = self.free_rows.pop()
         self.row_of[request_id] = row
         return row
+
+
+class WindowTableRows(BlockTableRows):
+    """A sliding-window group's rows: its block lists replace the blocks behind the window with the null
+    block (0) in place, which a row mirroring only new entries would miss; `row_in_window` zeroes the
+    row's entries before the first block the window still reads, as the list has them."""
+
+    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64) -> None:
+        super().__init__(max_blocks_per_seq, initial_rows)
+        self.zeroed = [0] * initial_rows
+
+    def row_in_window(self, request_id: str, block_ids: list[int], first_live: int) -> int:
+        row = self.row_of.get(request_id)
+        if row is not None and self.source[row] is not block_ids:
+            self.zeroed[row] = 0  # a new list (preempted, admitted again): copied whole below
+        row = self.row(request_id, block_ids)
+        first_live = min(first_live, self.length[row])
+        if first_live > self.zeroed[row]:
+            self.table[row, self.zeroed[row] : first_live] = 0
+            self.zeroed[row] = first_live
+        return row
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.get(request_id)
+        if row is not None:
+            self.zeroed[row] = 0
+        super().release(request_id)
+
+    def _allocate(self, request_id: str) -> int:
+        grown = len(self.zeroed)
+        row = super()._allocate(request_id)
+        if len(self.source) > grown:
+            self.zeroed.extend([0] * (len(self.source) - grown))
+        return row
+
+
+def extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Appends the cache slots of positions start..end-1: one range per block (a prefill chunk's
+    8,192 positions are ~512 ranges instead of 8,192 Python-level index computations)."""
+    position = start
+    while position < end:
+        block = position // block_size
+        block_end = min(end, (block + 1) * block_size)
+        first = table[block] * block_size + position % block_size
+        slots.extend(range(first, first + block_end - position))
+        position = block_end

@@ -7,6 +7,7 @@ asked for prompt logprobs gets them for every prompt position this step computed
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,11 +20,14 @@ from fitserve.config import EngineConfig
 from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from fitserve.kv_groups import group_num_blocks
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
 from fitserve.planner.memory import MemoryPlan
-from fitserve.worker.block_table_rows import BlockTableRows
+from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
 from fitserve.worker.cuda_graphs import CudaGraphRunner
+from fitserve.worker.group_tables import GroupTables
+from fitserve.worker.kv_allocation import layer_caches, log_kv_cache
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 from fitserve.worker.platforms import make_platform
 from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -91,6 +95,8 @@ class StepInputs:
     prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
     # Tokens still in flight (-1 in input_ids): (rows, their indices among the last step's sampled ids)
     fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With several KV cache groups: each layer's metadata (ForwardContext.layer_metadata)
+    layer_metadata: list[AttentionMetadata] | None = None
 
 
 class ModelRunner:
@@ -117,7 +123,16 @@ class ModelRunner:
         self._last_sample_index: dict[str, int] = {}
         self.staging = PinnedStagingRing(self.device)
         mc = config.model
-        self.block_table_rows = BlockTableRows(-(-mc.max_model_len // self.block_size))
+        max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
+        self.block_table_rows = BlockTableRows(max_blocks_per_seq)
+        # KV cache groups (fitserve/kv_groups.py): each layer's group (that of the layer whose cache it
+        # reads); with several, groups 1.. have their own tables (worker/group_tables.py).
+        self.kv_groups = config.kv_groups
+        group_of = {layer: index for index, group in enumerate(self.kv_groups) for layer in group.layers}
+        self.layer_group = [group_of.get(spec.cache_layer, 0) for spec in mc.kv_layers]
+        self.group_tables: GroupTables | None = None
+        if len(self.kv_groups) > 1:
+            self.group_tables = GroupTables(self.kv_groups, max_blocks_per_seq, self.block_size)
 
     # ---- KV cache sizing and allocation -------------------------------------------------------
     @property
@@ -134,29 +149,22 @@ class ModelRunner:
         return self.platform.size_kv_cache(self)
 
     def allocate_kv_cache(self, plan: MemoryPlan) -> None:
-        mc = self.config.model
-        num_blocks = plan.num_kv_blocks
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
-        logger.info(
-            "KV cache size: %d tokens (%d blocks of %d, %.2f GiB, %s)",
-            plan.kv_cache_tokens,
-            num_blocks,
-            self.block_size,
-            plan.kv_cache_gib_per_gpu,
-            str(self.kv_cache_dtype).replace("torch.", ""),
-        )
-        logger.info(
-            "Maximum concurrency for %d tokens per request: %.2fx",
-            mc.max_model_len,
-            plan.kv_cache_tokens / mc.max_model_len,
-        )
-        self.graph_runner = self.platform.make_graph_runner(self)
-        self.piecewise_runner = self.platform.make_piecewise_runner(self)
+        full_need = -(-self.config.model.max_model_len // self.block_size)
+        self.group_num_blocks = group_num_blocks(self.kv_groups, plan.num_kv_blocks, full_need)
+        self.kv_caches = self._layer_caches(self.group_num_blocks)
+        log_kv_cache(plan, self.kv_groups, self.group_num_blocks, self.kv_caches, self.kv_cache_dtype)
+        if self.group_tables is not None and self.device.type == "cuda":
+            # the graphs hold one metadata for every layer; groups have tables of their own
+            logger.info("CUDA graphs off: the sliding-window KV cache groups run eagerly for now")
+        else:
+            self.graph_runner = self.platform.make_graph_runner(self)
+            self.piecewise_runner = self.platform.make_piecewise_runner(self)
         if self.device.type == "cuda":
             self._warm_up_decode_tail()
+
+    def _layer_caches(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
+        specs, dtype = self.config.model.kv_layers, self.kv_cache_dtype
+        return layer_caches(specs, self.layer_group, num_blocks, self.block_size, dtype, self.device)
 
     @torch.inference_mode()
     def _warm_up_decode_tail(self) -> None:
@@ -189,11 +197,7 @@ class ModelRunner:
         seq_len = min(mc.max_model_len, num_tokens)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        scratch_shape = (2, blocks_per_seq + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        scratch = [
-            torch.zeros(scratch_shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(mc.num_layers)
-        ]
+        scratch = self._layer_caches(blocks_per_seq + 1)
         query_lens = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
         positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
         table = torch.arange(1, blocks_per_seq + 1, dtype=torch.int32, device=self.device)
@@ -233,6 +237,8 @@ class ModelRunner:
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
             self.block_table_rows.release(request_id)
+            if self.group_tables is not None:
+                self.group_tables.release(request_id)
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return LaunchedStep(lambda: output)
@@ -248,7 +254,7 @@ class ModelRunner:
             if fill is not None:
                 rows, indices, last_sampled = fill
                 inputs.input_ids[rows] = last_sampled[indices]
-            with forward_context(meta, self.kv_caches):
+            with forward_context(meta, self.kv_caches, inputs.layer_metadata):
                 piecewise = self.piecewise_runner
                 if piecewise is not None and piecewise.can_run(inputs.input_ids.shape[0]):
                     hidden = piecewise.run(inputs.input_ids, inputs.positions, meta)
@@ -350,7 +356,7 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 positions.extend(range(start, start + n))
-                _extend_slots(slots, table, start, start + n, bs)
+                extend_slots(slots, table, start, start + n, bs)
             if start + n <= len(known):
                 input_ids.extend(known[start : start + n])
             else:  # the last token is in flight: only ever one (see Scheduler)
@@ -387,9 +393,10 @@ class ModelRunner:
             np.array(placeholder_sources, dtype=np.int64),
             np.array([] if all_rows else sample_indices, dtype=np.int64),
         ]
-        (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = self.staging.upload(
-            arrays
-        )
+        if self.group_tables is not None:
+            arrays.extend(self.group_tables.arrays(scheduled))
+        uploaded = self.staging.upload(arrays)
+        (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = uploaded[:9]
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts,
@@ -400,7 +407,16 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        layer_metadata = None
+        if self.group_tables is not None:
+            group_metadata = [metadata]
+            for i in range(9, len(uploaded), 2):
+                group_metadata.append(
+                    dataclasses.replace(metadata, slot_mapping=uploaded[i], block_tables=uploaded[i + 1])
+                )
+            layer_metadata = [group_metadata[group] for group in self.layer_group]
         return StepInputs(
+            layer_metadata=layer_metadata,
             input_ids=ids,
             positions=pos,
             metadata=metadata,
@@ -418,15 +434,3 @@ class ModelRunner:
                 "sample it: the scheduler and the model runner disagree (a bug; please report it)"
             )
         return index
-
-
-def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
-    """Appends the cache slots of positions start..end-1: one range per block (a prefill chunk's
-    8,192 positions are ~512 ranges instead of 8,192 Python-level index computations)."""
-    position = start
-    while position < end:
-        block = position // block_size
-        block_end = min(end, (block + 1) * block_size)
-        first = table[block] * block_size + position % block_size
-        slots.extend(range(first, first + block_end - position))
-        position = block_end

@@ -35,6 +35,7 @@ from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 
 if TYPE_CHECKING:
+    from fitserve.config import EngineConfig
     from fitserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("fitserve")
@@ -66,6 +67,22 @@ def _sized_from_measurements(
             f"{runner.kv_bytes_per_block()}: a fitserve bug, please report it"
         )
     return measured
+
+
+def check_one_request_fits(plan: MemoryPlan, config: EngineConfig) -> None:
+    """ValueError (as vLLM refuses it) when the KV cache cannot hold one request of max_model_len tokens,
+    naming both numbers, the largest max_model_len that fits and the memory that would be needed."""
+    max_model_len = config.model.max_model_len
+    if config.cache.num_gpu_blocks_override is not None or plan.kv_cache_tokens >= max_model_len:
+        return
+    needed = max_model_len * plan.kv_bytes_per_token
+    raise ValueError(
+        f"the KV cache holds {plan.kv_cache_tokens:,} tokens, fewer than one request of max_model_len="
+        f"{max_model_len:,} needs ({needed / GiB:.2f} GiB against {max(plan.free_for_kv_bytes, 0) / GiB:.2f} "
+        f"GiB left for it): set --max-model-len {plan.kv_cache_tokens} or less, raise "
+        f"--gpu-memory-utilization (now {config.cache.gpu_memory_utilization}), raise --cpu-offload-gb, or "
+        "run `fitserve plan` with these flags for settings that fit"
+    )
 
 
 class CpuPlatform:
@@ -150,11 +167,16 @@ class CudaPlatform:
                 f"{activation / GiB:.2f} GiB: raise --gpu-memory-utilization, "
                 "lower --max-num-batched-tokens, or use a smaller model"
             )
+        check_one_request_fits(plan, config)
         return plan
 
     def make_graph_runner(self, runner: ModelRunner) -> CudaGraphRunner | None:
         config = runner.config
         if config.compilation.enforce_eager:
+            return None
+        reason = getattr(runner.model, "cuda_graphs_unsupported", None)
+        if reason:
+            logger.info("CUDA graphs are off for this model (%s): decode steps run eagerly", reason)
             return None
         sizes = list(
             decode_capture_sizes(config.compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)

@@ -130,8 +130,8 @@ def test_python_dash_m_fitserve_runs_the_cli(
     ("flags", "message"),
     [
         (
-            ["--quantization", "bitsandbytes"],
-            "not supported yet: --quantization bitsandbytes (drop --quantization; the closest that runs",
+            ["--quantization", "modelopt"],
+            "not supported yet: --quantization modelopt (drop --quantization; the closest that run are",
         ),
         (["--top-p", "2"], "top_p=2.0 is outside the range (0, 1]"),
         (["--max-tokens", "0"], "max_tokens=0 is below the minimum 1"),

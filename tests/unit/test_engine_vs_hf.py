@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from fitserve import LLM, SamplingParams
+from fitserve.core.kv_cache import KVCacheManager
+from fitserve.core.request import Request
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 
@@ -188,3 +190,18 @@ def test_abort_frees_blocks_at_once(tiny_model):
     engine.abort_request(["a"])
     assert engine.get_stats().kv_cache_usage == 0.0
     assert not engine.has_unfinished_requests()
+
+
+def test_models_without_sliding_layers_keep_one_table(tiny_model):
+    """One KV cache group: the plain manager, no per-group tables, and every layer reads the step's one
+    metadata (what the CUDA backend and its graphs are given)."""
+    folder, _ = tiny_model
+    llm = make_llm(folder, max_num_batched_tokens=16, max_num_seqs=4)
+    runner = llm.engine.executor.runner
+    assert type(llm.engine.kv_manager) is KVCacheManager
+    assert len(llm.engine.config.kv_groups) == 1 and runner.group_tables is None
+    scheduler = llm.engine.scheduler
+    scheduler.add_request(Request("x", "x", 0, PROMPTS[1], SamplingParams(max_tokens=1), frozenset()))
+    step = scheduler.schedule()
+    assert all(item.group_block_ids == () for item in step.scheduled)
+    assert runner._prepare_inputs(step.scheduled).layer_metadata is None

@@ -41,6 +41,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fitserve.paths",
             "fitserve.offload_split",
             "fitserve.capture_sizes",
+            "fitserve.kv_layers",
+            "fitserve.kv_groups",
         ),
     ),
 )

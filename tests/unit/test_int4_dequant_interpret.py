@@ -45,7 +45,7 @@ DEQUANT_CASES = [
     (32, 1024, 512, "bfloat16", 8, 16, 16, 3, True),  # a group of two blocks; uneven last program
 ]
 # (rows, out_features, in_features, group_size, dtype, bias, scratch_bytes): Int4GpuLinearMethod.apply
-# with FUSED_MAX_ROWS 4, the scratch capped at scratch_bytes and CHUNK_ALIGN 16 (several chunks)
+# with the fused path up to 4 rows, the scratch capped at scratch_bytes and CHUNK_ALIGN 16 (several chunks)
 APPLY_CASES = [
     (3, 48, 512, 64, "bfloat16", True, 1 << 20),  # fused
     (9, 48, 512, 64, "bfloat16", True, 1 << 20),  # one chunk: W fits
@@ -130,7 +130,7 @@ def _apply_case(case: list) -> dict:
 
     rows, out_features, in_features, group_size, dtype_name, with_bias, scratch_bytes = case
     dtype = getattr(torch, dtype_name)
-    int4_cpu.FUSED_MAX_ROWS = 4
+    int4_cpu.Int4GpuLinearMethod.fused_max_rows = 4
     int4_dequant.SCRATCH_BYTES = scratch_bytes
     int4_dequant.CHUNK_ALIGN = 16
     int4_dequant._scratch.clear()

@@ -226,16 +226,20 @@ def test_load_weights_names_bad_tensors() -> None:
         model.load_weights([("model.vision_tower.weight", wrong)])
 
 
-def test_sliding_window_caps_the_context() -> None:
-    """Mistral with a 16-token window: 16 tokens match HF; 17 are refused with the fix."""
+def test_sliding_window_masks_older_keys_on_the_cpu() -> None:
+    """Mistral with a 16-token window: contexts longer than the window match HF, whose mask hides the
+    keys older than the window (the CPU backend masks them too; the CUDA path still refuses them:
+    tests/unit/test_gemma4_window_attention.py), in one prefill and in chunks."""
     config = tiny_hf_config("MistralForCausalLM", sliding_window=16)
     hf_model = build_hf_model(config)
     model = build_fitserve_model(config, hf_model.state_dict())
-    prompt = random_tokens(17, seed=10)
-    (logits,) = PagedTestRunner(model, config).step([("a", prompt[:16])])
-    assert_matches(logits, hf_logits(hf_model, prompt[:16]))
-    with pytest.raises(ValueError, match="exceeds layer 0's sliding window of 16: set max_model_len to 16"):
-        PagedTestRunner(model, config).step([("a", prompt)])
+    prompt = random_tokens(41, seed=10)
+    want = hf_logits(hf_model, prompt)
+    (logits,) = PagedTestRunner(model, config).step([("a", prompt)])
+    assert_matches(logits, want)
+    runner = PagedTestRunner(model, config, block_size=4)
+    pieces = [runner.step([("a", prompt[a:b])])[0] for a, b in ((0, 20), (20, 23), (23, 40), (40, 41))]
+    assert_matches(torch.cat(pieces), want)
 
 
 def test_unknown_architecture_lists_supported() -> None:

@@ -105,7 +105,10 @@ def test_plan_that_does_not_fit_raises_or_prints_json_error(capsys: pytest.Captu
     status, output = plan_json(argv, capsys)
     assert status == 1
     assert output["error"]["kind"] == "weights"
-    assert "--quantization awq or gptq with --cpu-offload-gb" in output["error"]["message"]
+    assert (
+        "--quantization awq or gptq (an AWQ or GPTQ checkpoint of the model) with --cpu-offload-gb"
+        in (output["error"]["message"])
+    )
 
 
 def test_bad_assume_gpus_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,16 +163,13 @@ def test_user_yaml_with_server_keys_plans(capsys: pytest.CaptureFixture[str], tm
         8,
         True,
     )
-    # 60 GiB is more than the 35.86 GiB of 4-bit decoder layers: all of them are offloaded; the bf16
-    # embeddings and LM head (3.91 GiB) and one layer's staging buffer (0.45 GiB) stay on the GPU.
-    assert plan["weights_gib_per_gpu"] == pytest.approx(4.36, abs=0.005)
-    assert "more than the 35.86 GiB of weights in the model's 80 decoder layers" in plan["notes"][0]
-    assert (
-        "planned only: --quantization bitsandbytes (fitserve runs int4 AWQ / GPTQ checkpoints, not this yet; "
-        "vLLM does)" in plan["notes"]
-    )
-    planned_only = [note for note in plan["notes"] if note.startswith("planned only")]
-    assert len(planned_only) == 1  # CPU offload runs in fitserve: only the quantization is noted
+    # 60 GiB is more than the 33.87 GiB of 4-bit decoder layers (nf4: half a byte a weight and a float16
+    # absmax per 64): all of them are offloaded; the bf16 embeddings and LM head (3.91 GiB) and one layer's
+    # staging buffer (0.42 GiB) stay on the GPU.
+    assert plan["weights_gib_per_gpu"] == pytest.approx(4.337, abs=0.005)
+    assert "more than the 33.87 GiB of weights in the model's 80 decoder layers" in plan["notes"][0]
+    # fitserve runs both --quantization bitsandbytes and CPU offload: nothing is planned only
+    assert not [note for note in plan["notes"] if note.startswith("planned only")]
 
 
 def _host(**changes: object) -> HostInfo:

@@ -131,7 +131,11 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
         "the weights do not fit on GPU 0 (assumed GPU, 24.00 GiB, SM 8.6): 131.42 GiB per GPU"
     )
     assert re.search(r"113\.\d\d GiB short", message)
-    combo = re.search(r"--quantization awq or gptq with --cpu-offload-gb ([\d.]+) ", message)
+    combo = re.search(
+        r"--quantization awq or gptq \(an AWQ or GPTQ checkpoint of the model\) "
+        r"with --cpu-offload-gb ([\d.]+) ",
+        message,
+    )
     bnb = re.search(r"--quantization bitsandbytes with --cpu-offload-gb ([\d.]+) ", message)
     assert combo and bnb
     assert "--tensor-parallel-size 8 (8 GPUs like this one; this plan has 1)" in message
@@ -152,12 +156,15 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
 
 
 VLLM_ONLY = {
-    "--quantization": " (fitserve runs int4 AWQ / GPTQ checkpoints, not this yet; vLLM does)",
+    "--quantization": " (fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does)",
     "--tensor-parallel-size": " (fitserve does not run tensor parallel yet; vLLM does)",
 }
 
 
-RUNS_INT4_CHECKPOINT = re.compile(r"--quantization awq or gptq \(4-bit[^)]*\): ")
+RUNS_INT4_CHECKPOINT = re.compile(
+    r"--quantization (awq or gptq \(4-bit|fp8 \(8-bit|bitsandbytes \(4-bit nf4)[^)]*\): "
+    r"|--quantization (fp8|awq or gptq \(an AWQ or GPTQ checkpoint of the model\)|bitsandbytes) with "
+)
 
 
 def assert_runnable_first(message: str) -> None:
@@ -165,7 +172,7 @@ def assert_runnable_first(message: str) -> None:
     line fitserve runs."""
     lines = message.split("What would fit (any one line):\n", 1)[1].splitlines()
     options = [line.strip() for line in lines]
-    # fitserve runs an int4 AWQ / GPTQ checkpoint on its own (not with offload): that suggestion is runnable
+    # fitserve runs an int4 AWQ / GPTQ checkpoint and --quantization fp8 on their own: those are runnable
     refused = [
         any(o.startswith(flag) for flag in VLLM_ONLY) and not RUNS_INT4_CHECKPOINT.match(o) for o in options
     ]
@@ -180,7 +187,10 @@ def assert_runnable_first(message: str) -> None:
 
 def test_the_settings_called_vllm_only_are_the_ones_fitserve_refuses() -> None:
     """When fitserve starts running one of them, this fails: drop it from NOT_RUN_BY_FITSERVE."""
-    asked = {"quantization": {"quantization": "fp8"}, "tensor_parallel_size": {"tensor_parallel_size": 2}}
+    asked = {
+        "quantization": {"quantization": "fbgemm_fp8"},
+        "tensor_parallel_size": {"tensor_parallel_size": 2},
+    }
     assert set(asked) == set(NOT_RUN_BY_FITSERVE)
     for setting, change in asked.items():
         with pytest.raises(ValueError, match="not supported yet"):
@@ -198,8 +208,8 @@ def test_refusals_that_name_a_vllm_only_fix_say_so() -> None:
         args = EngineArgs(cpu_offload_gb=8, max_model_len=4096)
         auto_fit(model_info("llama-3.1-8b"), args, parse_assume_gpus("1x24@8.9"), host_ram_available=4 * GiB)
     assert str(host.value).endswith(
-        "lower --cpu-offload-gb, or add --quantization to shrink the weights (fitserve runs int4 AWQ / "
-        "GPTQ checkpoints, not this yet; vLLM does)"
+        "lower --cpu-offload-gb, or add --quantization fp8 or bitsandbytes (or use an int4 checkpoint) to "
+        "shrink the weights"
     )
     with pytest.raises(
         PlanError, match=r"split the model with --tensor-parallel-size instead \(fitserve does"

@@ -109,7 +109,10 @@ def test_quantization_shrinks_only_the_projection_matrices() -> None:
     awq = plan_memory(memory_inputs("llama-3.3-70b", gpus="1x400", quantization="awq"))
     fp8 = plan_memory(memory_inputs("llama-3.3-70b", gpus="1x400", quantization="fp8"))
     assert bf16.terms.weights == counts.total * 2
-    assert fp8.terms.weights == counts.linear + counts.other * 2
+    shape = info.shape  # one float32 scale per output row of each of the 80 layers' projections
+    rows = (shape.num_attention_heads + 2 * shape.num_kv_heads) * shape.head_dim + 2 * shape.hidden_size
+    rows += 2 * shape.intermediate_size
+    assert fp8.terms.weights == counts.linear + counts.other * 2 + 4 * shape.num_layers * rows
     assert awq.terms.weights == pytest.approx(counts.linear * (4 + 20 / 128) / 8 + counts.other * 2, abs=1)
     # published AWQ INT4 checkpoints of the 70B hold ~39.8 GB = 37.1 GiB
     assert awq.weights_gib_per_gpu == pytest.approx(37.04, abs=0.01)

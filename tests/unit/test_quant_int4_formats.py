@@ -59,9 +59,9 @@ def load_capturing(folder: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[torch
     captured: dict[int, object] = {}
     make_runnable = int4_method.make_runnable
 
-    def capture(layer, weight, dtype, what, device=None):
+    def capture(layer, weight, dtype, what, device=None, store_on=None):
         captured[id(layer)] = weight
-        return make_runnable(layer, weight, dtype, what, device)
+        return make_runnable(layer, weight, dtype, what, device, store_on=store_on)
 
     monkeypatch.setattr(int4_method, "make_runnable", capture)
     config = load_hf_config(str(folder))

@@ -84,9 +84,9 @@ CASES = {
         {**quantization_config(QuantSpec("autoround", 64)), "packing_format": "auto_round:auto_awq"},
         ["packing_format='auto_round:auto_awq'", "auto_round:auto_gptq"],
     ),
-    "ct float-quantized": (
+    "ct float-quantized with int4 weights": (
         {**CT, "format": "float-quantized"},
-        ["not supported yet: compressed-tensors format 'float-quantized' (fp8", "pack-quantized W4A16"],
+        ["weights num_bits=4 type='int' in a float-quantized checkpoint", "(num_bits 8, type float)"],
     ),
     "ct int-quantized": (
         {
@@ -117,11 +117,14 @@ CASES = {
         },
         ["num_bits=8", "num_bits 4, type int"],
     ),
-    "bitsandbytes checkpoint": (
-        {"quant_method": "bitsandbytes", "load_in_4bit": True},
-        ["not supported yet: a bitsandbytes 4-bit checkpoint", "the closest that runs is an int4 checkpoint"],
+    "bitsandbytes 8-bit checkpoint": (
+        {"quant_method": "bitsandbytes", "load_in_8bit": True},
+        ["bitsandbytes 8-bit (quantization_config.load_in_8bit=true", "--quantization bitsandbytes"],
     ),
-    "fp8 checkpoint": ({"quant_method": "fp8"}, ["not supported yet: a fp8 weights checkpoint", "GPTQ, AWQ"]),
+    "fbgemm fp8 checkpoint": (
+        {"quant_method": "fbgemm_fp8"},
+        ["not supported yet: a fbgemm fp8 weights checkpoint", "GPTQ, AWQ", "--quantization fp8"],
+    ),
 }
 
 
@@ -146,7 +149,7 @@ def test_quantization_flag_needs_a_quantized_checkpoint(gptq_folder, tmp_path) -
     assert "drop --quantization" in message
 
 
-@pytest.mark.parametrize("flag", ["fp8", "bitsandbytes"])
+@pytest.mark.parametrize("flag", ["modelopt"])
 def test_quantizing_while_loading_is_not_yet(flag, gptq_folder, tmp_path) -> None:
     message = refusal(with_quant_config(gptq_folder, tmp_path, None), quantization=flag)
     assert message.startswith(f"not supported yet: --quantization {flag} (drop --quantization; the closest")

@@ -314,7 +314,7 @@ def test_server_flags_are_checked(tmp_path) -> None:
     exposed = ServerSettings.from_namespace(parser.parse_args(["--host", "0.0.0.0"]))
     assert exposed.exposed_without_key and exposed.base_url == "http://127.0.0.1:8000"
     with pytest.raises(
-        ValueError, match="--enable-auto-tool-choice needs a parser: add --tool-call-parser hermes"
+        ValueError, match="--enable-auto-tool-choice needs a parser: add --tool-call-parser gemma4 or hermes"
     ):
         ServerSettings.from_namespace(parser.parse_args(["--enable-auto-tool-choice"]))
     with pytest.raises(ValueError, match="TLS needs both --ssl-keyfile and --ssl-certfile"):

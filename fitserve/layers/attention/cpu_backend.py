@@ -19,6 +19,12 @@ Calls per step (the grouping is built once per step, `_StepPlan`, and reused by 
 A decode-only step over a cache in the activations' dtype (the CPU's usual step) takes paged_decode.py,
 the same computation in fewer operations per layer.
 
+A layer with a sliding window (Gemma-4's sliding layers) passes `window`: while every context of the step
+fits in it nothing changes; otherwise the step takes the general path with the window in its masks (query
+position p sees keys p - window + 1 .. p; a long query's tiles gather only the keys their window reaches).
+A KV-shared layer passes `write=False` and k = v = None: it attends over the cache an earlier layer of the
+same step filled.
+
 Invariant the caller keeps: the KV cache was allocated zeroed. Slots past a sequence's length (the rest
 of its last block, and the padded block-table entries) are masked out, but masked values still meet a
 zero probability in the matmul, so they must be finite.
@@ -80,26 +86,34 @@ class _GroupPlan:
     # None when q already has this layout (the group is the whole batch, all queries the same length).
     padded_rows: torch.Tensor | None
     valid: torch.Tensor | None
-    # Additive (0 / -inf) mask [batch, 1, query_len, kv_len] per dtype, for short queries; built once.
-    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    # Additive (0 / -inf) mask [batch, 1, query_len, kv_len] per (dtype, window), for short queries; built
+    # once.
+    masks: dict[tuple[torch.dtype, int | None], torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_prefill_from_start(self) -> bool:
         return self.batch == 1 and self.query_len > BATCHED_QUERY_LEN_LIMIT and self.first_pos_host == 0
 
-    def offset_mask(self, rows: slice, keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [batch, 1, len(rows), keys]: query row j sees keys at positions <= first_pos + j."""
+    def offset_mask(
+        self, rows: slice, keys: int, dtype: torch.dtype, window: int | None = None, first_key: int = 0
+    ) -> torch.Tensor:
+        """Additive mask [batch, 1, len(rows), keys - first_key]: query row j (position first_pos + j)
+        sees the keys at positions first_key .. keys - 1 that are <= its position and, with a window,
+        newer than its position - window."""
         device = self.first_pos.device
         query_pos = self.first_pos[:, None] + torch.arange(rows.start, rows.stop, device=device)[None, :]
-        allowed = torch.arange(keys, device=device)[None, None, :] <= query_pos[:, :, None]
+        key_pos = torch.arange(first_key, keys, device=device)[None, None, :]
+        allowed = key_pos <= query_pos[:, :, None]
+        if window is not None:
+            allowed &= key_pos > query_pos[:, :, None] - window
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         return mask[:, None]
 
-    def short_query_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        mask = self.masks.get(dtype)
+    def short_query_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        mask = self.masks.get((dtype, window))
         if mask is None:
-            mask = self.offset_mask(slice(0, self.query_len), self.kv_len, dtype)
-            self.masks[dtype] = mask
+            mask = self.offset_mask(slice(0, self.query_len), self.kv_len, dtype, window)
+            self.masks[(dtype, window)] = mask
         return mask
 
 
@@ -158,14 +172,16 @@ def _plan_step(metadata: AttentionMetadata, block_size: int, device: torch.devic
 
 class CpuAttentionBackend:
     name = "cpu"
+    supports_sliding_window = True  # forward(window=...) masks the keys older than the window
+    supports_kv_sharing = True  # forward(write=False) reads another layer's cache, writing nothing
 
     def __init__(self) -> None:
         # Reused destination of the block gather, per (device, dtype, inference mode): saves an allocation
         # (and its page faults on the CPU) per layer. Only read inside one call, so layers can share it.
         self._gather_buffers: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
-        # The plan of the step being run: the metadata object it was built from (held, so its identity
-        # cannot be reused by a later step's object) and the plan.
-        self._planned: tuple[AttentionMetadata, _StepPlan] | None = None
+        # The plans of the step being run, one per metadata object (one per KV cache group): the object
+        # it was built from (held, so its identity cannot be reused by a later step's object) and the plan.
+        self._planned: list[tuple[AttentionMetadata, _StepPlan]] = []
 
     def fuses_rotary(self, head_dim: int, rope: StepRope) -> bool:
         return False  # the model rotates q and k (StepRope.rotate) before calling forward
@@ -182,14 +198,23 @@ class CpuAttentionBackend:
         v_scale: float = 1.0,
         rope: StepRope | None = None,
         qk_norm: QKNorm | None = None,
+        window: int | None = None,
+        write: bool = True,
     ) -> torch.Tensor:
+        """window: the layer's sliding window (keys older than it are masked). write False: k and v are
+        None and nothing is written (a KV-shared layer reading the cache another layer filled)."""
         assert rope is None and qk_norm is None, "this backend does not rotate (fuses_rotary is False)"
-        planned = self._planned
-        if planned is not None and planned[0] is metadata and planned[1].decode_kernel:
-            # the step's C decode attention is bound (by its first layer): straight to it
-            out = planned[1].decode_kernel(q, k, v, kv_cache, scale)
-            if out is not None:
-                return out
+        if window is not None and metadata.max_seq_len <= window:
+            window = None  # every context fits in the window: it hides no key
+        if window is not None or not write:
+            return self._forward_general(q, k, v, kv_cache, metadata, scale, k_scale, v_scale, window, write)
+        for planned in self._planned:
+            if planned[0] is metadata and planned[1].decode_kernel:
+                # the step's C decode attention is bound (by its first layer): straight to it
+                out = planned[1].decode_kernel(q, k, v, kv_cache, scale)
+                if out is not None:
+                    return out
+                break
         plan = self._step_plan(metadata, kv_cache.shape[2], q.device)
         if plan.is_decode_only and kv_cache.dtype == q.dtype:
             if plan.decode_kernel is None:
@@ -200,17 +225,37 @@ class CpuAttentionBackend:
                     return out
             gather = self._decode_gather(plan, kv_cache, metadata.slot_mapping)
             return decode_attention(q, k, v, kv_cache, gather, scale)
-        write_kv_cache(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
+        return self._forward_general(q, k, v, kv_cache, metadata, scale, k_scale, v_scale, None, True, plan)
+
+    def _forward_general(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        k_scale: float,
+        v_scale: float,
+        window: int | None,
+        write: bool,
+        plan: _StepPlan | None = None,
+    ) -> torch.Tensor:
+        """Writes k and v (when `write`), then attends group by group (_attend), masking by `window`."""
+        plan = plan or self._step_plan(metadata, kv_cache.shape[2], q.device)
+        if write:
+            assert k is not None and v is not None
+            write_kv_cache(kv_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
         fp8 = is_fp8_kv_cache(kv_cache.dtype)
         if fp8:
             scale = scale * k_scale  # q . (stored * k_scale) * scale, with the stored keys read exactly
         if len(plan.groups) == 1 and plan.groups[0].padded_rows is None:
-            out = self._attend(q, kv_cache, plan.groups[0], scale)
+            out = self._attend(q, kv_cache, plan.groups[0], scale, window)
         else:
             out = torch.empty_like(q)
             for group in plan.groups:
                 assert group.padded_rows is not None and group.valid is not None
-                result = self._attend(q.index_select(0, group.padded_rows), kv_cache, group, scale)
+                result = self._attend(q.index_select(0, group.padded_rows), kv_cache, group, scale, window)
                 out.index_copy_(0, group.padded_rows[group.valid], result[group.valid])
         if fp8 and v_scale != 1.0:
             out = out * v_scale  # softmax(...) @ (stored * v_scale) = (softmax(...) @ stored) * v_scale
@@ -251,12 +296,15 @@ class CpuAttentionBackend:
         return gather
 
     def _step_plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
-        if self._planned is not None:
-            planned_for, plan = self._planned
+        for planned_for, plan in self._planned:
             if planned_for is metadata and plan.block_size == block_size:
                 return plan
         plan = _plan_step(metadata, block_size, device)
-        self._planned = (metadata, plan)
+        # a step has one metadata object per KV cache group (a few); an older step's are dropped
+        stale = any(old.query_lens_cpu is not metadata.query_lens_cpu for old, _ in self._planned)
+        if stale or len(self._planned) >= 8:
+            self._planned = []
+        self._planned.append((metadata, plan))
         return plan
 
     def _attend(
@@ -265,8 +313,10 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,
         group: _GroupPlan,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """queries [batch * query_len, heads, head_dim] in padded layout -> the same shape, attended."""
+        """queries [batch * query_len, heads, head_dim] in padded layout -> the same shape, attended; with
+        a window, each query sees only the last `window` positions up to its own."""
         # [batch, kv_heads, kv_len, head_dim] each
         keys, values = self._gather(kv_cache, group, queries.dtype)
         batch, query_len, kv_len = group.batch, group.query_len, group.kv_len
@@ -275,16 +325,17 @@ class CpuAttentionBackend:
         if query_len == 1:
             # [batch, kv_heads, heads_per_kv, head_dim]: a key/value head's query heads are its rows.
             rows = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            mask = group.short_query_mask(queries.dtype)  # [batch, 1, 1, kv_len] broadcasts over rows
+            # [batch, 1, 1, kv_len] broadcasts over rows
+            mask = group.short_query_mask(queries.dtype, window)
             out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
             return out.reshape(batch, num_heads, head_dim)
         rows = queries.reshape(batch, query_len, num_heads, head_dim).transpose(1, 2)
-        if group.is_prefill_from_start:
+        if group.is_prefill_from_start and (window is None or query_len <= window):
             out = F.scaled_dot_product_attention(
                 rows, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         elif query_len <= BATCHED_QUERY_LEN_LIMIT:
-            mask = group.short_query_mask(queries.dtype)
+            mask = group.short_query_mask(queries.dtype, window)
             out = F.scaled_dot_product_attention(
                 rows, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -293,12 +344,14 @@ class CpuAttentionBackend:
             for start in range(0, query_len, LONG_QUERY_TILE):
                 tile = slice(start, min(start + LONG_QUERY_TILE, query_len))
                 visible = min(kv_len, group.first_pos_host + tile.stop)  # keys up to the tile's last position
-                mask = group.offset_mask(tile, visible, queries.dtype)
+                # with a window, none before the one the tile's first query sees
+                first = 0 if window is None else max(0, group.first_pos_host + tile.start - window + 1)
+                mask = group.offset_mask(tile, visible, queries.dtype, window, first)
                 tiles.append(
                     F.scaled_dot_product_attention(
                         rows[:, :, tile],
-                        keys[:, :, :visible],
-                        values[:, :, :visible],
+                        keys[:, :, first:visible],
+                        values[:, :, first:visible],
                         attn_mask=mask,
                         scale=scale,
                         enable_gqa=True,

@@ -24,8 +24,13 @@ class Attention(nn.Module):
     With no metadata (a profiling run before the KV cache exists) the T tokens attend causally as one
     sequence and nothing is stored.
 
-    sliding_window: the model's window, if it has one. The backends attend over the full context, which
-    equals windowed attention while every context fits in the window; a longer one is refused here.
+    sliding_window: the layer's window, if it has one: query position p sees keys at positions
+    p - sliding_window + 1 .. p (as transformers masks it). The CPU backend masks older keys; the CUDA
+    backend attends over the full context, which equals windowed attention while every context fits in the
+    window, so there a longer one is refused (its kernels have no window yet).
+
+    kv_cache_layer: the layer whose cache this one reads (Gemma-4's KV-shared layers); it then computes no
+    keys or values, writes nothing and `forward` takes k = v = None. None: its own cache (`layer_idx`).
 
     k_scale, v_scale: this layer's float8 KV cache scales (fitserve/layers/attention/backend.py), 1.0
     unless the checkpoint carries them (set while loading); a cache in the model dtype ignores them.
@@ -39,6 +44,7 @@ class Attention(nn.Module):
         num_kv_heads: int | None = None,
         layer_idx: int = 0,
         sliding_window: int | None = None,
+        kv_cache_layer: int | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -53,6 +59,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.kv_cache_layer = layer_idx if kv_cache_layer is None else kv_cache_layer
+        # A shared layer's keys and values for a forward without a cache ([T, kv_heads, head_dim] each)
+        self.shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -69,20 +78,76 @@ class Attention(nn.Module):
         (q_norm, k_norm) to apply to each head before the rotation (Qwen3), in that same kernel when the
         backend rotates."""
         num_tokens = q.shape[0]
+        if self.reads_shared_cache:
+            return self._forward_shared(q)
         q, k, v = self._by_head(q, k, v)
         context = get_forward_context()
-        metadata = context.attn_metadata
+        metadata = context.metadata_for(self.layer_idx)
         backend = get_attention_backend(q.device) if metadata is not None else None
         q, k, rope, qk_norm = self._rotate_unless_fused(backend, q, k, rope, qk_norm)
         if metadata is None:
-            out = _causal_attention_no_cache(q, k, v, self.scale)
+            out = _causal_attention_no_cache(q, k, v, self.scale, self.sliding_window)
         else:
-            self._check_window(metadata.max_seq_len)
             assert backend is not None
             kv_cache = context.kv_caches[self.layer_idx]
-            out = backend.forward(
-                q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope, qk_norm
+            if self.sliding_window is not None and getattr(backend, "supports_sliding_window", False):
+                out = backend.forward(
+                    q,
+                    k,
+                    v,
+                    kv_cache,
+                    metadata,
+                    self.scale,
+                    self.k_scale,
+                    self.v_scale,
+                    rope,
+                    qk_norm,
+                    window=self.sliding_window,
+                )
+            else:
+                self._check_window(metadata.max_seq_len)
+                out = backend.forward(
+                    q, k, v, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, rope, qk_norm
+                )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    @property
+    def reads_shared_cache(self) -> bool:
+        return self.kv_cache_layer != self.layer_idx
+
+    def _forward_shared(self, q: torch.Tensor) -> torch.Tensor:
+        """A KV-shared layer: q (normalised and rotated) attends over `kv_cache_layer`'s cache, which that
+        layer filled earlier in this step. Without metadata (a forward with no cache) that layer's keys
+        and values of this forward are read from `shared_kv` (set by the model)."""
+        num_tokens = q.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim) if q.dim() != 3 else q
+        context = get_forward_context()
+        metadata = context.metadata_for(self.kv_cache_layer)
+        if metadata is None:
+            assert self.shared_kv is not None, "the model sets shared_kv before a cacheless forward"
+            (k, v), self.shared_kv = self.shared_kv, None  # read once: not held past this forward
+            out = _causal_attention_no_cache(q, k, v, self.scale, self.sliding_window)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        backend = get_attention_backend(q.device)
+        if not getattr(backend, "supports_kv_sharing", False):
+            raise ValueError(
+                f"layer {self.layer_idx} reads layer {self.kv_cache_layer}'s KV cache "
+                f"(num_kv_shared_layers), which the {backend.name} attention backend cannot do yet: "
+                "run this model with --device cpu "
+                "until the CUDA kernels read a shared cache"
             )
+        out = backend.forward(
+            q,
+            None,
+            None,
+            context.kv_caches[self.kv_cache_layer],
+            metadata,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            window=self.sliding_window,
+            write=False,
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def write_kv(
@@ -102,14 +167,14 @@ class Attention(nn.Module):
         q, k, rope, qk_norm = self._rotate_unless_fused(backend, q, k, rope, qk_norm)
         kv_cache = context.kv_caches[self.layer_idx]
         return backend.write(
-            q, k, v, kv_cache, context.attn_metadata, self.k_scale, self.v_scale, rope, qk_norm
+            q, k, v, kv_cache, context.metadata_for(self.layer_idx), self.k_scale, self.v_scale, rope, qk_norm
         )
 
     def attend_cached(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """forward's second half: q [T, heads, head_dim] (from write_kv) attends over the cache.
         out: [T, heads, head_dim] to write into. Returns [T, heads * head_dim]."""
         context = get_forward_context()
-        metadata = context.attn_metadata
+        metadata = context.metadata_for(self.layer_idx)
         self._check_window(metadata.max_seq_len)
         backend = get_attention_backend(q.device)
         kv_cache = context.kv_caches[self.layer_idx]
@@ -152,8 +217,9 @@ class Attention(nn.Module):
     def _check_window(self, max_seq_len: int) -> None:
         if self.sliding_window is not None and max_seq_len > self.sliding_window:
             raise ValueError(
-                f"a context of {max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding "
-                f"window of {self.sliding_window}: set max_model_len to {self.sliding_window} or less"
+                f"a context of {max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding window of "
+                f"{self.sliding_window}, which the CUDA attention kernels do not mask yet: set max_model_len "
+                f"to {self.sliding_window} or less, or run with --device cpu (its backend masks the window)"
             )
 
     def extra_repr(self) -> str:
@@ -165,9 +231,21 @@ class Attention(nn.Module):
 
 
 def _causal_attention_no_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
+    num_tokens = q.shape[0]
+    mask = None
+    if window is not None and num_tokens > window:
+        positions = torch.arange(num_tokens, device=q.device)
+        distance = positions[:, None] - positions[None, :]
+        mask = (distance >= 0) & (distance < window)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)

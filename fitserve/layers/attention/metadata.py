@@ -48,16 +48,30 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during a profiling run with no KV cache
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by layer_idx
+    # With several KV cache groups (fitserve/kv_groups.py): each layer's metadata (slot_mapping and
+    # block_tables of its group's blocks), indexed by the layer whose cache it is; None: attn_metadata.
+    layer_metadata: list[AttentionMetadata] | None = None
+
+    def metadata_for(self, cache_layer: int) -> AttentionMetadata | None:
+        """The metadata of the layer owning cache `cache_layer` (its group's block tables)."""
+        if self.layer_metadata is None:
+            return self.attn_metadata
+        return self.layer_metadata[cache_layer]
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]) -> Iterator[None]:
+def forward_context(
+    attn_metadata: AttentionMetadata | None,
+    kv_caches: list[torch.Tensor],
+    layer_metadata: list[AttentionMetadata] | None = None,
+) -> Iterator[None]:
+    """layer_metadata: per layer, when KV cache groups have tables of their own (ForwardContext)."""
     global _current
     previous = _current
-    _current = ForwardContext(attn_metadata, kv_caches)
+    _current = ForwardContext(attn_metadata, kv_caches, layer_metadata)
     try:
         yield
     finally:

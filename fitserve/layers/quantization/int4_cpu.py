@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from fitserve.layers.quantization.int4_weight import Int4Weight, dequantize
+from fitserve.layers.quantization.placement import is_offloaded
+from fitserve.layers.quantization.rows_split import Kernel, RowsSplitMethod
 
 logger = logging.getLogger("fitserve")
 KERNEL_GROUP = 32
@@ -43,7 +45,7 @@ class PermutedInputMethod:
         return self.inner.apply(layer, x.index_select(-1, self.perm))
 
 
-class Int4GpuLinearMethod:
+class Int4GpuLinearMethod(RowsSplitMethod):
     """The weight in the Triton int4 kernels' layout. Up to FUSED_MAX_ROWS rows of x (decode) the
     dequantize is fused into the GEMM (kernels/int4_gemm.py); more rows (prefill) take chunks of the
     weight's rows dequantized into a scratch buffer shared by every layer, each multiplied by cuBLAS into
@@ -52,22 +54,13 @@ class Int4GpuLinearMethod:
     max_num_batched_tokens, worker/model_runner.py profile_run): so it is allocated before the KV cache is
     sized and counted in the activation peak."""
 
-    def __init__(self, packed: Any) -> None:
-        self.packed = packed
+    fused_max_rows = FUSED_MAX_ROWS
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        if rows.shape[0] <= FUSED_MAX_ROWS:
-            from fitserve.kernels.int4_gemm import int4_linear
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        from fitserve.kernels.int4_dequant import chunked_int4_linear
+        from fitserve.kernels.int4_gemm import int4_linear
 
-            out = int4_linear(rows, self.packed, layer.bias)
-        else:
-            from fitserve.kernels.int4_dequant import chunked_int4_linear
-
-            out = chunked_int4_linear(rows, self.packed, layer.bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return int4_linear, chunked_int4_linear
 
 
 class DequantizedLinearMethod:
@@ -80,43 +73,58 @@ class DequantizedLinearMethod:
 
 
 def make_runnable(
-    layer: nn.Module, weight: Int4Weight, dtype: torch.dtype, what: str, device: torch.device | None = None
+    layer: nn.Module,
+    weight: Int4Weight,
+    dtype: torch.dtype,
+    what: str,
+    device: torch.device | None = None,
+    store_on: torch.device | None = None,
 ) -> tuple[Any, str]:
-    """Stores `weight` (on any device) on `layer` in the form it computes with, on `device` (default: the
-    weight's); returns (the method that applies it, the path's name: "triton-int4", "c-kernel",
-    "torch-int4" or "dequantized")."""
+    """Stores `weight` (on any device) on `layer` in the form it computes with on `device` (default: the
+    weight's), its tensors registered as the layer's buffers on `store_on` (default: `device`; the CPU
+    for a GPU layer that --cpu-offload-gb keeps in CPU memory); returns (the method that applies it, the
+    path's name: "triton-int4", "c-kernel", "torch-int4" or "dequantized")."""
     device = torch.device(device) if device is not None else weight.codes.device
+    store_on = torch.device(store_on) if store_on is not None else device
     if device.type == "cpu" and weight.codes.device.type != "cpu":
         weight = weight.to(device)
     method, path = None, "dequantized"
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        method = _for_gpu_kernel(weight, dtype, device)
+        method = _for_gpu_kernel(layer, weight, dtype, store_on)
         path = "triton-int4"
     elif device.type == "cpu" and weight.group_size % KERNEL_GROUP == 0:
-        method = _for_c_kernel(layer, weight)
+        # The C kernel binds its tensors' addresses: not for a layer whose tensors the offload moves.
+        method = None if is_offloaded(layer) else _for_c_kernel(layer, weight)
         path = "c-kernel"
         if method is None:
             method, path = _for_torch_kernel(layer, weight), "torch-int4"
     if method is None:
         path = "dequantized"
         values = dequantize(weight)  # original column order: no permutation needed
-        layer.register_buffer("weight", values.to(dtype).to(device), persistent=False)
+        layer.register_buffer("weight", values.to(dtype).to(store_on), persistent=False)
         method = DequantizedLinearMethod()
     elif weight.perm is not None:
-        method = PermutedInputMethod(method, weight.perm.to(device))
+        layer.register_buffer("int4_perm", weight.perm.to(store_on), persistent=False)
+        method = PermutedInputMethod(method, layer.int4_perm)
     _announce(path, what, weight, dtype)
     return method, path
 
 
-def _for_gpu_kernel(weight: Int4Weight, dtype: torch.dtype, device: torch.device) -> Any | None:
+def _for_gpu_kernel(
+    layer: nn.Module, weight: Int4Weight, dtype: torch.dtype, device: torch.device
+) -> Any | None:
     from fitserve.kernels.int4_repack import check_group_size, repack_int4
 
     try:
         check_group_size(weight.in_features, weight.group_size)
     except ValueError:
         return None
-    packed = repack_int4(weight.codes, weight.scales, weight.zeros, weight.group_size, dtype)
-    return Int4GpuLinearMethod(packed.to(device))
+    packed = repack_int4(weight.codes, weight.scales, weight.zeros, weight.group_size, dtype).to(device)
+    # The layer owns the tensors (memory counts, --cpu-offload-gb moves them); the method reads the same
+    # tensor objects, so whatever points them elsewhere (tensor.data = ...) moves both.
+    for name in ("qweight", "scale_zero", "counters"):
+        layer.register_buffer(f"int4_{name}", getattr(packed, name), persistent=False)
+    return Int4GpuLinearMethod(packed)
 
 
 def _scale_columns(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:

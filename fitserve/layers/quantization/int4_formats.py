@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fitserve.layers.quantization.int4_weight import Int4Weight, act_order_from_g_idx
+from fitserve.layers.quantization.projection_shapes import fused_projection_shapes, is_moe, projection_shapes
 from fitserve.layers.quantization.quant_config import Int4Format
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds row 8c + AWQ_ORDER[i]
@@ -135,30 +136,14 @@ def to_int4_weight(
     return weight
 
 
-_DENSE_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-_MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] | None:
     """(parameters its quantized projections hold, their tensors' bytes as a checkpoint of `fmt` stores
     them: packed codes and zeros, g_idx (GPTQ writers store it even without act order), float16 scales)
     from config.json's shapes alone, for a folder without weight files (--load-format dummy); None for a
     config this does not size (MoE)."""
-    if any(getattr(hf_config, name, None) for name in ("num_local_experts", "num_experts")):
+    if is_moe(hf_config):
         return None
-    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    kv = (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim
-    intermediate = hf_config.intermediate_size
-    shapes = dict(
-        zip(
-            _DENSE_PROJECTIONS,
-            ((hidden, heads * head_dim), (hidden, kv), (hidden, kv), (heads * head_dim, hidden)),
-        )
-    )
-    shapes.update(
-        zip(_MLP_PROJECTIONS, ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden)))
-    )
+    shapes = projection_shapes(hf_config)
     params = stored = 0
     for layer in range(hf_config.num_hidden_layers):
         for suffix, (in_features, out_features) in shapes.items():
@@ -169,3 +154,23 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
                 size = 2 if spec.dtype.is_floating_point else spec.dtype.itemsize
                 stored += math.prod(spec.shape) * size
     return params, stored
+
+
+def gpu_extra_from_config(fmt: Int4Format, hf_config: Any, dtype_bytes: int = 2) -> int:
+    """Bytes the GPU form of the quantized projections (kernels/int4_repack.py: codes padded to 256 per
+    row, a (scale, zero point) pair per group in the activation dtype, split-K counters, act order's
+    permutation) takes beyond what the checkpoint stores (stored_int4_from_config); 0 for a config this
+    does not size (MoE). Fused layers (q/k/v, gate/up) are repacked as one."""
+    from fitserve.kernels.int4_repack import packed_int4_bytes
+
+    sized = stored_int4_from_config(fmt, hf_config)
+    if sized is None:
+        return 0
+    fused = fused_projection_shapes(hf_config)
+    kept = 0
+    for layer in range(hf_config.num_hidden_layers):
+        for suffix, (in_features, out_features) in fused.items():
+            if fmt.quantizes(f"model.layers.{layer}.{suffix}"):
+                kept += packed_int4_bytes(in_features, out_features, fmt.group_for(in_features), dtype_bytes)
+                kept += 8 * in_features if fmt.act_order else 0
+    return max(0, kept - sized[1])

@@ -27,14 +27,14 @@ from fitserve.layers.quantization.int4_formats import (
     to_int4_weight,
 )
 from fitserve.layers.quantization.int4_weight import random_int4_weight
+from fitserve.layers.quantization.method_base import QuantizedLinearMethod
+from fitserve.layers.quantization.placement import run_device
 from fitserve.layers.quantization.quant_config import Int4Format
 
 
-class Int4LinearMethod:
+class Int4LinearMethod(QuantizedLinearMethod):
     def __init__(self, fmt: Int4Format, prefix: str = "") -> None:
-        self.fmt = fmt
-        self.prefix = prefix  # the layer's name, for messages
-        self.runnable: Any = None
+        super().__init__(fmt, prefix)
         self.path = ""  # "triton-int4", "c-kernel", "torch-int4" or "dequantized", once loaded
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
@@ -51,12 +51,6 @@ class Int4LinearMethod:
             layer.register_parameter("bias", None)
         self._loaded: set[tuple[str, Any]] = set()
         self._g_idx_source: str | None = None
-
-    def _loader(self, layer: nn.Module, name: str) -> Any:
-        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-            self._load(layer, name, param, loaded, shard_id)
-
-        return load
 
     def _load(
         self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
@@ -131,7 +125,8 @@ class Int4LinearMethod:
 
     def _finish(self, layer: nn.Module) -> None:
         # The canonical form is built on the CPU (a one-time unpack); make_runnable puts the layer's
-        # runnable form on the device its parameters live on.
+        # runnable form on the device its parameters live on, in the form for the device it runs on
+        # (placement.py: they differ for a layer --cpu-offload-gb keeps in CPU memory).
         device = next(iter(getattr(layer, name) for name in self.specs)).device
         tensors = {name: getattr(layer, name).data.cpu() for name in self.specs}
         if ("g_idx", None) not in self._loaded_names() and "g_idx" in tensors:
@@ -139,7 +134,9 @@ class Int4LinearMethod:
         weight = to_int4_weight(self.fmt, tensors, layer.input_size, self.prefix)
         for name in self.specs:
             delattr(layer, name)
-        self.runnable, self.path = make_runnable(layer, weight, self.dtype, self.fmt.method, device)
+        self.runnable, self.path = make_runnable(
+            layer, weight, self.dtype, self.fmt.method, run_device(layer, device), store_on=device
+        )
 
     def initialize_dummy(
         self, layer: nn.Module, seed: int, std: float, device: torch.device | str | None = None
@@ -162,7 +159,9 @@ class Int4LinearMethod:
                 layer.bias.zero_()
         for name in self.specs:
             delattr(layer, name)
-        self.runnable, self.path = make_runnable(layer, weight, self.dtype, self.fmt.method, home)
+        self.runnable, self.path = make_runnable(
+            layer, weight, self.dtype, self.fmt.method, run_device(layer, home), store_on=home
+        )
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runnable is None:
@@ -179,19 +178,9 @@ def _layer_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
 
-def linear_method_for(fmt: Int4Format | None, layer_name: str, modules: list[str]) -> Int4LinearMethod | None:
-    """The method for the layer `layer_name` made of the checkpoint's linear `modules` (one, or the
-    projections a fused layer packs): int4 when the checkpoint quantizes them, None (unquantized) when it
-    leaves them out; ValueError when it quantizes some of a fused layer's projections and not others."""
-    if fmt is None:
-        return None
-    quantized = [fmt.quantizes(module) for module in modules]
-    if all(quantized):
-        return Int4LinearMethod(fmt, layer_name)
-    if not any(quantized):
-        return None
-    kept = [module for module, flag in zip(modules, quantized, strict=True) if not flag]
-    raise ValueError(
-        f"{fmt.method} checkpoint leaves {', '.join(kept)} unquantized but quantizes the other projections "
-        f"fused into {layer_name}: fitserve fuses them into one layer; quantize all of them or none"
-    )
+def linear_method_for(fmt: Any, layer_name: str, modules: list[str]) -> Any:
+    """methods.linear_method_for (every format's method, picked by the format's type), kept here for
+    its callers."""
+    from fitserve.layers.quantization.methods import linear_method_for as for_any_format
+
+    return for_any_format(fmt, layer_name, modules)

@@ -124,13 +124,7 @@ def awq_format(raw: dict[str, Any]) -> Int4Format:
 def compressed_tensors_format(raw: dict[str, Any]) -> Int4Format:
     from fitserve.layers.quantization.quant_config import Int4Format
 
-    fmt = str(raw.get("format", ""))
-    if fmt == "float-quantized":
-        raise ValueError(
-            "not supported yet: compressed-tensors format 'float-quantized' (fp8 weights); the closest "
-            "that runs "
-            "is a compressed-tensors pack-quantized W4A16 (or GPTQ / AWQ int4) checkpoint of the model"
-        )
+    fmt = str(raw.get("format", ""))  # float-quantized (fp8) configs go to fp8_format.py instead
     groups = raw.get("config_groups") or {}
     schemes = []
     targets: list[str] = []

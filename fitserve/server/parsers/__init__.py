@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from fitserve.server.parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from fitserve.server.parsers.gemma4_reasoning import Gemma4ReasoningParser
+from fitserve.server.parsers.gemma4_tool import Gemma4ToolParser
 from fitserve.server.parsers.hermes import HermesToolParser
 from fitserve.server.parsers.qwen3 import Qwen3ReasoningParser
 from fitserve.server.parsers.reasoning import ReasoningDelta, ReasoningParser
@@ -16,10 +18,14 @@ from fitserve.server.parsers.tool_calls import (
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+    Gemma4ReasoningParser.name: Gemma4ReasoningParser,
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
 }
 
-TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
+    Gemma4ToolParser.name: Gemma4ToolParser,
+    HermesToolParser.name: HermesToolParser,
+}
 
 __all__ = [
     "REASONING_PARSERS",

@@ -14,7 +14,7 @@ import json
 import re
 
 from fitserve.server.parsers.text_scan import partial_tag_suffix_len, trailing_run_len
-from fitserve.server.parsers.tool_calls import ToolCallDelta, ToolParseDelta, ToolParser, new_tool_call_id
+from fitserve.server.parsers.tool_calls import ToolCallDelta, ToolParser, new_tool_call_id
 
 _OPEN = "<tool_call>"
 _CLOSE = "</tool_call>"
@@ -35,19 +35,6 @@ class HermesToolParser(ToolParser):
         self._call_index = -1  # index of the streaming call whose header was sent, else -1
         self._args_start = 0  # offset of the arguments text inside the block
         self._args_sent = 0
-
-    def feed(self, delta: str, finished: bool) -> ToolParseDelta:
-        self._pending += delta
-        result = ToolParseDelta()
-        content: list[str] = []
-        progressing = True
-        while progressing:
-            if self._in_call:
-                progressing = self._scan_call(content, result.tool_calls, finished)
-            else:
-                progressing = self._scan_text(content, finished)
-        result.content = "".join(content) or None
-        return result
 
     def _scan_text(self, content: list[str], finished: bool) -> bool:
         opened = self._pending.find(_OPEN)

@@ -13,6 +13,12 @@ tag with no opening one anywhere is read per parser: `lone_end_tag_marks_reasoni
 Output contract: the reasoning is the text between the opening and the closing tag with surrounding
 whitespace removed; the content is the text after the closing tag with leading whitespace removed.
 A part that is empty is None.
+
+Per-format options: `reasoning_label` names the block right after its opening (Gemma-4 writes
+`<|channel>thought` and a new line) and is dropped; `end_of_output_markers` are texts of end-of-turn
+tokens that are dropped where they end the output; `keeps_special_tokens` asks the server to decode
+special tokens into the text (the format's tags are special tokens), as vLLM's parsers of such formats
+do.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fitserve.server.parsers.text_scan import partial_tag_suffix_len, trailing_run_len
+from fitserve.server.parsers.text_scan import (
+    drop_end_marker,
+    marker_suffix_len,
+    partial_tag_suffix_len,
+    trailing_run_len,
+)
 
 _WHITESPACE = " \t\r\n"
 
@@ -49,6 +60,9 @@ class ReasoningParser:
     # closing tag found later. True costs streaming: such text is held back until the closing tag or
     # the end of the output tells which part it is.
     lone_end_tag_marks_reasoning: ClassVar[bool] = False
+    reasoning_label: ClassVar[str] = ""
+    end_of_output_markers: ClassVar[tuple[str, ...]] = ()
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, prompt_text: str = "") -> None:
         self._prompt_text = prompt_text
@@ -58,6 +72,7 @@ class ReasoningParser:
         self._held: list[str] = []  # untagged text already known to hold no closing tag
         self._reasoning_started = False
         self._content_started = False
+        self._label_pending = bool(self.reasoning_label)
 
     def prompt_leaves_tag_open(self, prompt_text: str) -> bool:
         """True when the rendered prompt opened a reasoning block that it did not close."""
@@ -76,10 +91,12 @@ class ReasoningParser:
             self._decide(finished)
         if self._phase is _Phase.UNTAGGED:
             self._scan_untagged(finished)
-        if self._phase is _Phase.REASONING:
+        if self._phase is _Phase.REASONING and self._label_pending:
+            self._drop_label(finished)
+        if self._phase is _Phase.REASONING and not self._label_pending:
             self._scan_reasoning(reasoning, finished)
         if self._phase is _Phase.CONTENT:
-            self._emit_content(content)
+            self._emit_content(content, finished)
         return ReasoningDelta(reasoning="".join(reasoning) or None, content="".join(content) or None)
 
     def _decide(self, finished: bool) -> None:
@@ -112,6 +129,22 @@ class ReasoningParser:
         self._held.append(self._pending[: len(self._pending) - keep])
         self._pending = self._pending[len(self._pending) - keep :]
 
+    def _drop_label(self, finished: bool) -> None:
+        """Drops `reasoning_label` where it opens the reasoning, followed by a new line or the closing tag
+        (or the end); waits while the text so far could still be the label."""
+        label, text = self.reasoning_label, self._pending
+        if text.startswith(label):
+            rest = text[len(label) :]
+            if rest.startswith("\n"):
+                self._pending = rest[1:]
+            elif rest.startswith(self.end_tag) or (finished and not rest):
+                self._pending = rest
+            elif not finished and self.end_tag.startswith(rest):
+                return  # the new line or the closing tag may still come
+        elif not finished and label.startswith(text):
+            return
+        self._label_pending = False
+
     def _scan_reasoning(self, out: list[str], finished: bool) -> None:
         end = self._pending.find(self.end_tag)
         if end >= 0:
@@ -120,7 +153,8 @@ class ReasoningParser:
             self._phase = _Phase.CONTENT
             return
         if finished:
-            out.append(self._reasoning_piece(self._pending.rstrip(_WHITESPACE)))
+            text = drop_end_marker(self._pending, self.end_of_output_markers)
+            out.append(self._reasoning_piece(text.rstrip(_WHITESPACE)))
             self._pending = ""
             return
         held = partial_tag_suffix_len(self._pending, self.end_tag)
@@ -135,8 +169,16 @@ class ReasoningParser:
             self._reasoning_started = bool(text)
         return text
 
-    def _emit_content(self, out: list[str]) -> None:
-        text, self._pending = self._pending, ""
+    def _emit_content(self, out: list[str], finished: bool) -> None:
+        markers = self.end_of_output_markers
+        if finished:
+            text, self._pending = drop_end_marker(self._pending, markers), ""
+        else:
+            held = marker_suffix_len(self._pending, markers)
+            text, self._pending = (
+                self._pending[: len(self._pending) - held],
+                self._pending[len(self._pending) - held :],
+            )
         if not self._content_started:
             text = text.lstrip(_WHITESPACE)
             self._content_started = bool(text)

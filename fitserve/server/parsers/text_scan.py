@@ -18,3 +18,25 @@ def partial_tag_suffix_len(text: str, tag: str) -> int:
 def trailing_run_len(text: str, chars: str) -> int:
     """Number of trailing characters of `text` that all belong to `chars`."""
     return len(text) - len(text.rstrip(chars))
+
+
+def marker_suffix_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a prefix of one of `markers`, whole ones included.
+
+    A parser holds that many characters back while the output may still end there.
+    """
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(text), len(marker)), longest, -1):
+            if marker.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
+
+
+def drop_end_marker(text: str, markers: tuple[str, ...]) -> str:
+    """`text` without the one marker of `markers` it ends with (if any)."""
+    for marker in markers:
+        if text.endswith(marker):
+            return text[: -len(marker)]
+    return text

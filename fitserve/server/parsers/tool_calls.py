@@ -46,11 +46,41 @@ class ParsedToolCalls:
 
 class ToolParser:
     name: ClassVar[str] = ""
+    # The format's markers are special tokens: the server decodes special tokens into the text while
+    # this parser handles a request.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
+        self._pending = ""  # text not yet emitted
+        self._in_call = False
 
     def feed(self, delta: str, finished: bool) -> ToolParseDelta:
+        """Appends `delta` to the text held back, then alternates the two scans (the text between calls,
+        a call) while either makes progress; a format parser keeps `_pending` and `_in_call` and defines
+        `_scan_text(content, finished)` and `_scan_call(content, tool_calls, finished)`, each returning
+        whether it consumed something. `_on_finished` may trim the held text once the output ends."""
+        self._pending += delta
+        if finished:
+            self._pending = self._on_finished(self._pending)
+        result = ToolParseDelta()
+        content: list[str] = []
+        progressing = True
+        while progressing:
+            if self._in_call:
+                progressing = self._scan_call(content, result.tool_calls, finished)
+            else:
+                progressing = self._scan_text(content, finished)
+        result.content = "".join(content) or None
+        return result
+
+    def _on_finished(self, pending: str) -> str:
+        return pending
+
+    def _scan_text(self, content: list[str], finished: bool) -> bool:
+        raise NotImplementedError
+
+    def _scan_call(self, content: list[str], tool_calls: list[ToolCallDelta], finished: bool) -> bool:
         raise NotImplementedError
 
     def parse(self, text: str) -> ParsedToolCalls:

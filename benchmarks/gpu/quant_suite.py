@@ -1,0 +1,158 @@
+"""Issue 28's speed figures for quantized weights (dummy weights in each format, one GPU).
+
+Each figure runs in its own process (`one`), so that one format's memory is gone before the next loads;
+`all` runs them in turn and writes one results file.
+
+  python benchmarks/gpu/quant_suite.py all [--formats bf16,int4,fp8,bnb4] [--out FILE]
+  python benchmarks/gpu/quant_suite.py one --format int4 --figure single [--model llama-3.1-8b]
+
+Figures:
+- single: batch-1 decode of the Llama-3.1-8B shape, 128 tokens in, 256 out (best of 3 after a warm-up),
+  and its fraction of the weight-streaming roofline: the bytes one decode step reads (every tensor the
+  model keeps on the GPU, its packed weights, scales and the bf16 LM head, except the input embedding
+  table, of which a step reads one row) over the device-to-device copy bandwidth measured in the run.
+- b64: one decode step at batch 64 (ms): 64 prompts of 16 tokens, (time to 257 tokens - time to 1) / 256.
+- equal: the equal workload's output tok/s on the Qwen3-0.6B shape (benchmarks/gpu/throughput_workload.py).
+
+Formats: bf16 (the checkpoint as it is), int4 (a GPTQ group-128 symmetric quantization_config added to the
+config, dummy int4 weights through the same kernels a real checkpoint runs), fp8 (`--quantization fp8`),
+bnb4 (`--quantization bitsandbytes`: nf4, block 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
+
+GPTQ_128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+FLAGS = {"bf16": None, "int4": None, "fp8": "fp8", "bnb4": "bitsandbytes"}
+
+
+def model_dir(name: str, fmt: str, scratch: Path) -> str:
+    """The model folder for `fmt`: the shared config itself, or a copy with an int4 quantization_config."""
+    source = MODELS / name
+    if fmt != "int4":
+        return str(source)
+    target = scratch / f"{name}-gptq-int4"
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = GPTQ_128
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return str(target)
+
+
+def step_bytes(model) -> int:
+    """Bytes a decode step streams: every parameter and buffer on the GPU but the input embedding table."""
+    seen: set[int] = set()
+    total = 0
+    embed = model.model.embed_tokens.weight.data_ptr() if hasattr(model, "model") else -1
+    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight.data_ptr() == embed
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type != "cuda" or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        if tensor.data_ptr() == embed and not tied:
+            continue
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def run_one(fmt: str, figure: str, model: str) -> dict:
+    from fitserve import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = model_dir(model, fmt, Path(scratch))
+        llm = LLM(
+            path,
+            tokenizer=str(TOKENIZER),
+            load_format="dummy",
+            max_model_len=4096,
+            quantization=FLAGS[fmt],
+        )
+    runner = llm.engine.executor.runner
+    rng = random.Random(0)
+    if figure == "single":
+        params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+        times = []
+        for i in range(4):
+            prompt = {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(128)]}
+            start = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            if i > 0:
+                times.append(time.perf_counter() - start)
+        tok_per_s = 256 / min(times)
+        nbytes = step_bytes(runner.model)
+        bandwidth = copy_bandwidth_bytes_per_s()
+        return {
+            "tok_per_s": round(tok_per_s, 1),
+            "seconds_per_request": [round(t, 4) for t in times],
+            "step_bytes": nbytes,
+            "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
+            "roofline_tok_per_s": round(bandwidth / nbytes, 1),
+            "roofline_frac": round(tok_per_s * nbytes / bandwidth, 3),
+        }
+    if figure == "b64":
+        prompts = [{"prompt_token_ids": [rng.randint(0, 10000) for _ in range(16)]} for _ in range(64)]
+
+        def timed(tokens: int) -> float:
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        timed(257)  # warm-up
+        short = min(timed(1) for _ in range(3))
+        long = min(timed(257) for _ in range(2))
+        return {"decode_ms": round((long - short) / 256 * 1e3, 3), "batch": 64}
+    raise ValueError(f"figure {figure!r}: use single or b64")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("one")
+    one.add_argument("--format", choices=sorted(FLAGS), required=True)
+    one.add_argument("--figure", choices=("single", "b64"), required=True)
+    one.add_argument("--model", default="llama-3.1-8b")
+    one.add_argument("--json-out", required=True)
+    every = sub.add_parser("all")
+    every.add_argument("--formats", default="bf16,int4,fp8,bnb4")
+    every.add_argument("--figures", default="single,b64")
+    every.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.command == "one":
+        Path(args.json_out).write_text(json.dumps(run_one(args.format, args.figure, args.model)))
+        return
+    figures: dict = {"machine_extra": machine()}
+    for figure in args.figures.split(","):
+        for fmt in args.formats.split(","):
+            with tempfile.NamedTemporaryFile(suffix=".json") as result:
+                command = [sys.executable, __file__, "one", "--format", fmt, "--figure", figure]
+                done = subprocess.run(command + ["--json-out", result.name], check=False)
+                text = Path(result.name).read_text() if done.returncode == 0 else ""
+            figures[f"{fmt}_{figure}"] = json.loads(text) if text else {"error": f"rc {done.returncode}"}
+            print(fmt, figure, figures[f"{fmt}_{figure}"], flush=True)
+    keys = {}
+    for fmt, key in (("bf16", "bf16"), ("int4", "int4"), ("fp8", "fp8"), ("bnb4", "bnb4")):
+        single = figures.get(f"{fmt}_single", {})
+        if "tok_per_s" in single:
+            keys[f"{key}_single8b_tok_per_s"] = single["tok_per_s"]
+            keys[f"{key}_single8b_roofline_frac"] = single["roofline_frac"]
+        b64 = figures.get(f"{fmt}_b64", {})
+        if "decode_ms" in b64:
+            keys[f"{key}_b64_decode_ms"] = b64["decode_ms"]
+    figures["keys"] = keys
+    save("quant", figures, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""What every quantized linear method shares: its format, the layer's name for messages, the runnable
+form once loaded, and the weight loaders its checkpoint parameters carry (each calls the method's
+`_load(layer, name, param, loaded, shard_id)`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class QuantizedLinearMethod:
+    def __init__(self, fmt: Any, prefix: str = "") -> None:
+        self.fmt = fmt
+        self.prefix = prefix  # the layer's name, for messages
+        self.runnable: Any = None
+
+    def _loader(self, layer: nn.Module, name: str) -> Any:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            self._load(layer, name, param, loaded, shard_id)
+
+        return load
+
+    def _load(
+        self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
+    ) -> None:
+        raise NotImplementedError

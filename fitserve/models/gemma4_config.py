@@ -1,0 +1,96 @@
+"""Gemma-4's config.json, read without transformers.
+
+transformers' Gemma4TextConfig turns head_dim and num_key_value_heads into per-layer attributes, and
+some versions refuse to read them globally ("'head_dim' is a per-layer attribute": vLLM 0.26 with
+transformers 5.17 failed on it). fitserve reads the file itself, as it reads the dense families
+(checkpoint_config.py), and keeps the values flat; kv_layers.py derives each layer's geometry.
+
+Two forms:
+- Gemma4ForConditionalGeneration: the text model's keys sit under `text_config` (its weights under
+  `model.language_model.`), beside `vision_config` / `audio_config` towers, which fitserve does not load.
+- Gemma4ForCausalLM: the text keys at the top level (weights under `model.`).
+Both become one flat config: the text keys over Gemma4TextConfig's defaults, plus the wrapper's
+architectures, dtype and eos ids, and `towers` (the tower configs present, for the log and the plan).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+
+# transformers 5.24's Gemma4TextConfig defaults (tests/unit/test_gemma4_config.py compares them).
+GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "gemma4_text",
+    "vocab_size": 262_144,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "sliding_window": 512,
+    "layer_types": None,
+    "final_logit_softcapping": None,
+    "use_bidirectional_attention": None,
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+    "num_experts": None,
+    "top_k_experts": None,
+    "moe_intermediate_size": None,
+}
+GEMMA4_DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+_WRAPPER_KEYS = (
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "quantization_config",
+)
+_TOWER_KEYS = ("vision_config", "audio_config")
+
+
+def gemma4_values(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict (either form) -> the flat values of a CheckpointConfig."""
+    architecture = (raw.get("architectures") or [""])[0]
+    text = raw.get("text_config")
+    if architecture == "Gemma4ForConditionalGeneration" and text is None:
+        raise ValueError(
+            "config.json says Gemma4ForConditionalGeneration but has no text_config: the text model's keys "
+            "must sit under text_config (or name the architecture Gemma4ForCausalLM)"
+        )
+    source = text if isinstance(text, dict) else {k: v for k, v in raw.items() if k not in _TOWER_KEYS}
+    values = {**GEMMA4_TEXT_DEFAULTS, **source}
+    for key in _WRAPPER_KEYS:
+        if key in raw:
+            values[key] = raw[key]
+    if values.get("rope_parameters") is None:
+        values["rope_parameters"] = GEMMA4_DEFAULT_ROPE
+    values["model_type"] = "gemma4_text"
+    values["towers"] = [key.removesuffix("_config") for key in _TOWER_KEYS if raw.get(key)]
+    values["weights_prefix"] = "model.language_model." if isinstance(text, dict) else "model."
+    if values.get("use_bidirectional_attention") == "all":
+        raise ValueError(
+            "use_bidirectional_attention='all' makes every token see every other one: fitserve generates "
+            "text causally; set it to null or 'vision' in config.json to serve this checkpoint"
+        )
+    return values

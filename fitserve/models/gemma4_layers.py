@@ -1,0 +1,205 @@
+"""Gemma-4's decoder layer and its parts, computed as transformers' modeling_gemma4.py computes them.
+
+- RMSNorm: x * (mean(x^2) + eps)^-0.5 in float32, times the weight as stored (Gemma-4 stores the scale
+  itself, not the `1 + weight` of Gemma 1-3), cast back; v_norm and the router's norm carry no weight.
+- Attention: q, k, v projections; per-head RMSNorm of q and k (and of v, unscaled), then RoPE on q and k;
+  softmax scale 1.0 (the norms stand in for 1/sqrt(d)); no attention-logit softcapping. Full layers with
+  `attention_k_eq_v` have no v_proj: the values are the key projection's output, v-normed, unrotated.
+  KV-shared layers have only q_proj, q_norm and o_proj and attend over an earlier layer's cache.
+- MLP: down(act(gate(x)) * up(x)) with gelu (tanh approximation); twice as wide on KV-shared layers when
+  `use_double_wide_mlp`.
+- MoE (`enable_moe_block`): beside the dense MLP, a router (unscaled RMSNorm of the residual, times `scale`
+  and hidden^-0.5, a projection, softmax, top-k renormalised, times `per_expert_scale`) picks experts that
+  run on the residual's own pre-norm; each branch has its post-norm and the two are added.
+- Per-layer input (E models): gate(h) -> act -> times the layer's slice of the per-layer embedding ->
+  projection -> norm, added to the residual stream. Every layer's output is scaled by `layer_scalar`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitserve.kv_layers import FULL, KvLayerSpec
+from fitserve.layers.attention.layer import Attention
+from fitserve.layers.attention.metadata import get_forward_context
+from fitserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    PackedColumnLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from fitserve.layers.moe import FusedExperts
+from fitserve.layers.rotary_embedding import StepRope
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+def activation_of(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"hidden_activation={name!r} is not supported for Gemma-4: use one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def _parameter(shape: tuple[int, ...]) -> nn.Parameter:
+    param = nn.Parameter(torch.ones(shape), requires_grad=False)
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return param
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter((dim,)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            normed = normed * self.weight.float()
+        return normed.type_as(x)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec) -> None:
+        super().__init__()
+        hidden, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = spec.head_dim
+        self.num_kv_heads = spec.num_kv_heads
+        self.shared = not spec.owns_cache(layer_idx)
+        self.k_eq_v = bool(config.attention_k_eq_v) and spec.layer_type == FULL
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        shards: dict[Any, tuple[int, int]] = {"q": (0, self.q_size)}
+        if not self.shared:
+            shards["k"] = (self.q_size, self.kv_size)
+            if not self.k_eq_v:
+                shards["v"] = (self.q_size + self.kv_size, self.kv_size)
+        self.qkv_proj = PackedColumnLinear(hidden, shards, bias=bias)
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
+        self.k_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps)
+        self.v_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps, with_scale=False)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            1.0,
+            self.num_kv_heads,
+            layer_idx=layer_idx,
+            sliding_window=spec.sliding_window,
+            kv_cache_layer=spec.cache_layer,
+        )
+        # The Attention of each layer that reads this layer's cache (set by the model): a forward without
+        # a cache hands them this layer's keys and values.
+        self.kv_consumers: list[Attention] = []
+
+    def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        q = self.q_norm.forward(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
+        q = rope.rotate_(q)
+        if self.shared:
+            return self.o_proj.forward(self.attn.forward(q, q, q))  # k and v: read from the shared cache
+        assert self.k_norm is not None and self.v_norm is not None
+        shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        k_proj = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(shape)
+        v_proj = k_proj if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].reshape(shape)
+        k = rope.rotate_(self.k_norm.forward(k_proj))
+        v = self.v_norm.forward(v_proj)
+        if self.kv_consumers and get_forward_context().attn_metadata is None:
+            for consumer in self.kv_consumers:
+                consumer.shared_kv = (k, v)
+        return self.o_proj.forward(self.attn.forward(q, k, v))
+
+
+class Gemma4MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Callable) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(self.activation(gate) * up)
+
+
+class Gemma4Router(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k = int(config.top_k_experts)
+        self.root_size = hidden**-0.5
+        self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps, with_scale=False)
+        self.proj = ColumnParallelLinear(hidden, config.num_experts, bias=False)
+        self.scale = _parameter((hidden,))
+        self.per_expert_scale = _parameter((config.num_experts,))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (top-k weights float32 [T, k], expert ids [T, k])."""
+        scores = self.proj.forward(self.norm.forward(x) * self.scale * self.root_size)
+        probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probabilities, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        activation = activation_of(config)
+        self.self_attn = Gemma4Attention(config, layer_idx, spec)
+        double_wide = bool(config.use_double_wide_mlp) and self.self_attn.shared
+        self.mlp = Gemma4MLP(hidden, config.intermediate_size * (2 if double_wide else 1), activation)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.layer_scalar = _parameter((1,))
+        self.moe = bool(config.enable_moe_block)
+        if self.moe:
+            self.router = Gemma4Router(config)
+            self.experts = FusedExperts(config.num_experts, hidden, config.moe_intermediate_size, activation)
+            self.post_feedforward_layernorm_1 = GemmaRMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)
+        self.per_layer_size = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+        if self.per_layer_size:
+            self.activation = activation
+            self.per_layer_input_gate = ColumnParallelLinear(hidden, self.per_layer_size, bias=False)
+            self.per_layer_projection = RowParallelLinear(self.per_layer_size, hidden, bias=False)
+            self.post_per_layer_input_norm = GemmaRMSNorm(hidden, eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: StepRope, per_layer_input: torch.Tensor | None
+    ) -> torch.Tensor:
+        residual = hidden
+        hidden = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.moe:
+            weights, ids = self.router(residual)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual), ids, weights)
+            hidden = self.post_feedforward_layernorm_1(hidden) + self.post_feedforward_layernorm_2(routed)
+        hidden = residual + self.post_feedforward_layernorm(hidden)
+        if self.per_layer_size:
+            assert per_layer_input is not None
+            gated = self.activation(self.per_layer_input_gate(hidden)) * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden * self.layer_scalar

@@ -1,0 +1,70 @@
+"""The KV cache tensors, one per layer in its own geometry and with its group's block count, and the
+startup log lines that describe them (fitserve/kv_layers.py, fitserve/kv_groups.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fitserve.kv_groups import KvCacheGroup
+from fitserve.kv_layers import KvLayerSpec
+from fitserve.planner.memory import MemoryPlan
+
+logger = logging.getLogger("fitserve")
+
+GiB = 1 << 30
+
+
+def layer_caches(
+    specs: tuple[KvLayerSpec, ...],
+    layer_group: list[int],
+    num_blocks: int | tuple[int, ...],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] cache per layer, each in its own layer's
+    geometry with its group's block count (num_blocks: one for all, or one per KV cache group); a layer
+    that reads another's cache (Gemma-4's KV-shared layers) gets an empty tensor, so that the list stays
+    indexed by layer."""
+    caches = []
+    for index, spec in enumerate(specs):
+        if not spec.owns_cache(index):
+            caches.append(torch.empty(0, dtype=dtype, device=device))
+            continue
+        count = num_blocks if isinstance(num_blocks, int) else num_blocks[layer_group[index]]
+        shape = (2, count, block_size, spec.num_kv_heads, spec.head_dim)
+        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+    return caches
+
+
+def log_kv_cache(
+    plan: MemoryPlan,
+    groups: tuple[KvCacheGroup, ...],
+    group_num_blocks: tuple[int, ...],
+    caches: list[torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    allocated = sum(t.numel() * t.element_size() for t in caches)
+    inputs = plan.inputs
+    logger.info(
+        "KV cache size: %d tokens (%d blocks of %d, %.2f GiB, %s)",
+        plan.kv_cache_tokens,
+        plan.num_kv_blocks,
+        inputs.block_size,
+        allocated / GiB,
+        str(dtype).replace("torch.", ""),
+    )
+    if len(groups) > 1:
+        for group, count in zip(groups, group_num_blocks):
+            logger.info(
+                "KV cache group %s: %d layers, %d blocks (%d per max_model_len request)",
+                f"sliding window {group.sliding_window}" if group.is_sliding else "full attention",
+                len(group.layers),
+                count,
+                group.blocks_per_request,
+            )
+    logger.info(
+        "Maximum concurrency for %d tokens per request: %.2fx", inputs.max_model_len, plan.max_concurrency
+    )
