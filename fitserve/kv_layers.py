@@ -46,6 +46,14 @@ def is_gemma4(config: Any) -> bool:
     return str(getattr(config, "model_type", "")) in GEMMA4_MODEL_TYPES
 
 
+def cuda_graphs_unsupported(model_type: str) -> str | None:
+    """Why a model's steps cannot be captured in CUDA graphs yet (None: they can): the engine then runs
+    them eagerly, and the planner reserves no graph memory for them."""
+    if model_type in GEMMA4_MODEL_TYPES:
+        return "Gemma-4's torch MoE and sliding-window paths decide on the host each step"
+    return None
+
+
 def gemma4_layer_types(config: Any) -> list[str]:
     """layer_types as the reference resolves them: 5 sliding then 1 full when absent; the last layer full."""
     num_layers = config.num_hidden_layers

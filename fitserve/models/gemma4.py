@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitserve.kv_layers import cuda_graphs_unsupported as graphs_unsupported_reason
 from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.linear import ColumnParallelLinear, ShardId, default_weight_loader
@@ -129,7 +130,7 @@ class Gemma4ForCausalLM(nn.Module):
 
     # Read by the CUDA platform: the torch MoE reads its expert counts on the host and the window decides
     # its path from the step's lengths, neither of which a captured graph can replay.
-    cuda_graphs_unsupported = "Gemma-4's torch MoE and sliding-window paths decide on the host each step"
+    cuda_graphs_unsupported = graphs_unsupported_reason("gemma4")
 
     def __init__(self, config: Any) -> None:
         super().__init__()

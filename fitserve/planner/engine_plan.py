@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fitserve.capture_sizes import decode_capture_sizes
 from fitserve.config import EngineConfig
+from fitserve.kv_layers import cuda_graphs_unsupported
 from fitserve.planner.formats import canonical_dtype
 from fitserve.planner.hardware import DeviceSpec, gpu_device_spec
 
@@ -37,7 +38,7 @@ def inputs_from_engine_config(
     on_gpu = device.kind == "cuda"
     compilation = config.compilation
     sizes: tuple[int, ...] = ()
-    if on_gpu and not compilation.enforce_eager:
+    if on_gpu and not compilation.enforce_eager and not cuda_graphs_unsupported(shape.model_type):
         sizes = decode_capture_sizes(compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)
     return MemoryInputs(
         shape=shape,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fitserve.args import EngineArgs
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, Choice
 from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS, RAM_FRACTION
+from fitserve.kv_layers import cuda_graphs_unsupported
 from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
@@ -112,7 +113,7 @@ def auto_fit(
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_offload_gb=float(args.cpu_offload_gb) if on_gpu else 0.0,
         gpu_memory_utilization=utilization,
-        cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu),
+        cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu, model.shape.model_type),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         cpu_kv_cache_space_gib=None if args.cpu_kv_cache_space is None else float(args.cpu_kv_cache_space),
     )
@@ -329,8 +330,11 @@ def _late_choices(
         choices.append(Choice("max_num_batched_tokens", inputs.max_num_batched_tokens, default))
     if inputs.on_gpu:
         sizes = inputs.cudagraph_capture_sizes
+        unsupported = cuda_graphs_unsupported(inputs.shape.model_type)
         if args.enforce_eager:
             choices.append(Choice("cudagraph_capture_sizes", (), "--enforce-eager: no CUDA graphs", True))
+        elif unsupported:
+            choices.append(Choice("cudagraph_capture_sizes", (), f"none: {unsupported}"))
         elif args.compilation_config is not None:
             choices.append(
                 Choice("cudagraph_capture_sizes", sizes, "set by you (--compilation-config)", True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fitserve.args import EngineArgs
 from fitserve.capture_sizes import decode_capture_sizes, parse_capture_sizes
+from fitserve.kv_layers import cuda_graphs_unsupported
 from fitserve.planner.fit_options import holds
 from fitserve.planner.hardware import GiB
 from fitserve.planner.memory import MemoryInputs, plan_memory, with_settings
@@ -31,9 +32,10 @@ def default_max_num_batched_tokens(device: str, max_num_seqs: int, serving: bool
     return max(table[device], max_num_seqs)
 
 
-def initial_capture_sizes(args: EngineArgs, on_gpu: bool) -> tuple[int, ...]:
-    """The decode graphs' batch sizes before any shrinking: none on the CPU or with --enforce-eager."""
-    if not on_gpu or args.enforce_eager:
+def initial_capture_sizes(args: EngineArgs, on_gpu: bool, model_type: str = "") -> tuple[int, ...]:
+    """The decode graphs' batch sizes before any shrinking: none on the CPU, with --enforce-eager, or for
+    a model whose steps cannot be captured yet (kv_layers.cuda_graphs_unsupported)."""
+    if not on_gpu or args.enforce_eager or cuda_graphs_unsupported(model_type):
         return ()
     return decode_capture_sizes(parse_capture_sizes(args.compilation_config), args.max_num_seqs)
 

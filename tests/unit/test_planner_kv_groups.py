@@ -68,3 +68,16 @@ def test_the_report_shows_each_group(capsys):
     assert "23.1504 KiB per token of a 131,072-token request" in text
     assert "full attention: 5 layers, 8,192 blocks a request at most" in text
     assert "sliding window 1,024: 25 layers, 129 blocks a request at most" in text
+
+
+def test_gemma4_plans_no_cuda_graphs_since_the_engine_captures_none(capsys):
+    """The engine runs Gemma-4's steps eagerly (kv_layers.cuda_graphs_unsupported): the plan reserves no
+    graph memory for it and says why; a Llama of the same budget keeps its graphs."""
+    gemma = plan_json(capsys)
+    assert gemma["cuda_graph_gib"] == 0 and gemma["settings"]["cudagraph_capture_sizes"] == []
+    choice = next(c for c in gemma["choices"] if c["setting"] == "cudagraph_capture_sizes")
+    assert "Gemma-4's torch MoE" in choice["reason"]
+    flags = ["--assume-gpus", "1x79.19@8.0", "--json"]
+    assert run_plan(parse("plan", [str(MODELS_DIR / "llama-3.1-8b"), *flags])) == 0
+    llama = json.loads(capsys.readouterr().out)
+    assert llama["cuda_graph_gib"] > 0 and llama["settings"]["cudagraph_capture_sizes"]
