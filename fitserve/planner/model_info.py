@@ -95,23 +95,33 @@ def weights_inventory(folder: Path, shape: ModelShape, hf_config: Any, dummy: bo
     weights (a quantized checkpoint's projections at the bytes its format stores); on a GPU, int4 weights
     also count what their repacked form takes beyond that (`gpu_extra_bytes`)."""
     quant = checkpoint_quantization(hf_config)
+    fmt = _quantized_format(hf_config) if quant is not None else None
     if dummy:
-        weights = _config_inventory(shape, hf_config, quant, "config.json shapes (--load-format dummy)")
+        source = "config.json shapes (--load-format dummy)"
+        weights = _config_inventory(shape, hf_config, quant, source, fmt)
     else:
         weights = inventory_from_folder(folder, shape, quant)
-    if quant is None:
-        return weights
-    from fitserve.layers.quantization.int4_formats import gpu_extra_from_config
-    from fitserve.layers.quantization.quant_config import Int4Format, quant_format
+    return _with_gpu_form(weights, fmt, hf_config)
+
+
+def _quantized_format(hf_config: Any) -> Any:
+    """The checkpoint's quantized format, or None where it is refused (with its message, where the
+    format is checked)."""
+    from fitserve.layers.quantization.quant_config import quant_format
 
     try:
-        fmt = quant_format(hf_config)
-    except ValueError:  # refused, with its message, where the format is checked
-        return weights
+        return quant_format(hf_config)
+    except ValueError:
+        return None
+
+
+def _with_gpu_form(weights: WeightInventory, fmt: Any, hf_config: Any) -> WeightInventory:
+    """`weights` with the bytes an int4 format's repacked GPU form takes beyond what it stores."""
+    from fitserve.layers.quantization.int4_formats import gpu_extra_from_config, stored_int4_from_config
+    from fitserve.layers.quantization.quant_config import Int4Format
+
     if not isinstance(fmt, Int4Format):
         return weights
-    from fitserve.layers.quantization.int4_formats import stored_int4_from_config
-
     sized = stored_int4_from_config(fmt, hf_config)
     # Files that hold other quantized tensors than config.json describes (a partial checkpoint) are
     # counted as stored: the repack's extra is worked out from the config's shapes.
@@ -120,20 +130,18 @@ def weights_inventory(folder: Path, shape: ModelShape, hf_config: Any, dummy: bo
     return replace(weights, gpu_extra_bytes=gpu_extra_from_config(fmt, hf_config))
 
 
-def _config_inventory(shape: ModelShape, hf_config: Any, quant: str | None, source: str) -> WeightInventory:
-    """The weights from config.json's shapes; an int4 checkpoint's quantized projections at the bytes its
-    format stores them in (layers/quantization/int4_formats.stored_int4_from_config), as the headers would."""
+def _config_inventory(
+    shape: ModelShape, hf_config: Any, quant: str | None, source: str, fmt: Any = None
+) -> WeightInventory:
+    """The weights from config.json's shapes; a quantized checkpoint's projections (`fmt`, its parsed
+    format) at the bytes its format stores them in (layers/quantization/methods.stored_from_config), as
+    the headers would."""
     inventory = inventory_from_config(shape, quant, source=source)
-    if quant is None:
+    if fmt is None:
         return inventory
     from fitserve.layers.quantization.methods import stored_from_config
-    from fitserve.layers.quantization.quant_config import int4_format
 
-    try:
-        fmt = int4_format(hf_config)
-    except ValueError:  # refused, with its message, where the format is checked
-        return inventory
-    sized = None if fmt is None else stored_from_config(fmt, hf_config)
+    sized = stored_from_config(fmt, hf_config)
     if sized is None:
         return inventory
     params, stored = sized
@@ -184,5 +192,7 @@ def _inspect_hub(model: str, revision: str | None, trust_remote_code: bool, load
             weights = inventory_from_hub_metadata(metadata.files_metadata, quant)
         except Exception:  # no safetensors on the hub, or the hub went away: the shapes still size it
             weights = None
-    weights = weights or _config_inventory(shape, hf_config, quant, "config.json shapes (no weight files)")
+    if weights is None:
+        fmt = _quantized_format(hf_config) if quant is not None else None
+        weights = _config_inventory(shape, hf_config, quant, "config.json shapes (no weight files)", fmt)
     return ModelInfo.from_hf_config(model, f"Hugging Face model {model} ({folder})", hf_config, weights)

@@ -67,10 +67,7 @@ class BnbLinearMethod(QuantizedLinearMethod):
     def _load(
         self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
     ) -> None:
-        if self.runnable is not None:
-            raise ValueError(f"{self.prefix}: {name} came after the layer was loaded")
-        start, rows = (0, layer.output_size) if shard_id is None else layer.shard_offsets[shard_id]
-        what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id!r})")
+        start, rows, what = self._shard_rows(layer, name, shard_id)
         if name == "bias":
             if tuple(loaded.shape) != (rows,):
                 raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected ({rows},)")

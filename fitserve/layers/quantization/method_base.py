@@ -26,3 +26,12 @@ class QuantizedLinearMethod:
         self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
     ) -> None:
         raise NotImplementedError
+
+    def _shard_rows(self, layer: nn.Module, name: str, shard_id: Any) -> tuple[int, int, str]:
+        """(first row, rows, the tensor's name for messages) of checkpoint tensor `name` of shard
+        `shard_id` (None: the whole layer); ValueError when the layer was already made runnable."""
+        if self.runnable is not None:
+            raise ValueError(f"{self.prefix}: {name} came after the layer was loaded")
+        start, rows = (0, layer.output_size) if shard_id is None else layer.shard_offsets[shard_id]
+        what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id!r})")
+        return start, rows, what
