@@ -125,7 +125,12 @@ class EngineArgs:
         choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
     )
     tensor_parallel_size: int = _flag(
-        1, "Tensor parallel GPUs (only 1 supported yet).", type=int, aliases=["-tp"]
+        1,
+        "Tensor parallel ranks: GPUs (NCCL; alike GPUs, CUDA_VISIBLE_DEVICES picks them), or CPU processes "
+        "(gloo). It must divide the attention heads and divide or be a multiple of the KV heads. Default: 1, "
+        "or with several GPUs visible the smallest power of two that fits the model with a useful batch.",
+        type=int,
+        aliases=["-tp"],
     )
     pipeline_parallel_size: int = _flag(
         1, "Pipeline stages (only 1 supported yet).", type=int, aliases=["-pp"]
@@ -224,7 +229,9 @@ class EngineArgs:
         1, "Data parallel engines (only 1 supported yet).", type=int, aliases=["-dp"]
     )
     distributed_executor_backend: str | None = _flag(
-        None, f"{_NO_EFFECT}: one device, one process.", type=nullable_str
+        None,
+        f"{_NO_EFFECT}: mp, one process per tensor-parallel rank on this host (ray is not supported yet).",
+        type=nullable_str,
     )
     scheduling_policy: str = _flag(
         "fcfs",
@@ -270,7 +277,13 @@ class EngineArgs:
         f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
         type=nullable_str,
     )
-    enable_expert_parallel: bool = _flag(False, f"{_NO_EFFECT}: one device holds every expert.", **_BOOL)
+    enable_expert_parallel: bool = _flag(
+        False,
+        "Split an MoE model's experts across the tensor-parallel ranks (each rank holds E / "
+        "--tensor-parallel-size whole experts) instead of splitting every expert's width. "
+        "No effect with one rank.",
+        **_BOOL,
+    )
     max_loras: int = _flag(1, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)
     max_lora_rank: int = _flag(16, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)
     max_cpu_loras: int | None = _flag(None, f"{_NO_EFFECT}: LoRA adapters are not supported yet.", type=int)

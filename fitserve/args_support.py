@@ -46,18 +46,21 @@ def refuse_unsupported(args: EngineArgs) -> None:
             f"delete that key; {CLOSEST_QUANTIZATION}",
         ),
         (
-            "tensor_parallel_size",
-            args.tensor_parallel_size > 1,
-            f"--tensor-parallel-size {args.tensor_parallel_size}",
-            "set --tensor-parallel-size 1",
-            "set it to 1",
-        ),
-        (
             "pipeline_parallel_size",
             args.pipeline_parallel_size > 1,
             f"--pipeline-parallel-size {args.pipeline_parallel_size}",
             "set --pipeline-parallel-size 1",
             "set it to 1",
+        ),
+        (
+            "distributed_executor_backend",
+            args.distributed_executor_backend is not None
+            and not _local_backend(args.distributed_executor_backend, args.tensor_parallel_size),
+            f"--distributed-executor-backend {args.distributed_executor_backend}",
+            "drop it or set --distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as "
+            "processes of this host",
+            "delete that key or set it to mp: fitserve runs the tensor-parallel ranks as processes of this "
+            "host",
         ),
         (
             "task",
@@ -178,6 +181,12 @@ def refuse_unsupported(args: EngineArgs) -> None:
         logger.info("%s: %s (results are unchanged)", flag, note)
 
 
+def _local_backend(backend: str, tensor_parallel_size: int) -> bool:
+    """vLLM's executor backends fitserve's own matches: mp (a process per rank on this host), and uni
+    (one process) while there is one rank."""
+    return backend == "mp" or (backend == "uni" and tensor_parallel_size == 1)
+
+
 def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
     """vLLM's flags that were given and that fitserve accepts without a mode of its own: each is
     logged once at startup, naming what fitserve does instead."""
@@ -228,7 +237,7 @@ def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
         (
             args.distributed_executor_backend is not None,
             f"--distributed-executor-backend {args.distributed_executor_backend}",
-            "fitserve runs one device in one process",
+            "fitserve runs one process per tensor-parallel rank on this host, as vLLM's mp backend does",
         ),
         (
             args.guided_decoding_backend is not None,
@@ -242,7 +251,11 @@ def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
         ),
     ]
     notes += [
-        (args.enable_expert_parallel, "--enable-expert-parallel", "one device holds every expert"),
+        (
+            args.enable_expert_parallel and args.tensor_parallel_size == 1,
+            "--enable-expert-parallel",
+            "one rank holds every expert (it splits experts across --tensor-parallel-size ranks)",
+        ),
         (
             (args.max_loras, args.max_lora_rank, args.max_cpu_loras) != (1, 16, None),
             "--max-loras / --max-lora-rank / --max-cpu-loras",

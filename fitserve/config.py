@@ -8,6 +8,7 @@ after that: a component that needs a different value builds a new one with `data
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,8 @@ class ModelConfig:
     cpu_offload_gb: float = 0.0
     # --quantization: reaches model construction on hf_config (models/loader.py, layers/quantization)
     quantization: str | None = None
+    # --enable-expert-parallel: an MoE model's experts split across the tensor-parallel ranks (Gemma-4)
+    enable_expert_parallel: bool = False
     # Sampling defaults the model's publisher states outside generation_config.json (the default model's
     # card), and where; with generation_config "auto" they sit under the file's own values.
     card_sampling: dict[str, Any] = field(default_factory=dict)
@@ -192,4 +195,15 @@ class EngineConfig:
             self.model.max_model_len,
             self.scheduler.max_num_batched_tokens,
             self.cache.block_size,
+            self.parallel.tensor_parallel_size,
+        )
+
+    @property
+    def rank_kv_layers(self) -> tuple[KvLayerSpec, ...]:
+        """Each layer's KV cache geometry on one tensor-parallel rank: its share of the KV heads (one at
+        least: with fewer heads than ranks each is replicated, layers/tp_shards.py)."""
+        size = self.parallel.tensor_parallel_size
+        return tuple(
+            dataclasses.replace(spec, num_kv_heads=max(1, spec.num_kv_heads // size))
+            for spec in self.model.kv_layers
         )

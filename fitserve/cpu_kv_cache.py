@@ -15,6 +15,11 @@ faster (its steps are compute-bound); it only costs RAM and the seconds to zero 
 half of the available RAM is left to the step's activations (the sampler's float32 logits of up to
 max_num_seqs rows), the page cache the weights are read through, and other processes.
 
+With tensor parallel on the CPU (--tensor-parallel-size N: N processes with gloo on this host), the
+size is per rank: each rank holds 1/N of the KV heads (so a block takes 1/N of the bytes) and may take
+1/N of the cap, RAM_FRACTION of the RAM available once every rank's weights are loaded. The requests it
+holds are the same on every rank; --cpu-kv-cache-space is each rank's, as vLLM's VLLM_CPU_KVCACHE_SPACE.
+
 Every size is whole blocks of block_size tokens, the reserved null block included, as the engine
 allocates them. This module imports only the standard library (fitserve.config for type checking): the
 planner and the worker both use it.
@@ -52,6 +57,13 @@ class CpuKvCacheSize:
     explicit: bool  # --cpu-kv-cache-space was given
     cap_blocks: int | None = None  # RAM_FRACTION of the RAM available; None: unknown, or explicit
     available_bytes: int | None = None  # the RAM available (once the weights are loaded)
+    ranks: int = 1  # tensor-parallel ranks on this host, sharing the RAM available: the size is one's
+
+    @property
+    def available_text(self) -> str:
+        """The RAM the cap is a fraction of, as the reasons say it."""
+        available = f"{(self.available_bytes or 0) / GiB:.1f} GiB available"
+        return available if self.ranks == 1 else f"{available} split between {self.ranks} ranks"
 
     @property
     def bytes(self) -> int:
@@ -105,8 +117,11 @@ class CpuKvCacheSize:
         per_token = f"{self.block_bytes / self.block_size / 1024:g} KiB a token"
         length = f"max_model_len {self.max_model_len}"
         if self.explicit:
-            return f"set by you: {self.tokens:,} tokens, {self.requests:.1f}x {length} at {per_token}"
-        available = f"{(self.available_bytes or 0) / GiB:.1f} GiB available"
+            per_rank = " per rank" if self.ranks > 1 else ""
+            return (
+                f"set by you{per_rank}: {self.tokens:,} tokens, {self.requests:.1f}x {length} at {per_token}"
+            )
+        available = self.available_text
         least = f"one request of {length} plus a step's {self.step_tokens:,} tokens"
         if self.capped and self.num_blocks == self.floor_blocks:
             head = f"{least} at {per_token}, the least it runs with, over {RAM_FRACTION:.0%} of {available}"
@@ -127,7 +142,8 @@ class CpuKvCacheSize:
         return f"auto-fit: {head}; {FLAG} GIB sets it"
 
     def log_line(self) -> str:
-        return f"cpu_kv_cache_space = {self.gib:.2f} GiB ({self.reason})"
+        per_rank = f" per rank ({self.ranks} ranks)" if self.ranks > 1 else ""
+        return f"cpu_kv_cache_space = {self.gib:.2f} GiB{per_rank} ({self.reason})"
 
 
 def cpu_kv_cache_size(
@@ -139,11 +155,13 @@ def cpu_kv_cache_size(
     block_size: int,
     kv_bytes_per_token: int,
     available_bytes: int | None,
+    ranks: int = 1,
 ) -> CpuKvCacheSize:
-    """The pool for --cpu-kv-cache-space `space_gib` (None: the automatic rule above).
+    """The pool of one rank for --cpu-kv-cache-space `space_gib` (None: the automatic rule above).
 
-    `available_bytes`: the RAM available once the weights are loaded (the engine reads it after loading
-    them; the planner subtracts its weights from what it reads before), or None when unknown.
+    `available_bytes`: the host's RAM available once the weights (of every rank) are loaded (the engine
+    reads it after loading them; the planner subtracts its weights from what it reads before), or None when
+    unknown. `ranks`: the tensor-parallel ranks sharing it; `kv_bytes_per_token` is one rank's.
     """
     block_bytes = kv_bytes_per_token * block_size
     step_tokens = math.ceil(max_num_batched_tokens / block_size) * block_size
@@ -157,12 +175,13 @@ def cpu_kv_cache_size(
         space_gib is not None,
         None,
         available_bytes,
+        max(1, ranks),
     )
     if space_gib is not None:
         return replace(size, num_blocks=int(space_gib * GiB // block_bytes))
     if available_bytes is None:
         return replace(size, num_blocks=size.wanted_blocks)
-    cap = int(max(0, available_bytes) * RAM_FRACTION) // block_bytes
+    cap = int(max(0, available_bytes) * RAM_FRACTION) // size.ranks // block_bytes
     blocks = max(size.floor_blocks, min(size.wanted_blocks, cap))
     return replace(size, num_blocks=blocks, cap_blocks=cap)
 
@@ -178,6 +197,7 @@ def engine_cpu_kv_cache_size(config: EngineConfig, available_bytes: int | None) 
         block_size=cache.block_size,
         kv_bytes_per_token=config.kv_bytes_per_token,
         available_bytes=available_bytes,
+        ranks=config.parallel.tensor_parallel_size,
     )
 
 
@@ -207,13 +227,16 @@ def check_cpu_kv_cache_space(space_gib: float | None) -> None:
         raise ValueError(f"cpu_kv_cache_space={space_gib} GiB is not a finite size: {fix}")
 
 
-def check_fits_in_ram(space_gib: float | None, available_bytes: int | None) -> None:
-    """Refuses an explicit size larger than the RAM available (allocating it would swap or be killed)."""
-    if space_gib is None or available_bytes is None or space_gib * GiB <= available_bytes:
+def check_fits_in_ram(space_gib: float | None, available_bytes: int | None, ranks: int = 1) -> None:
+    """Refuses an explicit size (each of `ranks` ranks allocating it) larger than the RAM available
+    (allocating it would swap or be killed)."""
+    ranks = max(1, ranks)
+    if space_gib is None or available_bytes is None or space_gib * GiB * ranks <= available_bytes:
         return
-    largest = math.floor(available_bytes * RAM_FRACTION / GiB * 100) / 100
+    largest = math.floor(available_bytes * RAM_FRACTION / ranks / GiB * 100) / 100
     smaller = f"set {FLAG} {largest:g} or less" if largest >= 0.01 else "free some RAM"
+    each = f" ({ranks} ranks x {space_gib:g} GiB)" if ranks > 1 else ""
     raise ValueError(
-        f"cpu_kv_cache_space={space_gib:g} GiB is more than the {available_bytes / GiB:.2f} GiB of RAM "
+        f"cpu_kv_cache_space={space_gib:g} GiB{each} is more than the {available_bytes / GiB:.2f} GiB of RAM "
         f"available: {smaller}, or leave it unset to size it to max_model_len"
     )

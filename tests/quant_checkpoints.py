@@ -84,7 +84,13 @@ def round_to_int4(weight: torch.Tensor, spec: QuantSpec, seed: int) -> RoundedWe
     if order is not None:
         g_idx = torch.empty(cols, dtype=torch.int64)
         g_idx[order] = torch.arange(cols) // group
-    groups = cols // group
+    return round_to_int4_groups(weight, spec, g_idx)
+
+
+def round_to_int4_groups(weight: torch.Tensor, spec: QuantSpec, g_idx: torch.Tensor) -> RoundedWeight:
+    """Round-to-nearest int4 of `weight` [N, K] in the groups g_idx [K] gives each column (act order)."""
+    rows, cols = weight.shape
+    groups = int(g_idx.max()) + 1
     codes = torch.empty(rows, cols, dtype=torch.int64)
     scales = torch.empty(rows, groups, dtype=torch.float16)
     zeros = torch.empty(rows, groups, dtype=torch.int64)

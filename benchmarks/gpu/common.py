@@ -59,6 +59,22 @@ def copy_bandwidth_bytes_per_s(num_bytes: int = 2 << 30, repeats: int = 20) -> f
     return 2 * num_bytes / elapsed
 
 
+def batch1_decode_seconds(llm, rng, runs: int = 3) -> list[float]:
+    """Seconds per request of `runs` batch-1 requests, 128 random prompt tokens and 256 greedy output
+    tokens each, after one untimed warm-up request."""
+    from fitserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    times = []
+    for i in range(runs + 1):
+        prompt = {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(128)]}
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        if i > 0:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def save(workload: str, figures: dict, out: str | None = None) -> dict:
     result = {
         "workload": workload,

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
+from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
 
 GPTQ_128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 FLAGS = {"bf16": None, "int4": None, "fp8": "fp8", "bnb4": "bitsandbytes"}
@@ -81,14 +81,7 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
     runner = llm.engine.executor.runner
     rng = random.Random(0)
     if figure == "single":
-        params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-        times = []
-        for i in range(4):
-            prompt = {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(128)]}
-            start = time.perf_counter()
-            llm.generate([prompt], params, use_tqdm=False)
-            if i > 0:
-                times.append(time.perf_counter() - start)
+        times = batch1_decode_seconds(llm, rng)
         tok_per_s = 256 / min(times)
         nbytes = step_bytes(runner.model)
         bandwidth = copy_bandwidth_bytes_per_s()

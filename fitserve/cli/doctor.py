@@ -56,6 +56,7 @@ def machine_checks(
     if gpus or nvidia is not None:
         checks.append(_driver_check(host))
     checks += [_gpu_check(gpu, dtype, gpu_memory_utilization) for gpu in gpus]
+    checks += parallel_checks(host, [] if device == "cpu" else gpus)
     checks += [_ram_check(host), _shm_check(host, gpus), _disk_check(host), _paths_check(gpus)]
     if not gpus or device == "cpu":
         checks.append(cpu_kernels_check())
@@ -158,6 +159,110 @@ def _gpu_check(gpu: DeviceSpec, dtype: str, gpu_memory_utilization: float | None
             )
         return Check("PASS", title, f"{detail}; no fast bfloat16, so dtype auto picks float16 here")
     return Check("PASS", title, detail)
+
+
+def parallel_checks(host: HostInfo, gpus: Sequence[DeviceSpec]) -> list[Check]:
+    """What tensor parallel runs on: with GPUs, NCCL's version, whether they are alike, and peer access
+    between each pair; without, CPU ranks with gloo."""
+    if not gpus:
+        return [_cpu_parallel_check(host)]
+    version = nccl_version()
+    if len(gpus) == 1:
+        nccl = f"NCCL {version}" if version else "no NCCL in this torch build"
+        return [Check("PASS", "tensor parallel", f"1 GPU visible: tensor_parallel_size 1 ({nccl})")]
+    if version is None:
+        nccl = Check(
+            "WARN",
+            "NCCL",
+            f"not in this torch build: tensor parallel over the {len(gpus)} GPUs needs it (one GPU runs)",
+            f"install a CUDA build of torch (its Linux wheels carry NCCL): {CUDA_TORCH_INSTALL}",
+        )
+    else:
+        nccl = Check("PASS", "NCCL", f"{version}: tensor-parallel ranks all-reduce through it")
+    return [nccl, _alike_check(gpus), _peer_access_check(gpus)]
+
+
+def nccl_version() -> str | None:
+    """NCCL's version in this torch build ("2.21.5"), or None without one (a CPU build)."""
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def peer_access(first: int, second: int) -> bool | None:
+    """Whether GPU `first` reads GPU `second`'s memory directly (NVLink or PCIe P2P); None if unknown."""
+    try:
+        return bool(torch.cuda.can_device_access_peer(first, second))
+    except (AttributeError, RuntimeError, AssertionError, ValueError):
+        return None
+
+
+def _alike_check(gpus: Sequence[DeviceSpec]) -> Check:
+    from fitserve.planner.fit_parallel import alike_groups, alike_prefix, visible_devices_hint
+
+    if alike_prefix(gpus) == len(gpus):
+        return Check(
+            "PASS",
+            "tensor parallel",
+            f"{len(gpus)} alike GPUs: auto-fit picks the smallest --tensor-parallel-size that fits the model "
+            "with a useful batch",
+        )
+    different = gpus[alike_prefix(gpus)]
+    largest = alike_groups(gpus)[0]
+    if len(largest) > 1:
+        hint = visible_devices_hint([gpu.index for gpu in largest])
+        fix = f"set {hint} ({len(largest)} alike GPUs) to run tensor parallel over them"
+    else:
+        fix = "run on one GPU (tensor_parallel_size 1), or add alike GPUs"
+    return Check(
+        "WARN",
+        "tensor parallel",
+        f"{gpus[0].label()} and {different.label()} differ: tensor parallel runs on alike GPUs only",
+        fix,
+    )
+
+
+def _peer_access_check(gpus: Sequence[DeviceSpec]) -> Check:
+    pairs = [(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    access = {pair: peer_access(*pair) for pair in pairs}
+    words = {True: "yes", False: "no", None: "unknown"}
+    detail = ", ".join(f"GPU {a}<->{b} {words[found]}" for (a, b), found in access.items())
+    if all(found for found in access.values()):
+        return Check("PASS", "GPU peer access", f"{detail}: NCCL copies GPU to GPU")
+    if any(found is None for found in access.values()):
+        return Check(
+            "WARN",
+            "GPU peer access",
+            f"{detail}: torch could not say",
+            "check the driver and the links with nvidia-smi topo -m",
+        )
+    return Check(
+        "WARN",
+        "GPU peer access",
+        f"{detail}: NCCL goes through host memory between the pairs without it (slower tensor-parallel "
+        "steps)",
+        "pick GPUs that reach each other with CUDA_VISIBLE_DEVICES (nvidia-smi topo -m shows the links), "
+        "or check that the IOMMU or PCIe ACS settings do not block peer access",
+    )
+
+
+def _cpu_parallel_check(host: HostInfo) -> Check:
+    distributed = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+    if not distributed:
+        return Check(
+            "WARN",
+            "tensor parallel",
+            "this torch build has no gloo backend: on the CPU --tensor-parallel-size stays 1",
+            "install a torch build with torch.distributed (the PyPI wheels for Linux have it)",
+        )
+    return Check(
+        "PASS",
+        "tensor parallel",
+        f"no GPU in use: --tensor-parallel-size N runs N CPU ranks (processes) with gloo, sharing the "
+        f"{host.cpu_count} cores and the RAM",
+    )
 
 
 def _ram_check(host: HostInfo) -> Check:

@@ -96,9 +96,11 @@ def run_doctor(namespace: argparse.Namespace) -> int:
         print(f"FAIL plan: {error}")
         return 1
     plan = result.plan
+    ranks = plan.inputs.tensor_parallel_size
+    per_rank = "" if ranks == 1 else f" per rank (tensor_parallel_size {ranks})"
     print(
-        f"PASS plan: {result.model.name} fits: weights {plan.weights_gib_per_gpu:.2f} GiB, KV cache "
-        f"{plan.kv_cache_tokens:,} tokens, max_model_len {plan.inputs.max_model_len:,} "
+        f"PASS plan: {result.model.name} fits: weights {plan.weights_gib_per_gpu:.2f} GiB{per_rank}, "
+        f"KV cache {plan.kv_cache_tokens:,} tokens, max_model_len {plan.inputs.max_model_len:,} "
         f"({plan.max_concurrency:.1f}x concurrent)"
     )
     print(plan_text(result))

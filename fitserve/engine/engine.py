@@ -34,6 +34,7 @@ from fitserve.models.loader import (
 from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep, RequestsFailedError
+from fitserve.worker.rank_failure import RankFailedError
 
 if TYPE_CHECKING:
     from fitserve.args import EngineArgs
@@ -309,6 +310,8 @@ class Engine:
                     scheduled=remaining,
                     num_batched_tokens=sum(item.num_new_tokens for item in remaining),
                 )
+            except RankFailedError:
+                raise  # the engine cannot go on without a rank (EngineLoop stops)
             except Exception as error:
                 outputs.extend(self._fail_step(scheduler_output, error))
                 return None
@@ -316,6 +319,8 @@ class Engine:
     def _take_tokens_or_fail(self, step: InFlightStep) -> list[RequestOutput]:
         try:
             return self._take_tokens(step)
+        except RankFailedError:
+            raise
         except Exception as error:
             live = [item for item in step.scheduler_output.scheduled if not item.request.is_finished]
             return self._fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
@@ -422,6 +427,10 @@ class Engine:
                 self.num_generation_tokens_total += 1
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, step_tokens)] += 1
         self.iteration_tokens_sum += step_tokens
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

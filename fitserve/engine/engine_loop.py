@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.core.outputs import RequestOutput
+from fitserve.worker.rank_failure import RankFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,14 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailedError as error:
+            # A tensor-parallel rank is gone: end every request with the reason and stop the loop (the
+            # server answers 503 from now on).
+            logger.error("the engine stopped: %s", error)
+            failed = list(self.request_ids)
+            self.request_ids.clear()
+            self.on_failed(failed, RuntimeError(f"the engine stopped: {error}; restart the server"))
+            raise
         except Exception as error:
             # One bad step must not take the server down: end the requests it was running and go on.
             logger.exception("engine step failed; aborting its %d request(s)", len(self.request_ids))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import queue
 import resource
@@ -106,6 +107,10 @@ def run_engine_process(
 ) -> None:
     """The engine process's main function."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The server started this process as a daemon (it goes when the server goes); a daemon may not start
+    # processes, and tensor parallel starts one per rank. Only this process's own view changes: the
+    # server still ends it at exit, and its ranks (daemons themselves) end with it.
+    multiprocessing.current_process().daemon = False
     watch = threading.Thread(
         target=_exit_when_orphaned, args=(parent_pid,), name="fitserve-parent", daemon=True
     )
@@ -146,3 +151,5 @@ def run_engine_process(
         logger.exception("the engine process stopped")
         with contextlib.suppress(OSError):
             replies.send(Reply(died=portable_error(error)))
+    finally:
+        engine.shutdown()

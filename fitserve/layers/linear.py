@@ -5,8 +5,10 @@ matrix, gate/up in one matrix) takes each checkpoint tensor with its shard id an
 the model maps checkpoint names to (parameter, shard id) and never touches the rows itself.
 
 The classes are named for the split a tensor-parallel run gives them (column: output rows split across
-ranks; row: input columns split, results summed). Today every rank holds the whole matrix (tensor-parallel
-size 1), so each forward is one matmul. How the weights are created and applied is a `LinearMethod`:
+ranks; row: input columns split, results summed over the ranks, layers/tp_shards.py). A layer reads its
+rank as it is built (distributed/parallel_state.py): its parameters hold that rank's part, and its weight
+loaders take whole checkpoint tensors and copy in that part. How the weights are created and applied is a
+`LinearMethod`:
 the unquantized one below is the default; a quantized method creates its own parameters (with their own
 weight loaders) and its own `apply`.
 
@@ -23,6 +25,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fitserve.distributed.collectives import all_reduce
+from fitserve.distributed.parallel_state import tp
+from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, rank_rows, split_evenly
 
 ShardId = int | str
 # kernels/skinny_gemm.MAX_ROWS and kernels/swapped_gemm.MAX_ROWS, repeated so that this module imports
@@ -136,15 +142,34 @@ class LinearBase(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, bias: bool, linear_method: LinearMethod | None = None
     ) -> None:
+        """input_size and output_size are the whole matrix's; the parameters hold this rank's part
+        (input_size_per_rank x output_size_per_rank)."""
         super().__init__()
+        state = tp()
+        self.tp_rank, self.tp_size = state.rank, state.size
         self.input_size = input_size
         self.output_size = output_size
+        self.input_size_per_rank, self.output_size_per_rank = self._rank_sizes()
         self.linear_method: LinearMethod = linear_method or UnquantizedLinearMethod()
-        self.linear_method.create_weights(self, input_size, output_size, bias)
+        if self.tp_size > 1 and not getattr(self.linear_method, "splits_for_tensor_parallel", True):
+            raise ValueError(
+                f"{type(self.linear_method).__name__} weights do not split across ranks yet: run this "
+                "checkpoint with --tensor-parallel-size 1, or an unquantized (bf16/fp16) checkpoint with "
+                f"--tensor-parallel-size {self.tp_size}"
+            )
+        self.linear_method.create_weights(self, self.input_size_per_rank, self.output_size_per_rank, bias)
         self._loaded_shards: set[ShardId | None] = set()
         # Checkpoint tensors (or shards) of the weight held as loaded until the weight is whole; see
         # `_holds`.
         self._held: dict[ShardId | None, torch.Tensor] = {}
+
+    def _rank_sizes(self) -> tuple[int, int]:
+        """(input, output) sizes of this rank's part: the whole matrix unless a subclass splits it."""
+        return self.input_size, self.output_size
+
+    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
+        """The part of a whole checkpoint tensor this rank's `param` holds (all of it unless split)."""
+        return loaded_weight
 
     @property
     def shard_ids(self) -> tuple[ShardId, ...]:
@@ -156,6 +181,7 @@ class LinearBase(nn.Module):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not packed: it takes no shard id (got {shard_id!r})")
         self._check_loadable(param)
+        loaded_weight = self.rank_part(param, loaded_weight)
         if self._holds(param, loaded_weight):
             check_loaded_shape(param.shape, loaded_weight)
             self._held[None] = loaded_weight
@@ -218,12 +244,45 @@ class LinearBase(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
+class ReplicatedLinear(LinearBase):
+    """A linear layer every tensor-parallel rank holds whole (a router, a small projection whose output
+    every rank needs): no split, no communication."""
+
+
 class ColumnParallelLinear(LinearBase):
-    """A linear layer whose output rows a tensor-parallel run splits across ranks."""
+    """A linear layer whose output rows a tensor-parallel run splits across ranks: each rank computes
+    its slice of the output, no communication."""
+
+    def _rank_sizes(self) -> tuple[int, int]:
+        return self.input_size, split_evenly(self.output_size, self.tp_size, f"{type(self).__name__}'s rows")
+
+    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return loaded_weight
+        size = self.output_size_per_rank
+        return rank_rows(loaded_weight, 0, self.tp_rank * size, size)
 
 
 class RowParallelLinear(LinearBase):
-    """A linear layer whose input columns a tensor-parallel run splits (outputs summed across ranks)."""
+    """A linear layer whose input columns a tensor-parallel run splits: each rank multiplies its slice
+    of the input (the column-parallel layer before it left it there) and the ranks' outputs are summed.
+    The bias is added once: only the first rank holds it, the others hold zeros."""
+
+    def _rank_sizes(self) -> tuple[int, int]:
+        return split_evenly(
+            self.input_size, self.tp_size, f"{type(self).__name__}'s columns"
+        ), self.output_size
+
+    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return loaded_weight
+        if param is self.bias:
+            return loaded_weight if self.tp_rank == 0 else torch.zeros_like(loaded_weight)
+        size = self.input_size_per_rank
+        return rank_rows(loaded_weight, loaded_weight.dim() - 1, self.tp_rank * size, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.linear_method.apply(self, x))
 
 
 class PackedColumnLinear(ColumnParallelLinear):
@@ -235,14 +294,33 @@ class PackedColumnLinear(ColumnParallelLinear):
         shard_offsets: dict[ShardId, tuple[int, int]],
         bias: bool,
         linear_method: LinearMethod | None = None,
+        rank_offsets: dict[ShardId, tuple[int, int]] | None = None,
     ) -> None:
-        self.shard_offsets = shard_offsets
-        output_size = sum(size for _, size in shard_offsets.values())
+        """shard_offsets: each shard's rows in the whole matrix; rank_offsets: in this rank's part (each
+        shard split evenly unless given)."""
+        self.full_shard_offsets = shard_offsets
+        size = tp().size
+        if rank_offsets is None:
+            rank_offsets, start = {}, 0
+            for shard_id, (_, rows) in shard_offsets.items():
+                per_rank = split_evenly(rows, size, f"shard {shard_id!r}'s rows")
+                rank_offsets[shard_id] = (start, per_rank)
+                start += per_rank
+        self.shard_offsets = rank_offsets
+        output_size = sum(rows for _, rows in shard_offsets.values())
         super().__init__(input_size, output_size, bias, linear_method)
+
+    def _rank_sizes(self) -> tuple[int, int]:
+        return self.input_size, sum(rows for _, rows in self.shard_offsets.values())
 
     @property
     def shard_ids(self) -> tuple[ShardId, ...]:
         return tuple(self.shard_offsets)
+
+    def shard_rank_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        """(start, size): the rows of a checkpoint's whole `shard_id` tensor that this rank holds."""
+        size = self.shard_offsets[shard_id][1]
+        return self.tp_rank * size, size
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
@@ -252,6 +330,13 @@ class PackedColumnLinear(ColumnParallelLinear):
             raise ValueError(
                 f"shard id {shard_id!r} is not one of {list(self.shard_offsets)} for {type(self).__name__}"
             )
+        if shard_id is None and self.tp_size > 1:
+            # a checkpoint that stores the packed matrix: each shard's rows, then this rank's part of each
+            for packed_id, (start, rows) in self.full_shard_offsets.items():
+                self.weight_loader(param, loaded_weight.narrow(0, start, rows), packed_id)
+            return
+        if shard_id is not None and self.tp_size > 1:
+            loaded_weight = rank_rows(loaded_weight, 0, *self.shard_rank_rows(shard_id))
         # shard None: a checkpoint that already stores the packed matrix
         target = param if shard_id is None else param.narrow(0, *self.shard_offsets[shard_id])
         if self._holds(param, loaded_weight):
@@ -281,7 +366,9 @@ class MergedColumnParallelLinear(PackedColumnLinear):
 
 
 class QKVParallelLinear(PackedColumnLinear):
-    """Query, key and value projections in one matrix: rows [q | k | v], shard ids "q", "k", "v"."""
+    """Query, key and value projections in one matrix: rows [q | k | v] of this rank's heads, shard ids
+    "q", "k", "v". `shards` leaves some out: Gemma-4's full layers with attention_k_eq_v have no v (the
+    values are the keys' projection), its KV-shared layers only q."""
 
     def __init__(
         self,
@@ -291,12 +378,28 @@ class QKVParallelLinear(PackedColumnLinear):
         num_kv_heads: int,
         bias: bool,
         linear_method: LinearMethod | None = None,
+        shards: tuple[str, ...] = ("q", "k", "v"),
     ) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        offsets: dict[ShardId, tuple[int, int]] = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
-        }
-        super().__init__(hidden_size, offsets, bias, linear_method)
+        state = tp()
+        self.num_heads = split_evenly(num_heads, state.size, "the number of attention heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, state.size)
+        self.first_kv_head = first_kv_head(num_kv_heads, state.rank, state.size)
+        self.head_dim = head_dim
+        # this rank's sizes
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        whole = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        mine = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        offsets: dict[ShardId, tuple[int, int]] = {}
+        rank_offsets: dict[ShardId, tuple[int, int]] = {}
+        start = rank_start = 0
+        for shard in shards:
+            offsets[shard] = (start, whole[shard])
+            rank_offsets[shard] = (rank_start, mine[shard])
+            start, rank_start = start + whole[shard], rank_start + mine[shard]
+        super().__init__(hidden_size, offsets, bias, linear_method, rank_offsets)
+
+    def shard_rank_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        if shard_id == "q":
+            return self.tp_rank * self.q_size, self.q_size
+        return self.first_kv_head * self.head_dim, self.kv_size

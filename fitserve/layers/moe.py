@@ -9,6 +9,18 @@ checkpoints store them, all experts in one tensor each:
 This implementation is plain torch (the CPU path and the GPU reference): tokens are grouped by expert
 with one sort, each expert that has tokens runs two matmuls over its rows, and each token's k weighted
 rows are summed. Only the experts some token chose are read.
+
+Tensor parallel (distributed/parallel_state.py), rank r of n; the weight loaders take the whole
+checkpoint tensors and keep the rank's part:
+- by default each expert's intermediate dim is split (as a column-parallel gate/up and a row-parallel
+  down): rank r holds intermediate rows [r * I/n, (r+1) * I/n) of every expert's gate and of its up
+  (gate_up_proj [E, 2 * I/n, hidden]) and those columns of down (down_proj [E, hidden, I/n]);
+- with expert parallel (`expert_parallel=True`, --enable-expert-parallel) the experts are split: rank r
+  holds experts [r * E/n, (r+1) * E/n) whole. The router runs on every rank (every rank has every
+  token), so each rank computes its experts' share of every token's output.
+Either way a rank's output is a partial sum: the ranks' outputs summed (one all-reduce) give the MoE
+output. `forward(..., reduce=True)` does that all-reduce; a caller that sums it with another partial
+output first (the dense MLP beside it) passes reduce=False and reduces once.
 """
 
 from __future__ import annotations
@@ -18,7 +30,22 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fitserve.distributed.collectives import all_reduce
+from fitserve.distributed.parallel_state import tp
 from fitserve.layers.linear import default_weight_loader
+from fitserve.layers.tp_shards import split_evenly
+
+
+def experts_per_rank(num_experts: int, size: int) -> int:
+    """E / n under expert parallel, or ValueError naming E, n and the fix."""
+    if num_experts % size:
+        raise ValueError(
+            f"expert parallel splits the model's {num_experts} experts across tensor_parallel_size={size} "
+            f"ranks, but {num_experts} is not divisible by {size}: choose a --tensor-parallel-size that "
+            f"divides {num_experts}, or drop --enable-expert-parallel (each expert's intermediate size is "
+            "split across the ranks instead)"
+        )
+    return num_experts // size
 
 
 class FusedExperts(nn.Module):
@@ -28,26 +55,75 @@ class FusedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         activation: Callable[[torch.Tensor], torch.Tensor],
+        expert_parallel: bool = False,
     ) -> None:
+        """Sizes are the whole model's; the parameters hold this rank's experts or intermediate slice."""
         super().__init__()
+        state = tp()
+        self.tp_rank, self.tp_size = state.rank, state.size
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
-        )
+        self.expert_parallel = expert_parallel and state.size > 1
+        if self.expert_parallel:
+            self.local_experts = experts_per_rank(num_experts, state.size)
+            self.intermediate_per_rank = intermediate_size
+        else:
+            self.local_experts = num_experts
+            self.intermediate_per_rank = split_evenly(
+                intermediate_size, state.size, "the MoE experts' intermediate size (moe_intermediate_size)"
+            )
+        self.first_expert = self.tp_rank * self.local_experts if self.expert_parallel else 0
+        local, width = self.local_experts, self.intermediate_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * width, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, width), requires_grad=False)
         for param in (self.gate_up_proj, self.down_proj):
-            param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor (gate_up_proj [E, 2I, hidden] or down_proj
+        [E, hidden, I]): its experts, or every expert's intermediate slice."""
+        if self.tp_size == 1:
+            return loaded_weight
+        if loaded_weight.shape[0] != self.num_experts:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, but the model has "
+                f"{self.num_experts} experts: the checkpoint does not match the model's config.json"
+            )
+        if self.expert_parallel:
+            return loaded_weight.narrow(0, self.first_expert, self.local_experts)
+        width, start = self.intermediate_per_rank, self.tp_rank * self.intermediate_per_rank
+        if param is self.down_proj:
+            return loaded_weight.narrow(2, start, width)
+        whole = self.intermediate_size
+        if loaded_weight.shape[1] != 2 * whole:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, but gate_up_proj has "
+                f"2 x {whole} rows per expert: the checkpoint does not match the model's config.json"
+            )
+        gate = loaded_weight.narrow(1, start, width)
+        up = loaded_weight.narrow(1, whole + start, width)
+        return torch.cat((gate, up), dim=1)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        default_weight_loader(param, self.rank_part(param, loaded_weight))
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True
+    ) -> torch.Tensor:
+        """[T, hidden]: the whole MoE output (reduce=True), or this rank's partial sum (reduce=False)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        if self.expert_parallel:  # only the (token, slot) pairs routed to this rank's experts
+            local_ids = flat_ids - self.first_expert
+            pairs = ((local_ids >= 0) & (local_ids < self.local_experts)).nonzero().squeeze(1)
+            local_ids = local_ids.index_select(0, pairs)
+            order = pairs.index_select(0, torch.argsort(local_ids, stable=True))
+            counts = torch.bincount(local_ids, minlength=self.local_experts).tolist()
+        else:
+            order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         rows = x.index_select(0, order // top_k)  # each pair's token, in expert order
         weights = topk_weights.reshape(-1)[order, None]  # float32: each row is weighted, then cast back
         routed = torch.empty_like(rows)
@@ -60,10 +136,24 @@ class FusedExperts(nn.Module):
             result = torch.nn.functional.linear(self.activation(gate) * up, self.down_proj[expert])
             routed[start : start + count] = (result * weights[start : start + count]).to(routed.dtype)
             start += count
-        # back to (token, slot) order, then each token's k weighted rows summed
-        unsorted = torch.empty_like(routed)
+        # back to (token, slot) order (zeros for pairs another rank's experts serve), then each token's k
+        # weighted rows summed
+        unsorted = (torch.zeros if self.expert_parallel else torch.empty)(
+            num_tokens * top_k, x.shape[-1], dtype=routed.dtype, device=routed.device
+        )
         unsorted[order] = routed
-        return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+        out = unsorted.view(num_tokens, top_k, -1).sum(dim=1)
+        return all_reduce(out) if reduce else out
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        split = ""
+        if self.tp_size > 1:
+            split = (
+                f", experts {self.first_expert}..{self.first_expert + self.local_experts - 1} on this rank"
+                if self.expert_parallel
+                else f", intermediate {self.intermediate_per_rank} per rank"
+            )
+        return (
+            f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+            + split
+        )

@@ -124,8 +124,10 @@ class DecoderAttention(nn.Module):
             bias=spec.qkv_bias,
             linear_method=quantized(quant, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
         )
+        # this rank's heads (all of them unless tensor parallel splits them: layers/tp_shards.py)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim,
+            config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=spec.o_bias,
             linear_method=quantized(quant, prefix, "o_proj", ("o_proj",)),

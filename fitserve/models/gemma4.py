@@ -7,6 +7,12 @@ embeddings); the decoder layers, each with its layer type's RoPE (rope_parameter
 layers, "proportional" with partial_rotary_factor on full ones) and its own cache geometry (kv_layers.py);
 a final RMSNorm; the tied LM head; logits softcapped by final_logit_softcapping (cap * tanh(x / cap)).
 
+Tensor parallel: the vocabulary of both embedding tables is split across ranks and each lookup is
+all-reduced (every rank needs the whole embeddings, and the per-layer table is too large to replicate);
+the per-layer model projection is replicated (its output is normed per layer, so every rank needs it
+whole); the LM head's logits are joined on rank 0, which alone softcaps them (None on the others).
+gemma4_layers.py says how a decoder layer splits.
+
 Weights: a ConditionalGeneration checkpoint keeps the text model under `model.language_model.`, which is
 read as `model.`; its vision and audio towers (and their embedders) are skipped, with one log line.
 """
@@ -23,7 +29,7 @@ from torch import nn
 from fitserve.kv_layers import cuda_graphs_unsupported as graphs_unsupported_reason
 from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.layer import Attention
-from fitserve.layers.linear import ColumnParallelLinear, ShardId, default_weight_loader
+from fitserve.layers.linear import ReplicatedLinear, ShardId, default_weight_loader
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
@@ -99,7 +105,8 @@ class Gemma4Model(nn.Module):
         if self.per_layer_size:
             packed = config.num_hidden_layers * self.per_layer_size
             self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, packed)
-            self.per_layer_model_projection = ColumnParallelLinear(hidden, packed, bias=False)
+            # replicated: each layer's slice of its output is normed whole (see the module docstring)
+            self.per_layer_model_projection = ReplicatedLinear(hidden, packed, bias=False)
             self.per_layer_projection_norm = GemmaRMSNorm(self.per_layer_size, eps)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -157,8 +164,11 @@ class Gemma4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Softcapped logits [N, vocab]; with tensor parallel, on rank 0 only (None on the others)."""
         logits = self.lm_head(hidden)
+        if logits is None:
+            return None
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

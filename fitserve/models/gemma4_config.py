@@ -15,6 +15,7 @@ architectures, dtype and eos ids, and `towers` (the tower configs present, for t
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
@@ -67,6 +68,25 @@ _WRAPPER_KEYS = (
     "quantization_config",
 )
 _TOWER_KEYS = ("vision_config", "audio_config")
+# --enable-expert-parallel, as it reaches the model: an attribute of the config the model is built from
+# (models/loader.py), read by the MoE layers (False when absent).
+EXPERT_PARALLEL_ATTR = "fitserve_expert_parallel"
+
+
+def expert_parallel_of(config: Any) -> bool:
+    """Whether a tensor-parallel run splits the MoE experts across ranks (--enable-expert-parallel)
+    rather than each expert's intermediate size."""
+    return bool(getattr(config, EXPERT_PARALLEL_ATTR, False))
+
+
+def with_expert_parallel(config: Any, enabled: bool) -> Any:
+    """config as the model is built from it: a shallow copy carrying --enable-expert-parallel under
+    EXPERT_PARALLEL_ATTR when it is set; the original (or config itself when not set) left as it was."""
+    if not enabled:
+        return config
+    marked = copy.copy(config)
+    setattr(marked, EXPERT_PARALLEL_ATTR, True)
+    return marked
 
 
 def gemma4_values(raw: dict[str, Any]) -> dict[str, Any]:

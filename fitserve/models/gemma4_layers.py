@@ -13,6 +13,16 @@
   run on the residual's own pre-norm; each branch has its post-norm and the two are added.
 - Per-layer input (E models): gate(h) -> act -> times the layer's slice of the per-layer embedding ->
   projection -> norm, added to the residual stream. Every layer's output is scaled by `layer_scalar`.
+
+Tensor parallel (rank r of n, layers/tp_shards.py): q heads are split; KV heads split, or replicated when
+a layer type has fewer than n (sliding and full layers each by their own count); o_proj is row-parallel
+over the whole num_attention_heads x head_dim. The dense MLP splits its intermediate dim and the MoE
+experts their intermediate dim or (expert parallel) the experts themselves; on MoE layers the two
+branches' partial outputs are all-reduced in one collective (each has its own post-norm, so they are
+reduced side by side, not summed). The router and the per-layer-input gate and projection are
+replicated: every rank needs their whole output (the softmax over all experts; the gate's product with
+the whole per-layer input), and the per-layer pair is small enough that computing it on every rank is
+cheaper than a collective per layer. Norms are replicated.
 """
 
 from __future__ import annotations
@@ -24,18 +34,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.distributed.collectives import all_reduce
+from fitserve.distributed.parallel_state import tp
 from fitserve.kv_layers import FULL, KvLayerSpec
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import get_forward_context
 from fitserve.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
-    PackedColumnLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
 )
 from fitserve.layers.moe import FusedExperts
 from fitserve.layers.rotary_embedding import StepRope
+from fitserve.models.gemma4_config import expert_parallel_of
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -77,20 +90,18 @@ class Gemma4Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec) -> None:
         super().__init__()
         hidden, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
-        self.num_heads = config.num_attention_heads
         self.head_dim = spec.head_dim
-        self.num_kv_heads = spec.num_kv_heads
         self.shared = not spec.owns_cache(layer_idx)
         self.k_eq_v = bool(config.attention_k_eq_v) and spec.layer_type == FULL
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        shards: dict[Any, tuple[int, int]] = {"q": (0, self.q_size)}
-        if not self.shared:
-            shards["k"] = (self.q_size, self.kv_size)
-            if not self.k_eq_v:
-                shards["v"] = (self.q_size + self.kv_size, self.kv_size)
-        self.qkv_proj = PackedColumnLinear(hidden, shards, bias=bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bias)
+        shards = ("q",) if self.shared else ("q", "k") if self.k_eq_v else ("q", "k", "v")
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, config.num_attention_heads, spec.num_kv_heads, bias, shards=shards
+        )
+        # this rank's heads (all of them unless tensor parallel splits them); a KV-shared layer's are those
+        # of the layer whose cache it reads (same layer type, so the same split)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps)
         self.v_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps, with_scale=False)
@@ -133,9 +144,14 @@ class Gemma4MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
         self.activation = activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]: the MLP's output (reduce=True), or this rank's partial sum of it (reduce=False:
+        the caller all-reduces it)."""
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(self.activation(gate) * up)
+        hidden = self.activation(gate) * up
+        if reduce:
+            return self.down_proj.forward(hidden)
+        return self.down_proj.linear_method.apply(self.down_proj, hidden)
 
 
 class Gemma4Router(nn.Module):
@@ -145,7 +161,8 @@ class Gemma4Router(nn.Module):
         self.top_k = int(config.top_k_experts)
         self.root_size = hidden**-0.5
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps, with_scale=False)
-        self.proj = ColumnParallelLinear(hidden, config.num_experts, bias=False)
+        # every rank routes every token over all the experts (the softmax and top-k need all scores)
+        self.proj = ReplicatedLinear(hidden, config.num_experts, bias=False)
         self.scale = _parameter((hidden,))
         self.per_expert_scale = _parameter((config.num_experts,))
 
@@ -174,15 +191,22 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(config.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(config)
-            self.experts = FusedExperts(config.num_experts, hidden, config.moe_intermediate_size, activation)
+            self.experts = FusedExperts(
+                config.num_experts,
+                hidden,
+                config.moe_intermediate_size,
+                activation,
+                expert_parallel=expert_parallel_of(config),
+            )
             self.post_feedforward_layernorm_1 = GemmaRMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)
         self.per_layer_size = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.per_layer_size:
             self.activation = activation
-            self.per_layer_input_gate = ColumnParallelLinear(hidden, self.per_layer_size, bias=False)
-            self.per_layer_projection = RowParallelLinear(self.per_layer_size, hidden, bias=False)
+            # replicated: the gate's output meets the whole per-layer input (see the module docstring)
+            self.per_layer_input_gate = ReplicatedLinear(hidden, self.per_layer_size, bias=False)
+            self.per_layer_projection = ReplicatedLinear(self.per_layer_size, hidden, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(hidden, eps)
 
     def forward(
@@ -192,14 +216,27 @@ class Gemma4DecoderLayer(nn.Module):
         hidden = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
         hidden = residual + hidden
         residual = hidden
-        hidden = self.mlp(self.pre_feedforward_layernorm(hidden))
         if self.moe:
             weights, ids = self.router(residual)
-            routed = self.experts(self.pre_feedforward_layernorm_2(residual), ids, weights)
-            hidden = self.post_feedforward_layernorm_1(hidden) + self.post_feedforward_layernorm_2(routed)
+            dense = self.mlp(self.pre_feedforward_layernorm(hidden), reduce=False)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual), ids, weights, reduce=False)
+            dense, routed = self._reduce_pair(dense, routed)
+            hidden = self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)
+        else:
+            hidden = self.mlp(self.pre_feedforward_layernorm(hidden))
         hidden = residual + self.post_feedforward_layernorm(hidden)
         if self.per_layer_size:
             assert per_layer_input is not None
             gated = self.activation(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return hidden * self.layer_scalar
+
+    @staticmethod
+    def _reduce_pair(dense: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense MLP's and the experts' partial outputs, each summed over the ranks, in one all-reduce
+        (side by side: each goes through its own post-norm before they are added, so their sum would not
+        do)."""
+        if tp().size == 1:
+            return dense, routed
+        both = all_reduce(torch.stack((dense, routed.to(dense.dtype))))
+        return both[0], both[1]

@@ -22,6 +22,7 @@ from fitserve.config import ModelConfig
 from fitserve.layers.quantization.quant_config import with_quantization_flag
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.cpu_offload import CpuOffload, offloading
+from fitserve.models.gemma4_config import with_expert_parallel
 from fitserve.models.resolve import ResolvedModel, require_config_json, resolve_model, resolve_tokenizer_path
 from fitserve.models.weights import (
     check_safetensors_file,
@@ -188,7 +189,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
 
     offload = CpuOffload(model_config.cpu_offload_gb, device) if model_config.cpu_offload_gb > 0 else None
     with default_dtype(model_config.dtype), device, offloading(offload):
-        model = model_class(with_quantization_flag(model_config.hf_config, model_config.quantization))
+        hf_config = with_quantization_flag(model_config.hf_config, model_config.quantization)
+        model = model_class(with_expert_parallel(hf_config, model_config.enable_expert_parallel))
 
     started = time.perf_counter()
     with torch.no_grad():

@@ -17,7 +17,6 @@ from fitserve.args import EngineArgs
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, Choice
 from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS, RAM_FRACTION
 from fitserve.kv_layers import cuda_graphs_unsupported
-from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_errors import (
     PlanError,
     check_block_size,
@@ -38,10 +37,18 @@ from fitserve.planner.fit_knobs import (
     shrink_to_fit,
 )
 from fitserve.planner.fit_options import Headroom
+from fitserve.planner.fit_parallel import AUTO_TP_REQUESTS, auto_sizes, size_problem
 from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.kv_length import largest_length
-from fitserve.planner.memory import MemoryInputs, MemoryPlan, cpu_kept_forms, plan_memory, with_settings
+from fitserve.planner.memory import (
+    MemoryInputs,
+    MemoryPlan,
+    cpu_kept_forms,
+    plan_memory,
+    weight_bytes_per_gpu,
+    with_settings,
+)
 from fitserve.planner.model_info import ModelInfo
 
 # The model's own max_model_len is kept when the KV cache holds FULL_LENGTH_REQUESTS (2) requests of that
@@ -73,7 +80,124 @@ def auto_fit(
     serving: bool = True,
 ) -> FitResult:
     """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix. `serving`: plan
-    for `fitserve serve` (its defaults), else for offline generation (`fitserve generate`, LLM)."""
+    for `fitserve serve` (its defaults), else for offline generation (`fitserve generate`, LLM).
+    tensor_parallel_size, unset with several GPUs visible, is auto-fit's (planner/fit_parallel.py)."""
+    user_tp = "tensor_parallel_size" in explicit or args.tensor_parallel_size != 1
+    on_gpus = bool(devices) and devices[0].kind == "cuda"
+    if user_tp or not on_gpus or len(devices) == 1:
+        result = _fit_at(model, args, devices, explicit, host_ram_available, serving)
+        if user_tp or len(devices) > 1:
+            result = _with_tp_choice(result, _explicit_tp_choice(result))
+        return result
+    return _auto_tensor_parallel(model, args, devices, explicit, host_ram_available, serving)
+
+
+# A plan that does not fit at one tensor-parallel size may fit at another; other refusals hold for all.
+_MEMORY_REFUSALS = ("weights", "kv_cache", "host_memory")
+
+
+def _auto_tensor_parallel(
+    model: ModelInfo,
+    args: EngineArgs,
+    devices: Sequence[DeviceSpec],
+    explicit: frozenset[str],
+    host_ram_available: int | None,
+    serving: bool,
+) -> FitResult:
+    """The smallest size of auto_sizes whose plan holds AUTO_TP_REQUESTS requests; else the one whose KV
+    cache holds the most tokens; else (none fits) the largest size's refusal."""
+    needed = args.max_model_len or min(model.max_model_len, REFERENCE_CONTEXT)
+    tried: list[tuple[int, FitResult | PlanError]] = []
+    for size in auto_sizes(model.shape, devices):
+        try:
+            result = _fit_at(
+                model,
+                dataclasses.replace(args, tensor_parallel_size=size),
+                devices,
+                explicit,
+                host_ram_available,
+                serving,
+            )
+        except PlanError as error:
+            if error.kind not in _MEMORY_REFUSALS:
+                raise
+            tried.append((size, error))
+            continue
+        tried.append((size, result))
+        if result.plan.kv_cache_tokens >= AUTO_TP_REQUESTS * needed:
+            break
+    fitted = [(size, r) for size, r in tried if isinstance(r, FitResult)]
+    if not fitted:
+        raise tried[-1][1]  # type: ignore[misc]  # every try raised: the widest one's refusal
+    size, result = fitted[-1]  # the tries stop at the first that holds the batch
+    if result.plan.kv_cache_tokens < AUTO_TP_REQUESTS * needed:  # none does: the most tokens, fewest ranks
+        size, result = max(fitted, key=lambda pair: pair[1].plan.kv_cache_tokens)
+    return _with_tp_choice(
+        result, Choice("tensor_parallel_size", size, _auto_tp_reason(tried, result, needed, devices))
+    )
+
+
+def _auto_tp_reason(
+    tried: list[tuple[int, FitResult | PlanError]],
+    chosen: FitResult,
+    needed: int,
+    devices: Sequence[DeviceSpec],
+) -> str:
+    plan = chosen.plan
+    size = plan.inputs.tensor_parallel_size
+    wanted = f"{AUTO_TP_REQUESTS} wanted"
+
+    def holds(result: FitResult) -> str:
+        tokens = result.plan.kv_cache_tokens
+        return f"{tokens:,} KV tokens, {tokens / needed:.1f} requests of {needed:,} tokens"
+
+    if size == 1:
+        others = "the other GPU stays" if len(devices) == 2 else f"the other {len(devices) - 1} GPUs stay"
+        return (
+            f"one GPU holds the weights ({plan.weights_gib_per_gpu:.2f} GiB) and {holds(chosen)} (at "
+            f"least {wanted}); {others} unused"
+        )
+    first_size, first = tried[0]
+    if isinstance(first, FitResult):
+        one = (
+            f"on one GPU the weights ({first.plan.weights_gib_per_gpu:.2f} GiB) leave {holds(first)} "
+            f"(fewer than {wanted})"
+        )
+    else:
+        weights = weight_bytes_per_gpu(with_settings(plan.inputs, tensor_parallel_size=first_size)) / GiB
+        one = f"the weights ({weights:.2f} GiB) leave one GPU no room for a {needed:,}-token request"
+    each = f"{size} GPUs hold {plan.weights_gib_per_gpu:.2f} GiB of weights each and {holds(chosen)}"
+    if plan.kv_cache_tokens < AUTO_TP_REQUESTS * needed:
+        each += f", the most the {len(devices)} GPUs present hold (fewer than {wanted})"
+    return f"{one}; {each}"
+
+
+def _explicit_tp_choice(result: FitResult) -> Choice:
+    inputs = result.plan.inputs
+    size = inputs.tensor_parallel_size
+    if inputs.on_gpu:
+        return Choice("tensor_parallel_size", size, "set by you", explicit=True)
+    reason = (
+        f"set by you: {size} CPU ranks (processes, gloo), each holding 1/{size} of the weights and of the KV "
+        "heads, sharing the RAM"
+    )
+    return Choice("tensor_parallel_size", size, reason, explicit=True)
+
+
+def _with_tp_choice(result: FitResult, choice: Choice) -> FitResult:
+    """`result` with tensor_parallel_size's choice first (it shapes every other)."""
+    return dataclasses.replace(result, choices=(choice, *result.choices))
+
+
+def _fit_at(
+    model: ModelInfo,
+    args: EngineArgs,
+    devices: Sequence[DeviceSpec],
+    explicit: frozenset[str],
+    host_ram_available: int | None,
+    serving: bool,
+) -> FitResult:
+    """auto_fit at args.tensor_parallel_size."""
     used = check_devices(args, devices, model.shape)
     check_block_size(args.block_size, used)
     device = min(used, key=lambda d: (d.total_bytes, d.free_bytes))
@@ -267,6 +391,8 @@ def _choose_length(
         return _choose_max_model_len(plan, model, args, headroom, adjusted)
     available = size.available_bytes or 0
     ram = f"{RAM_FRACTION:.0%} of the {available / GiB:.1f} GiB of RAM the weights leave"
+    if size.ranks > 1:
+        ram += f", split between {size.ranks} ranks"
     if size.cap_blocks - 1 >= math.ceil(model.max_model_len / plan.inputs.block_size):
         held = f"{size.tokens:,} tokens, at most {ram}"
         return model.max_model_len, f"the model's own; the KV cache ({held}) holds {size.requests:.1f}x"
@@ -364,18 +490,21 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             f"{plan.weights_bytes_per_gpu_before_offload / GiB:.2f} GiB in memory"
         )
     if inputs.on_gpu and len(devices) > inputs.tensor_parallel_size:
-        heads = model.shape.num_attention_heads
         size = len(devices)
-        if heads % size == 0:
+        if size_problem(model.shape, size) is None:
             wider = plan_memory(with_settings(inputs, tensor_parallel_size=size))
             notes.append(
                 f"{len(devices)} GPUs present, tensor_parallel_size {inputs.tensor_parallel_size} uses "
-                f"{inputs.tensor_parallel_size}: "
-                + vllm_only(
-                    f"--tensor-parallel-size {size} would give {wider.kv_cache_tokens:,} KV tokens",
-                    "tensor_parallel_size",
-                )
+                f"{inputs.tensor_parallel_size}: --tensor-parallel-size {size} would give "
+                f"{wider.kv_cache_tokens:,} KV tokens"
             )
+    if not inputs.on_gpu and inputs.tensor_parallel_size > 1:
+        ranks = inputs.tensor_parallel_size
+        notes.append(
+            f"tensor_parallel_size {ranks} on the CPU: {ranks} ranks (processes) exchange activations with "
+            f"gloo; each holds 1/{ranks} of the weights and of the KV heads, and the memory above is one "
+            f"rank's, planned in 1/{ranks} of the RAM available (the ranks share the cores too)"
+        )
     if not inputs.on_gpu:
         notes.append(
             "on the CPU gpu_memory_utilization has no effect: the KV cache is --cpu-kv-cache-space GiB, or, "

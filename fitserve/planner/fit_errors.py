@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -10,8 +11,9 @@ import torch
 from fitserve.args import EngineArgs
 from fitserve.args_support import CHECKPOINT_QUANTIZATIONS
 from fitserve.config import FP8_KV_CACHE_DTYPES
-from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE, vllm_only
+from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit_options import Headroom, fitting_options
+from fitserve.planner.fit_parallel import mismatch_refusal, size_refusal, working_sizes
 from fitserve.planner.formats import format_capability, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
@@ -38,44 +40,44 @@ class PlanError(ValueError):
 
 
 def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelShape) -> list[DeviceSpec]:
-    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU. Only `fitserve plan`
-    gets here with tensor or pipeline parallel (serve, generate and doctor refuse them first, see
-    cli_plan.plan_from_namespace), so these refusals may name its --assume-gpus."""
+    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU (whose ranks are
+    processes sharing its RAM). Refuses a size that cannot split the model, more ranks than GPUs, and
+    GPUs that differ; assumed GPUs (`fitserve plan --assume-gpus`) are named by that flag in the fix."""
     tp = args.tensor_parallel_size
     if args.pipeline_parallel_size > 1:
         raise PlanError(
             "devices",
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned: "
-            + vllm_only("split the model with --tensor-parallel-size instead", "tensor_parallel_size"),
+            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned "
+            f"({NOT_RUN_BY_FITSERVE['pipeline_parallel_size']}): split the model with "
+            "--tensor-parallel-size instead",
         )
     if not devices:
         raise PlanError("devices", "no device to plan for: give --assume-gpus COUNTxGiB, e.g. 1x24")
+    refusal = size_refusal(shape, tp)
+    if refusal is not None:
+        raise PlanError("devices", refusal)
     if devices[0].kind == "cpu":
-        if tp > 1:
-            raise PlanError(
-                "devices",
-                f"tensor_parallel_size={tp} needs {tp} GPUs but this plan is for the CPU: drop it, or "
-                "plan for "
-                f"GPUs with --assume-gpus {tp}x24",
-            )
         return [devices[0]]
     if tp > len(devices):
-        fewer = f"--tensor-parallel-size {len(devices)}" + (" or less" if len(devices) > 1 else "")
+        fewer = working_sizes(shape, len(devices))[-1]
+        if devices[0].assumed:
+            raise PlanError(
+                "devices",
+                f"tensor_parallel_size={tp} needs {tp} GPUs, the plan has {len(devices)}: set "
+                f"--tensor-parallel-size {fewer}{' or less' if fewer > 1 else ''}, or plan for more with "
+                f"--assume-gpus {tp}x{devices[0].total_gib:g}",
+            )
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        listed = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         raise PlanError(
             "devices",
-            f"tensor_parallel_size={tp} needs {tp} GPUs, the plan has {len(devices)}: set {fewer}, or plan "
-            f"for more with --assume-gpus {tp}x{devices[0].total_gib:g}",
+            f"tensor_parallel_size={tp} needs {tp} GPUs, torch sees {len(devices)}{listed}: set "
+            f"--tensor-parallel-size {fewer}{' or less' if fewer > 1 else ''}, or make {tp} GPUs visible "
+            "(CUDA_VISIBLE_DEVICES lists them)",
         )
-    if shape.num_attention_heads % tp:
-        sizes = [
-            str(n) for n in range(1, shape.num_attention_heads + 1) if shape.num_attention_heads % n == 0
-        ]
-        raise PlanError(
-            "devices",
-            f"tensor_parallel_size={tp} does not divide the model's {shape.num_attention_heads} "
-            "attention heads: "
-            f"use one of {', '.join(sizes[:8])}",
-        )
+    mismatch = mismatch_refusal(tp, devices, shape)
+    if mismatch is not None:
+        raise PlanError("devices", mismatch)
     return list(devices[:tp])
 
 
@@ -256,13 +258,21 @@ def host_memory_error(plan: MemoryPlan) -> PlanError:
             f"no setting fits it, the weights alone take {plan.terms.weights / GiB:.2f} GiB: use a "
             "smaller model, a 4-bit GGUF of it, or a machine with more RAM"
         )
+    ranks = plan.inputs.tensor_parallel_size
+    who, available = "the model needs", f"{plan.budget_bytes / GiB:.2f} GiB is available"
+    if ranks > 1:  # CPU ranks: each plans in its share of the RAM
+        who = f"each of the {ranks} CPU ranks needs"
+        available = (
+            f"its share of the RAM available is {plan.budget_bytes / GiB:.2f} GiB "
+            f"({plan.inputs.device.free_gib:.2f} GiB / {ranks})"
+        )
+        fix += "; or a smaller --tensor-parallel-size (each rank has its own activations and runtime)"
     return PlanError(
         "host_memory",
-        f"the model needs {needed / GiB:.2f} GiB of RAM (weights {plan.terms.weights / GiB:.2f}, "
+        f"{who} {needed / GiB:.2f} GiB of RAM (weights {plan.terms.weights / GiB:.2f}, "
         "KV cache "
         f"{plan.kv_cache_bytes / GiB:.2f}, activations and runtime "
-        f"{(plan.terms.activation + plan.terms.runtime_overhead) / GiB:.2f}) but "
-        f"{plan.budget_bytes / GiB:.2f} GiB is available: {fix}",
+        f"{(plan.terms.activation + plan.terms.runtime_overhead) / GiB:.2f}) but {available}: {fix}",
     )
 
 
@@ -324,11 +334,6 @@ def planned_only_notes(args: EngineArgs) -> list[str]:
             "quantization",
             args.quantization is not None and args.quantization.lower() not in CHECKPOINT_QUANTIZATIONS,
             f"--quantization {args.quantization}",
-        ),
-        (
-            "tensor_parallel_size",
-            args.tensor_parallel_size > 1,
-            f"--tensor-parallel-size {args.tensor_parallel_size}",
         ),
     ]
     return [

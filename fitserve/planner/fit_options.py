@@ -2,8 +2,8 @@
 
 "Fits" means the KV cache left over holds `needed_tokens` (one request of that length). Every option
 is a real plan run with the changed setting, so the numbers it quotes are the planner's own. Options
-fitserve runs come first; those only vLLM runs today (quantization, tensor parallel) follow, each
-saying so (engine_support.py).
+fitserve runs come first (tensor parallel among them, on alike GPUs); those only vLLM runs today (some
+quantization methods) follow, each saying so (engine_support.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from fitserve.planner.engine_support import vllm_only
+from fitserve.planner.fit_parallel import size_problem
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
 from fitserve.planner.memory import (
@@ -72,7 +73,7 @@ def fitting_options(
     quantization = _quantization_options(inputs, needed_tokens)
     runs = [text for group, text in quantization if group in RUN_BY_FITSERVE]
     needs_vllm = [text for group, text in quantization if group not in RUN_BY_FITSERVE]
-    options += runs + [vllm_only(text, "quantization") for text in needs_vllm]
+    options += runs
     if not quantization and _can_quantize(inputs):
         for group in (("fp8",), ("awq", "gptq"), ("bitsandbytes",)):
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
@@ -81,8 +82,8 @@ def fitting_options(
                 options.append(f"--quantization {' or '.join(group)}{checkpoint} with {combined}")
     tensor_parallel = _tensor_parallel_option(inputs, needed_tokens, headroom)
     if tensor_parallel:
-        options.append(vllm_only(tensor_parallel, "tensor_parallel_size"))
-    return options
+        options.append(tensor_parallel)
+    return options + [vllm_only(text, "quantization") for text in needs_vllm]
 
 
 def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> list[str]:
@@ -172,9 +173,8 @@ def _tensor_parallel_option(inputs: MemoryInputs, needed_tokens: int, headroom: 
     """The smallest larger tensor-parallel size that fits; without CPU offload when it fits without."""
     if not inputs.on_gpu:
         return None
-    heads = inputs.shape.num_attention_heads
     for size in range(inputs.tensor_parallel_size + 1, MAX_SUGGESTED_TENSOR_PARALLEL + 1):
-        if heads % size:
+        if size_problem(inputs.shape, size) is not None:
             continue
         for offload in sorted({0.0, inputs.cpu_offload_gb}):
             plan = holds(

@@ -54,9 +54,8 @@ def gemma4_counts(config: Any) -> Gemma4Counts:
         double = bool(getattr(config, "use_double_wide_mlp", False)) and shared
         linear += 3 * hidden * config.intermediate_size * (2 if double else 1)
         replicated += 4 * hidden + 1  # the four norms and layer_scalar
-        if per_layer:
-            linear += 2 * hidden * per_layer
-            replicated += hidden
+        if per_layer:  # the per-layer gate and projection: every rank holds them whole
+            replicated += 2 * hidden * per_layer + hidden
         if moe:
             num_experts, width = config.num_experts, config.moe_intermediate_size
             experts += 3 * num_experts * width * hidden
@@ -66,8 +65,7 @@ def gemma4_counts(config: Any) -> Gemma4Counts:
     tables = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", True) else 2)
     if per_layer:
         tables += config.vocab_size_per_layer_input * num_layers * per_layer
-        linear += hidden * num_layers * per_layer
-        replicated += per_layer
+        replicated += hidden * num_layers * per_layer + per_layer  # the model projection, whole on every rank
     return Gemma4Counts(
         linear=linear + experts,
         other=tables + replicated,

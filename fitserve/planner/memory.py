@@ -6,6 +6,9 @@ the CUDA graph pool and the runtime's own memory; what remains becomes KV cache 
 budget is the RAM available and the KV cache is the engine's own rule (fitserve/cpu_kv_cache.py):
 --cpu-kv-cache-space, else 2 requests of max_model_len within half the RAM the weights leave; the
 weights count the int4 and float16 forms the CPU engine keeps (planner/weights.py, CpuKeptForms).
+With tensor_parallel_size N every number is one rank's (one GPU's; on the CPU one of N processes, whose
+budget is 1/N of the RAM available and whose KV cache is sized from 1/N of what all N ranks' weights
+leave).
 
 Every term is an estimate from the shapes (docs/memory.md derives each one). The engine calls
 `plan_memory` again at startup with what it measured (`MemoryTerms`), which sizes the KV cache from
@@ -91,7 +94,7 @@ class MemoryPlan:
     estimated: MemoryTerms  # the planner's estimates (== terms unless measured ones were given)
     weights_bytes_per_gpu_before_offload: int
     weights_offloaded_bytes: int  # per GPU, kept in CPU memory
-    budget_bytes: int  # per GPU: total x gpu_memory_utilization (CPU: RAM available)
+    budget_bytes: int  # per GPU: total x gpu_memory_utilization (CPU: the rank's share of the RAM available)
     kv_bytes_per_token: int  # per GPU
     num_kv_blocks: int  # allocated, the null block included
     kv_cache_bytes: int  # per GPU
@@ -164,11 +167,14 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         free_for_kv = budget - terms.total
         cpu_kv = None
     else:
-        budget = inputs.device.free_bytes
-        # the RAM available once the weights are loaded: what the engine reads when it sizes the cache
+        # Tensor-parallel ranks are processes sharing the host's RAM: each plans for its share of it.
+        ranks = inputs.tensor_parallel_size
+        budget = inputs.device.free_bytes // ranks
+        # the RAM available once every rank's weights are loaded: what the engine reads when it sizes the
+        # cache (cpu_kv_size splits it between the ranks)
         cpu_kv = None
         if inputs.num_gpu_blocks_override is None:
-            cpu_kv = cpu_kv_size(inputs, max(0, budget - terms.weights))
+            cpu_kv = cpu_kv_size(inputs, max(0, inputs.device.free_bytes - ranks * terms.weights))
         free_for_kv = cpu_kv.bytes if cpu_kv is not None else 0
     if inputs.num_gpu_blocks_override is not None:
         num_blocks = inputs.num_gpu_blocks_override
@@ -193,7 +199,8 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
 
 
 def cpu_kv_size(inputs: MemoryInputs, available_bytes: int | None) -> CpuKvCacheSize:
-    """The engine's CPU KV cache for these settings; `available_bytes`: the RAM the weights leave."""
+    """One rank's CPU KV cache for these settings; `available_bytes`: the RAM the weights of every rank
+    leave on the host, split between the tensor_parallel_size ranks."""
     return cpu_kv_cache_size(
         inputs.cpu_kv_cache_space_gib,
         max_model_len=inputs.max_model_len,
@@ -202,6 +209,7 @@ def cpu_kv_size(inputs: MemoryInputs, available_bytes: int | None) -> CpuKvCache
         block_size=inputs.block_size,
         kv_bytes_per_token=kv_bytes_per_token(inputs),
         available_bytes=available_bytes,
+        ranks=inputs.tensor_parallel_size,
     )
 
 

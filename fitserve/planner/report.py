@@ -39,6 +39,8 @@ def plan_json(result: FitResult) -> dict[str, Any]:
             }
             for device in result.devices
         ],
+        # with tensor parallel, the *_per_gpu numbers are one rank's (on the CPU, one rank process's)
+        "tensor_parallel_size": plan.inputs.tensor_parallel_size,
         "budget_gib_per_gpu": round(plan.budget_bytes / GiB, 3),
         "weights_gib_per_gpu": round(plan.weights_gib_per_gpu, 3),
         "weights_offloaded_gib_per_gpu": round(plan.weights_offloaded_bytes / GiB, 3),
@@ -116,7 +118,7 @@ def plan_text(result: FitResult) -> str:
         lines.append(f"  {choice.setting:<{_SETTING_WIDTH}} {value:<15} {choice.reason}")
     if inputs.quantization:
         lines.append(f"  {'quantization':<{_SETTING_WIDTH}} {inputs.quantization:<15} set by you")
-    if inputs.tensor_parallel_size > 1:
+    if inputs.tensor_parallel_size > 1 and all(c.setting != "tensor_parallel_size" for c in result.choices):
         lines.append(
             f"  {'tensor_parallel_size':<{_SETTING_WIDTH}} {inputs.tensor_parallel_size:<15} set by you"
         )
@@ -145,11 +147,16 @@ def _devices_line(result: FitResult) -> str:
 
 def _memory_table(plan: MemoryPlan) -> list[str]:
     inputs, terms = plan.inputs, plan.terms
-    per = "per GPU" if inputs.on_gpu else "in host RAM"
+    ranks = inputs.tensor_parallel_size
     if inputs.on_gpu:
+        per = "per GPU" if ranks == 1 else f"per GPU (each of the {ranks} tensor-parallel ranks)"
         utilization = inputs.gpu_memory_utilization
         budget = f"budget: {inputs.device.total_gib:.2f} GiB x gpu_memory_utilization {utilization:g}"
+    elif ranks > 1:
+        per = f"per rank (each of {ranks} CPU ranks, in host RAM)"
+        budget = f"RAM available / {ranks} ranks ({inputs.device.free_gib:.2f} GiB in all)"
     else:
+        per = "in host RAM"
         budget = "RAM available"
     weights = (
         f"weights ({inputs.weights.total_params / 1e9:.2f} B params, {inputs.quantization or inputs.dtype}"
@@ -160,8 +167,8 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
         # in the dtype
         kind = "fp8" if "F8_E4M3" in inputs.weights.file_tensor_types else "int4"
         weights += f"; {inputs.weights.checkpoint_quantization} {kind} {stored / GiB:.2f} GiB as stored"
-    if inputs.tensor_parallel_size > 1:
-        weights += f", 1/{inputs.tensor_parallel_size} per GPU"
+    if ranks > 1:
+        weights += f", 1/{ranks} per {'GPU' if inputs.on_gpu else 'rank'}"
     if plan.weights_offloaded_bytes:
         weights += f", {plan.weights_offloaded_bytes / GiB:.2f} GiB offloaded"
     forms = cpu_kept_forms(inputs)
@@ -216,6 +223,10 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
         formula = (
             f"2 (K, V) x {shape.num_layers} layers x {heads} KV heads x {shape.head_dim} x {element} bytes"
         )
+    if inputs.tensor_parallel_size > 1:
+        # each rank keeps every token's K and V for its share of the KV heads
+        rank = "GPU" if inputs.on_gpu else "rank"
+        formula += f" per {rank} ({shape.num_kv_heads} KV heads over {inputs.tensor_parallel_size} ranks)"
     groups = kv_groups(inputs)
     if len(groups) > 1:
         return [

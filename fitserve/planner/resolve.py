@@ -108,6 +108,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         revision=args.revision,
         cpu_offload_gb=_cpu_offload_gb(args.cpu_offload_gb, device),
         quantization=args.quantization,
+        enable_expert_parallel=args.enable_expert_parallel,
         card_sampling=resolved.card_sampling,
         card_sampling_source=resolved.card_sampling_source,
         max_logprobs=args.max_logprobs,
@@ -135,7 +136,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         model=model,
         cache=cache,
         scheduler=scheduler,
-        parallel=ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size),
+        parallel=ParallelConfig(inputs.tensor_parallel_size, args.pipeline_parallel_size),  # auto-fit's
         device=DeviceConfig(device),
         compilation=CompilationConfig(
             enforce_eager=args.enforce_eager or (inputs.on_gpu and not sizes),

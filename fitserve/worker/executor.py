@@ -1,11 +1,17 @@
-"""Executors run the model runner: in this process today; one process per GPU for tensor parallel."""
+"""Executors run the model runner: in this process, or one process per rank for tensor parallel
+(worker/tp_executor.py)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fitserve.config import EngineConfig
 from fitserve.core.scheduler import SchedulerOutput
 from fitserve.planner.memory import MemoryPlan
 from fitserve.worker.model_runner import LaunchedStep, ModelRunner
+
+if TYPE_CHECKING:
+    from fitserve.worker.tp_executor import MultiprocExecutor
 
 
 class UniprocExecutor:
@@ -24,10 +30,17 @@ class UniprocExecutor:
         """Starts the step; its result() waits for it (see ModelRunner.launch)."""
         return self.runner.launch(scheduler_output)
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives and goes with this process."""
 
-def create_executor(config: EngineConfig) -> UniprocExecutor:
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
+
+def create_executor(config: EngineConfig) -> UniprocExecutor | MultiprocExecutor:
+    if config.parallel.pipeline_parallel_size > 1:
         raise ValueError(
-            "not supported yet: tensor/pipeline parallel size > 1: run with --tensor-parallel-size 1"
+            "not supported yet: --pipeline-parallel-size > 1: split the model with --tensor-parallel-size"
         )
+    if config.parallel.tensor_parallel_size > 1:
+        from fitserve.worker.tp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     return UniprocExecutor(config)

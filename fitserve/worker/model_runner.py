@@ -7,30 +7,30 @@ asked for prompt logprobs gets them for every prompt position this step computed
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from fitserve.config import EngineConfig
 from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from fitserve.distributed.collectives import broadcast_from_first
 from fitserve.kv_groups import group_num_blocks
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
 from fitserve.planner.memory import MemoryPlan
-from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
+from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.group_tables import GroupTables
 from fitserve.worker.kv_allocation import layer_caches, log_kv_cache
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 from fitserve.worker.platforms import make_platform
 from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from fitserve.worker.step_inputs import HostInputs, StepInputs, build_host_inputs, upload_inputs
 from fitserve.worker.transfer import PinnedStagingRing
 
 logger = logging.getLogger("fitserve")
@@ -83,22 +83,6 @@ class LaunchedStep:
         return self._finish()
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    # Rows of the hidden states to sample from, one per sampling request; None when every row, in order.
-    sample_rows: torch.Tensor | None
-    sample_items: list[ScheduledRequest]
-    # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
-    prompt_logprob_rows: dict[str, tuple[list[int], list[int], int]]
-    # Tokens still in flight (-1 in input_ids): (rows, their indices among the last step's sampled ids)
-    fill: tuple[torch.Tensor, torch.Tensor] | None = None
-    # With several KV cache groups: each layer's metadata (ForwardContext.layer_metadata)
-    layer_metadata: list[AttentionMetadata] | None = None
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -122,6 +106,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_sample_index: dict[str, int] = {}
         self.staging = PinnedStagingRing(self.device)
+        # Set by a tensor-parallel executor: hands each step's host inputs to the other ranks.
+        self.step_sender: Callable[[HostInputs], None] | None = None
         mc = config.model
         max_blocks_per_seq = -(-mc.max_model_len // self.block_size)
         self.block_table_rows = BlockTableRows(max_blocks_per_seq)
@@ -162,8 +148,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_decode_tail()
 
+    def release_graphs(self) -> None:
+        """Drops the CUDA graphs (and their memory pools) once no step runs any more."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.graph_runner = None
+        self.piecewise_runner = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def _layer_caches(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
-        specs, dtype = self.config.model.kv_layers, self.kv_cache_dtype
+        specs, dtype = self.config.rank_kv_layers, self.kv_cache_dtype
         return layer_caches(specs, self.layer_group, num_blocks, self.block_size, dtype, self.device)
 
     @torch.inference_mode()
@@ -179,6 +177,8 @@ class ModelRunner:
             (1, self.config.model.hf_config.hidden_size), dtype=self.config.model.dtype, device=self.device
         )
         logits = self.model.compute_logits(hidden)
+        if logits is None:  # a tensor-parallel rank other than the first: it samples nothing
+            return
         for temperature in (0.0, 1.0):
             for repetition_penalty in (1.0, 1.1):
                 params = SamplingParams(temperature=temperature, repetition_penalty=repetition_penalty)
@@ -221,7 +221,8 @@ class ModelRunner:
         rows = min(sc.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-        self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())] * rows)
+        if logits is not None:  # None on a tensor-parallel rank other than the first
+            self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())] * rows)
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         del scratch, hidden, logits
         return scratch_bytes
@@ -243,41 +244,26 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return LaunchedStep(lambda: output)
         sampling_rows = self._sampling_rows(scheduler_output.scheduled)
-        inputs = self._prepare_inputs(scheduler_output.scheduled)
-        meta = inputs.metadata
-        fill = None
-        if inputs.fill is not None:
-            fill = (*inputs.fill, self._last_sampled)
-        if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
-            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, meta, fill)
-        else:
-            if fill is not None:
-                rows, indices, last_sampled = fill
-                inputs.input_ids[rows] = last_sampled[indices]
-            with forward_context(meta, self.kv_caches, inputs.layer_metadata):
-                piecewise = self.piecewise_runner
-                if piecewise is not None and piecewise.can_run(inputs.input_ids.shape[0]):
-                    hidden = piecewise.run(inputs.input_ids, inputs.positions, meta)
-                else:
-                    hidden = self.model(inputs.input_ids, inputs.positions)
+        host, sample_items = self._host_inputs(scheduler_output.scheduled)
+        if self.step_sender is not None:
+            self.step_sender(host)  # the other tensor-parallel ranks run the same step
+        inputs = upload_inputs(host, self.staging, self.layer_group)
+        hidden = self._forward(inputs)
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, output)
-        if not inputs.sample_items:
+        if not sample_items:
             return LaunchedStep(lambda: output)
-        # Every index tensor was built before the forward: a host-to-device copy made now would wait
-        # for the whole step and leave nothing to overlap.
-        if inputs.sample_rows is not None:
-            hidden = hidden[inputs.sample_rows]
-        logits = self.model.compute_logits(hidden)
-        rows = [sampling_rows[item.request.request_id] for item in inputs.sample_items]
+        logits = self._sample_logits(hidden, inputs)
+        rows = [sampling_rows[item.request.request_id] for item in sample_items]
         pending = self.sampler.launch(logits, rows)
-        self._last_sampled = pending.sampled
-        self._last_sample_index = {item.request.request_id: i for i, item in enumerate(inputs.sample_items)}
+        # every rank reads the tokens in flight from its own copy (run_host_inputs)
+        self._last_sampled = broadcast_from_first(pending.sampled)
+        self._last_sample_index = {item.request.request_id: i for i, item in enumerate(sample_items)}
 
         def finish() -> ModelRunnerOutput:
             result = pending.result()
             for item, token_id, token_logprobs in zip(
-                inputs.sample_items, result.sampled_token_ids, result.logprobs
+                sample_items, result.sampled_token_ids, result.logprobs
             ):
                 request_id = item.request.request_id
                 output.sampled[request_id] = token_id
@@ -286,6 +272,44 @@ class ModelRunner:
             return output
 
         return LaunchedStep(finish, any(row.needs_token_history for row in rows))
+
+    @torch.inference_mode()
+    def run_host_inputs(self, host: HostInputs) -> None:
+        """A step on a tensor-parallel rank other than the first: the same forward over the first rank's
+        host inputs, the same collectives (the LM head's gather, the sampled ids' broadcast), no sampling
+        and no output."""
+        inputs = upload_inputs(host, self.staging, self.layer_group)
+        hidden = self._forward(inputs)
+        for rows, _, _ in inputs.prompt_logprob_rows.values():
+            self.model.compute_logits(hidden[rows])
+        if inputs.num_samples:
+            self._sample_logits(hidden, inputs)
+            sampled = torch.empty(inputs.num_samples, dtype=torch.long, device=self.device)
+            self._last_sampled = broadcast_from_first(sampled)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.metadata
+        fill = None
+        if inputs.fill is not None:
+            fill = (*inputs.fill, self._last_sampled)
+        if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
+            return self.graph_runner.run(inputs.input_ids, inputs.positions, meta, fill)
+        if fill is not None:
+            rows, indices, last_sampled = fill
+            inputs.input_ids[rows] = last_sampled[indices]
+        with forward_context(meta, self.kv_caches, inputs.layer_metadata):
+            piecewise = self.piecewise_runner
+            if piecewise is not None and piecewise.can_run(inputs.input_ids.shape[0]):
+                return piecewise.run(inputs.input_ids, inputs.positions, meta)
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def _sample_logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The sampled rows' logits (None on a tensor-parallel rank other than the first). Every index
+        tensor was built before the forward: a host-to-device copy made now would wait for the whole
+        step and leave nothing to overlap."""
+        if inputs.sample_rows is not None:
+            hidden = hidden[inputs.sample_rows]
+        return self.model.compute_logits(hidden)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
         for request_id, (rows, next_ids, num_top) in inputs.prompt_logprob_rows.items():
@@ -330,100 +354,12 @@ class ModelRunner:
         )
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_indices: list[int] = []
-        sample_items: list[ScheduledRequest] = []
-        # Rows whose token is still in flight, and where the last step's sampled ids hold it.
-        placeholder_rows: list[int] = []
-        placeholder_sources: list[int] = []
-        prompt_rows: dict[str, tuple[list[int], list[int], int]] = {}
-        max_blocks = 0
-        table_rows: list[int] = []
-        row_of_request = self.block_table_rows.row
-        for item in scheduled:
-            request = item.request
-            start, n = item.start, item.num_new_tokens
-            row_offset = len(input_ids)
-            table = item.block_ids
-            known = request.all_token_ids
-            if n == 1:  # decode: the common case, kept cheap
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                positions.extend(range(start, start + n))
-                extend_slots(slots, table, start, start + n, bs)
-            if start + n <= len(known):
-                input_ids.extend(known[start : start + n])
-            else:  # the last token is in flight: only ever one (see Scheduler)
-                input_ids.extend(known[start:])
-                input_ids.append(-1)  # written on the device from the last step's sampled ids
-                placeholder_rows.append(len(input_ids) - 1)
-                placeholder_sources.append(self._in_flight_index(request.request_id))
-            table_rows.append(row_of_request(request.request_id, table))
-            max_blocks = max(max_blocks, len(table))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
-                # Row j predicts token start + j + 1; keep those that are prompt tokens.
-                last = min(start + n, request.num_prompt_tokens - 1)
-                rows = list(range(row_offset, row_offset + last - start))
-                next_ids = request.all_token_ids[start + 1 : last + 1]
-                prompt_rows[request.request_id] = (rows, next_ids, request.params.prompt_logprobs)
-            if item.samples:
-                sample_indices.append(row_offset + n - 1)
-                sample_items.append(item)
-        query_start_loc = [0]
-        for q in query_lens:
-            query_start_loc.append(query_start_loc[-1] + q)
-        block_tables = self.block_table_rows.gather(table_rows, max_blocks)
-        all_rows = len(sample_indices) == len(input_ids)
-        arrays = [
-            np.array(input_ids, dtype=np.int64),
-            np.array(positions, dtype=np.int64),
-            np.array(slots, dtype=np.int64),
-            np.array(query_start_loc, dtype=np.int32),
-            np.array(seq_lens, dtype=np.int32),
-            block_tables,
-            np.array(placeholder_rows, dtype=np.int64),
-            np.array(placeholder_sources, dtype=np.int64),
-            np.array([] if all_rows else sample_indices, dtype=np.int64),
-        ]
-        if self.group_tables is not None:
-            arrays.extend(self.group_tables.arrays(scheduled))
-        uploaded = self.staging.upload(arrays)
-        (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = uploaded[:9]
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=starts,
-            seq_lens=lens,
-            block_tables=tables,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        layer_metadata = None
-        if self.group_tables is not None:
-            group_metadata = [metadata]
-            for i in range(9, len(uploaded), 2):
-                group_metadata.append(
-                    dataclasses.replace(metadata, slot_mapping=uploaded[i], block_tables=uploaded[i + 1])
-                )
-            layer_metadata = [group_metadata[group] for group in self.layer_group]
-        return StepInputs(
-            layer_metadata=layer_metadata,
-            input_ids=ids,
-            positions=pos,
-            metadata=metadata,
-            sample_rows=None if all_rows else rows,
-            sample_items=sample_items,
-            prompt_logprob_rows=prompt_rows,
-            fill=(fill_rows, fill_sources) if placeholder_rows else None,
+        host, _ = self._host_inputs(scheduled)
+        return upload_inputs(host, self.staging, self.layer_group)
+
+    def _host_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[HostInputs, list[ScheduledRequest]]:
+        return build_host_inputs(
+            scheduled, self.block_size, self.block_table_rows, self.group_tables, self._in_flight_index
         )
 
     def _in_flight_index(self, request_id: str) -> int:

@@ -89,13 +89,16 @@ class CpuPlatform:
     def size_kv_cache(self, runner: ModelRunner) -> MemoryPlan:
         cache = runner.config.cache
         # Read now, with the weights loaded: what is left for the KV cache and the steps.
+        # Tensor-parallel ranks share the host: every rank has loaded its part by now (the executor sizes
+        # the cache after all of them report), so the RAM before any loaded is available + N x weights.
+        ranks = runner.config.parallel.tensor_parallel_size
         available = available_ram_bytes()
         if cache.num_gpu_blocks_override is None:
-            check_fits_in_ram(cache.cpu_kv_cache_space_gib, available)
+            check_fits_in_ram(cache.cpu_kv_cache_space_gib, available, ranks)
         host = cpu_device(probe_host())
         weights = runner.weight_bytes
         if available is not None:  # the RAM before the weights loaded: what the plan subtracts them from
-            host = dataclasses.replace(host, free_bytes=available + weights)
+            host = dataclasses.replace(host, free_bytes=available + ranks * weights)
         # the process itself is in neither figure: the plan's estimate of it stands
         terms = MemoryTerms(weights, 0, 0, CPU_RUNTIME_OVERHEAD_BYTES)
         plan = _sized_from_measurements(runner, host, terms)

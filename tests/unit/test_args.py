@@ -222,8 +222,10 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
             "compressed-tensors or AutoRound checkpoint of the model)",
         ),
         (
-            dict(tensor_parallel_size=2),
-            "not supported yet: --tensor-parallel-size 2 (set --tensor-parallel-size 1)",
+            dict(distributed_executor_backend="ray"),
+            "not supported yet: --distributed-executor-backend ray (drop it or set "
+            "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
+            "host)",
         ),
         (dict(pipeline_parallel_size=2), "not supported yet: --pipeline-parallel-size 2"),
         (dict(task="embed"), "not supported yet: --task embed (fitserve serves text generation"),

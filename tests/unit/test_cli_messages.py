@@ -46,14 +46,15 @@ def no_model_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
     ("argv", "message"),
     [
         (
-            ["serve", "--tensor-parallel-size", "2"],
-            "fitserve serve: error: not supported yet: --tensor-parallel-size 2 "
-            "(set --tensor-parallel-size 1)",
+            ["serve", "--distributed-executor-backend", "ray"],
+            "fitserve serve: error: not supported yet: --distributed-executor-backend ray (drop it or set "
+            "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
+            "host)",
         ),
         (
-            ["generate", "--prompt", "hi", "-tp", "4"],
-            "fitserve generate: error: not supported yet: --tensor-parallel-size 4 "
-            "(set --tensor-parallel-size 1)",
+            ["generate", "--prompt", "hi", "-pp", "4"],
+            "fitserve generate: error: not supported yet: --pipeline-parallel-size 4 "
+            "(set --pipeline-parallel-size 1)",
         ),
         (
             ["serve", "--pipeline-parallel-size", "2"],
@@ -92,11 +93,13 @@ def test_readme_quotes_what_serve_prints(
     assert error_of(["serve", *flags.group(1).split()], capsys) == quoted.group(1)
 
 
-def test_plan_still_plans_for_gpus_it_may_assume(capsys: pytest.CaptureFixture[str]) -> None:
-    error = error_of(["plan", fixture_path("qwen3-0.6b"), "-tp", "2", "--device", "cpu"], capsys)
+def test_plan_refuses_a_tensor_parallel_size_the_heads_do_not_take(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    error = error_of(["plan", fixture_path("qwen3-0.6b"), "-tp", "3", "--device", "cpu"], capsys)
     assert error == (
-        "fitserve plan: error: tensor_parallel_size=2 needs 2 GPUs but this plan is for the CPU: drop it, "
-        "or plan for GPUs with --assume-gpus 2x24"
+        "fitserve plan: error: tensor_parallel_size=3 does not divide the model's 16 attention heads: set "
+        "--tensor-parallel-size 2 or 4 (the nearest that work)"
     )
 
 

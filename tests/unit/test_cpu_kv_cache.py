@@ -112,7 +112,10 @@ def test_an_explicit_size_above_the_ram_available_is_refused_by_the_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(platforms, "available_ram_bytes", lambda: 3 * GiB)
-    config = SimpleNamespace(cache=SimpleNamespace(num_gpu_blocks_override=None, cpu_kv_cache_space_gib=8.0))
+    config = SimpleNamespace(
+        cache=SimpleNamespace(num_gpu_blocks_override=None, cpu_kv_cache_space_gib=8.0),
+        parallel=SimpleNamespace(tensor_parallel_size=1),
+    )
     with pytest.raises(ValueError) as error:
         platforms.CpuPlatform().size_kv_cache(SimpleNamespace(config=config))  # type: ignore[arg-type]
     assert str(error.value) == (

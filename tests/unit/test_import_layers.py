@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planner", ("fitserve.planner",)),
     ("models", ("fitserve.models",)),
     ("layers", ("fitserve.layers",)),
+    ("distributed", ("fitserve.distributed",)),
     ("kernels", ("fitserve.kernels",)),
     ("core", ("fitserve.core",)),
     (

@@ -357,10 +357,15 @@ def test_doctor_plan_fix_does_not_name_the_dtype_already_set(
 def test_doctor_says_serve_would_refuse_a_feature_not_built(
     bare_machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_doctor(parse("doctor", [fixture_path("qwen3-0.6b"), "-tp", "2", "--device", "cpu"])) == 1
-    lines = capsys.readouterr().out.splitlines()
+    model = fixture_path("qwen3-0.6b")
     assert (
-        lines[-1] == "FAIL plan: not supported yet: --tensor-parallel-size 2 (set --tensor-parallel-size 1)"
+        run_doctor(parse("doctor", [model, "--distributed-executor-backend", "ray", "--device", "cpu"])) == 1
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (
+        "FAIL plan: not supported yet: --distributed-executor-backend ray (drop it or set "
+        "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
+        "host)"
     )
 
 

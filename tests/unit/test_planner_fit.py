@@ -157,7 +157,6 @@ def test_weights_that_do_not_fit_name_each_fix_and_each_fix_fits() -> None:
 
 VLLM_ONLY = {
     "--quantization": " (fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does)",
-    "--tensor-parallel-size": " (fitserve does not run tensor parallel yet; vLLM does)",
 }
 
 
@@ -189,7 +188,7 @@ def test_the_settings_called_vllm_only_are_the_ones_fitserve_refuses() -> None:
     """When fitserve starts running one of them, this fails: drop it from NOT_RUN_BY_FITSERVE."""
     asked = {
         "quantization": {"quantization": "fbgemm_fp8"},
-        "tensor_parallel_size": {"tensor_parallel_size": 2},
+        "pipeline_parallel_size": {"pipeline_parallel_size": 2},
     }
     assert set(asked) == set(NOT_RUN_BY_FITSERVE)
     for setting, change in asked.items():
@@ -212,7 +211,9 @@ def test_refusals_that_name_a_vllm_only_fix_say_so() -> None:
         "shrink the weights"
     )
     with pytest.raises(
-        PlanError, match=r"split the model with --tensor-parallel-size instead \(fitserve does"
+        PlanError,
+        match=r"pipeline_parallel_size=2 is not planned \(fitserve does not run pipeline parallel yet; "
+        r"vLLM does\): split the model with --tensor-parallel-size instead",
     ):
         fit("llama-3.1-8b", pipeline_parallel_size=2)
 
@@ -289,19 +290,14 @@ def test_tensor_parallel_checks() -> None:
         fit("llama-3.1-8b", "4x80", tensor_parallel_size=3)
     result = fit("qwen3-8b", "2x20@8.9", tensor_parallel_size=2)
     assert result.plan.inputs.max_model_len == 40960
-    assert result.notes == (
-        "planned only: --tensor-parallel-size 2 (fitserve does not run tensor parallel yet; vLLM does)",
-    )
+    assert result.notes == ()
+    assert choice(result, "tensor_parallel_size") == (2, "set by you")
 
 
 def test_unused_gpus_are_noted() -> None:
-    result = fit("qwen3-8b", "2x20@8.9")
+    result = fit("qwen3-8b", "2x20@8.9", frozenset({"tensor_parallel_size"}), tensor_parallel_size=1)
     (note,) = [n for n in result.notes if n.startswith("2 GPUs present")]
-    assert re.fullmatch(
-        r"2 GPUs present, .* --tensor-parallel-size 2 would give [\d,]+ KV tokens "
-        r"\(fitserve does not run tensor parallel yet; vLLM does\)",
-        note,
-    )
+    assert re.fullmatch(r"2 GPUs present, .* --tensor-parallel-size 2 would give [\d,]+ KV tokens", note)
 
 
 def test_cpu_plan_and_host_memory_refusal() -> None:

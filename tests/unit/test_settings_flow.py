@@ -33,6 +33,7 @@ def resolved_value(config: EngineConfig, setting: str) -> Any:
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "cudagraph_capture_sizes": config.compilation.cudagraph_capture_sizes,
         "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
     }
     assert setting in values, f"auto-fit prints {setting} but nothing in EngineConfig carries it"
     return values[setting]

@@ -56,10 +56,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--max-parallel-loading-workers", "2"], "--max-parallel-loading-workers 2: fitserve loads"),
         (["--enable-sleep-mode"], "--enable-sleep-mode: fitserve has no sleep mode"),
         (["--disable-cascade-attn"], "--disable-cascade-attn: fitserve has no cascade attention"),
-        (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray: fitserve runs one"),
+        (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp: fitserve runs one"),
         (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar: fitserve has no"),
         (["--calculate-kv-scales"], "--calculate-kv-scales: the KV cache is not fp8"),
-        (["--enable-expert-parallel"], "--enable-expert-parallel: one device holds every expert"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel: one rank holds every expert"),
         (["--max-loras", "4"], "--max-loras / --max-lora-rank / --max-cpu-loras: LoRA adapters are not"),
         (["--model-impl", "transformers"], "--model-impl transformers: fitserve runs its own implementation"),
         (

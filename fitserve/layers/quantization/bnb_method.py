@@ -9,8 +9,10 @@ until that projection has all of them; the projection is then checked (shape, bl
 each tensor's length: a truncated tensor is refused naming it) and decoded into the layer's rows of the
 packed codes, on the device, and its absmax decoded to float32 (double quant: once, here). With
 --quantization bitsandbytes each 16-bit projection is quantized to nf4 (blocks of 64) on the device as it
-arrives, so the 16-bit layer never exists there. Once every projection is in, the layer becomes
-runnable (bnb_runtime.py).
+arrives, so the 16-bit layer never exists there. Under tensor parallel each projection is checked and
+decoded whole (its quant_state gives the whole shape), then the rank's rows and whole blocks of columns
+of the codes and absmax are kept (tp_split.py); --quantization bitsandbytes quantizes the rank's part.
+Once every projection is in, the layer becomes runnable (bnb_runtime.py).
 """
 
 from __future__ import annotations
@@ -32,18 +34,31 @@ from fitserve.layers.quantization.bnb_weight import (
 )
 from fitserve.layers.quantization.method_base import QuantizedLinearMethod
 from fitserve.layers.quantization.placement import run_device
+from fitserve.layers.quantization.tp_split import (
+    check_columns_align,
+    rank_bias,
+    rank_slice,
+    take_columns,
+    take_rows,
+)
 
 CHECKPOINT_NAMES = ("weight", "weight_absmax", "weight_quant_map", "weight_quant_state")
 NESTED_NAMES = ("weight_nested_absmax", "weight_nested_quant_map")
 
 
 class BnbLinearMethod(QuantizedLinearMethod):
+    splits_for_tensor_parallel = True  # each projection's rows and columns are cut once decoded (tp_split.py)
+
     @property
     def path(self) -> str:
         return "" if self.runnable is None else self.runnable.path
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         self.dtype = torch.get_default_dtype()
+        if not self.fmt.prequantized:  # refused before anything loads; a checkpoint's block size as it loads
+            first_shard = next(iter(getattr(layer, "shard_ids", ())), None)
+            part = rank_slice(layer, first_shard, self.prefix)
+            check_columns_align(part, self.fmt.blocksize, self.prefix, self._block_unit(self.fmt.blocksize))
         names = ("weight",)
         if self.fmt.prequantized:
             names = CHECKPOINT_NAMES + (NESTED_NAMES if self.fmt.double_quant else ())
@@ -69,10 +84,11 @@ class BnbLinearMethod(QuantizedLinearMethod):
     ) -> None:
         start, rows, what = self._shard_rows(layer, name, shard_id)
         if name == "bias":
-            if tuple(loaded.shape) != (rows,):
-                raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected ({rows},)")
+            part = rank_slice(layer, shard_id, what)
+            if tuple(loaded.shape) != (part.whole_rows,):
+                raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected ({part.whole_rows},)")
             with torch.no_grad():
-                layer.bias.narrow(0, start, rows).copy_(loaded)
+                layer.bias.narrow(0, start, rows).copy_(rank_bias(layer, loaded, part, what))
             self._bias_loaded.add(shard_id)
         else:
             pending = self._pending.setdefault(shard_id, {})
@@ -88,27 +104,40 @@ class BnbLinearMethod(QuantizedLinearMethod):
     def _decode_shard(
         self, layer: nn.Module, tensors: dict[str, torch.Tensor], start: int, rows: int, shard_id: Any
     ) -> None:
-        k = layer.input_size
         what = self.prefix + ("" if shard_id is None else f" (shard {shard_id!r})")
+        part = rank_slice(layer, shard_id, what)
+        whole_rows, k = part.whole_rows, part.whole_columns
         target = layer.nf4_loading
         if not self.fmt.prequantized:
             weight = tensors["weight"]
-            if tuple(weight.shape) != (rows, k) or not weight.is_floating_point():
+            if tuple(weight.shape) != (whole_rows, k) or not weight.is_floating_point():
                 raise ValueError(
                     f"checkpoint tensor {what}.weight is {weight.dtype} {tuple(weight.shape)}: "
                     "--quantization bitsandbytes quantizes 16- or 32-bit float weights of shape "
-                    f"({rows}, {k}) while loading; pass the model's bf16/fp16 checkpoint"
+                    f"({whole_rows}, {k}) while loading; pass the model's bf16/fp16 checkpoint"
                 )
+            check_columns_align(part, self.fmt.blocksize, what, self._block_unit(self.fmt.blocksize))
+            weight = take_columns(take_rows(weight, 0, part, what), 1, part, what)  # quantized once split
             # on the device the layer runs on (a layer --cpu-offload-gb keeps on the host included)
             on = run_device(layer, target.device)
-            part = quantize_4bit(weight.to(on), self.fmt.blocksize, self.fmt.quant_type)
-            self._blocksize, self._code = self.fmt.blocksize, part.code.cpu()
-            target[start : start + rows].copy_(part.packed.to(target.device))
-            self._absmax[shard_id] = part.absmax.cpu()
+            quantized = quantize_4bit(weight.to(on), self.fmt.blocksize, self.fmt.quant_type)
+            self._blocksize, self._code = self.fmt.blocksize, quantized.code.cpu()
+            target[start : start + rows].copy_(quantized.packed.to(target.device))
+            self._absmax[shard_id] = quantized.absmax.cpu()
             return
-        packed, absmax, blocksize, code = self._checkpoint_shard(tensors, rows, k, what)
-        target[start : start + rows].copy_(packed.view(rows, k // 2).to(target.device))
-        self._absmax[shard_id] = absmax.view(rows, k // blocksize)
+        packed, absmax, blocksize, code = self._checkpoint_shard(tensors, whole_rows, k, what)
+        # every block lies inside one weight row (checked): the rank's rows and columns of both
+        blocks = self._block_unit(blocksize)
+        check_columns_align(part, blocksize, what, blocks)
+        packed = take_columns(take_rows(packed.view(whole_rows, k // 2), 0, part, what), 1, part, what, 2)
+        absmax = take_rows(absmax.view(whole_rows, k // blocksize), 0, part, what)
+        absmax = take_columns(absmax, 1, part, what, blocksize, blocks)
+        target[start : start + rows].copy_(packed.to(target.device))
+        self._absmax[shard_id] = absmax.contiguous()
+
+    @staticmethod
+    def _block_unit(blocksize: int) -> str:
+        return f"a bitsandbytes block (blocksize {blocksize})"
 
     def _checkpoint_shard(
         self, tensors: dict[str, torch.Tensor], rows: int, k: int, what: str
@@ -215,9 +244,8 @@ class BnbLinearMethod(QuantizedLinearMethod):
         home = layer.nf4_loading.device
         on = home if device is None else torch.device(device)
         generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
-        weight = random_nf4_weight(
-            layer.output_size, layer.input_size, self.fmt.blocksize, std, generator, on, self.fmt.quant_type
-        )
+        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
+        weight = random_nf4_weight(rows, columns, self.fmt.blocksize, std, generator, on, self.fmt.quant_type)
         if layer.bias is not None:
             with torch.no_grad():
                 layer.bias.zero_()

@@ -7,7 +7,9 @@ projection's tensors into its rows; each shard's scale, whatever its form (per t
 block), becomes that shard's rows of the canonical scale, so fused projections keep their own scales.
 `--quantization fp8`: each 16-bit shard is quantized per channel as it arrives, on the device, so the
 16-bit layer never exists there. Once every tensor is in, the layer becomes runnable (fp8_compute.py).
-Every tensor's shape and dtype are checked, naming it, before it is copied.
+Every tensor's shape and dtype are checked, naming it, before it is copied. Under tensor parallel each
+whole tensor is checked, then the rank's rows / columns are taken (tp_split.py): a scale in canonical
+form, block scales by whole blocks of columns; `--quantization fp8` quantizes the rank's part.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ from fitserve.layers.quantization.fp8_compute import make_fp8_runnable
 from fitserve.layers.quantization.fp8_weight import FP8, Fp8Weight, quantize_fp8, random_fp8_weight
 from fitserve.layers.quantization.method_base import QuantizedLinearMethod
 from fitserve.layers.quantization.placement import run_device
+from fitserve.layers.quantization.tp_split import (
+    RankSlice,
+    check_columns_align,
+    rank_bias,
+    rank_slice,
+    take_columns,
+    take_rows,
+)
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
+    splits_for_tensor_parallel = True  # each loader takes the rank's part (tp_split.py)
+
     @property
     def path(self) -> str:
         return "" if self.runnable is None else self.runnable.path
@@ -33,6 +45,10 @@ class Fp8LinearMethod(QuantizedLinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         self.dtype = torch.get_default_dtype()
+        if self.fmt.strategy == "block":  # refused before anything loads
+            first_shard = next(iter(getattr(layer, "shard_ids", ())), None)
+            part = rank_slice(layer, first_shard, self.prefix)
+            check_columns_align(part, self.fmt.block[1], self.prefix, self._block_unit())
         groups = -(-input_size // self.group_k(input_size))
         self.names = ["weight"]
         self._add(layer, "weight", torch.empty((output_size, input_size), dtype=FP8))
@@ -60,36 +76,58 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
     ) -> None:
         start, rows, what = self._shard_rows(layer, name, shard_id)
+        part = rank_slice(layer, shard_id, what)
         with torch.no_grad():
             if name == "bias":
-                self._expect(loaded, (rows,), what)
-                param.narrow(0, start, rows).copy_(loaded)
+                self._expect(loaded, (part.whole_rows,), what)
+                param.narrow(0, start, rows).copy_(rank_bias(layer, loaded, part, what))
             elif name == "weight":
-                self._load_weight(layer, param, loaded, start, rows, what)
+                self._load_weight(layer, param, loaded, start, part, what)
             elif name == "input_scale":
                 self._expect_single(loaded, what)
                 index = 0 if shard_id is None else list(layer.shard_ids).index(shard_id)
                 param[index] = loaded.float().reshape(())
             else:
-                canonical = self._canonical_scale(loaded, rows, layer.input_size, what)
-                param.narrow(0, start, rows).copy_(canonical)
+                canonical = self._canonical_scale(loaded, part.whole_rows, part.whole_columns, what)
+                param.narrow(0, start, rows).copy_(self._rank_scale(canonical, part, what))
         self._loaded.add((name, shard_id))
         if self._complete(layer):
             self._finish(layer)
 
+    def _rank_scale(self, canonical: torch.Tensor, part: RankSlice, what: str) -> torch.Tensor:
+        """The whole projection's canonical scale -> the rank's rows, and its blocks' columns (per-tensor
+        and per-channel scales have one column, which every rank keeps)."""
+        rows = take_rows(canonical, 0, part, what)
+        if self.fmt.strategy != "block":
+            return rows
+        return take_columns(rows, 1, part, what, self.fmt.block[1], self._block_unit())
+
+    def _block_unit(self) -> str:
+        return f"a {self.fmt.block[0]}x{self.fmt.block[1]} scale block"
+
     def _load_weight(
-        self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, start: int, rows: int, what: str
+        self,
+        layer: nn.Module,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        start: int,
+        part: RankSlice,
+        what: str,
     ) -> None:
-        self._expect(loaded, (rows, layer.input_size), what)
+        self._expect(loaded, (part.whole_rows, part.whole_columns), what)
+        if self.fmt.strategy == "block":
+            check_columns_align(part, self.fmt.block[1], what, self._block_unit())
+        loaded = take_columns(take_rows(loaded, 0, part, what), 1, part, what)  # quantized after the split
+        rows = part.rows
         if self.fmt.quantize_on_load:
             if not loaded.is_floating_point() or loaded.dtype == FP8:
                 raise ValueError(
                     f"checkpoint tensor {what} is {loaded.dtype}: --quantization fp8 quantizes 16- or 32-bit "
                     "float weights while loading; pass the model's bf16/fp16 checkpoint"
                 )
-            part = quantize_fp8(loaded.to(param.device))  # one shard at a time, on the device
-            param.narrow(0, start, rows).copy_(part.data)
-            layer.fp8_loading_scale[start : start + rows] = part.scale.to(layer.fp8_loading_scale.device)
+            quantized = quantize_fp8(loaded.to(param.device))  # one shard at a time, on the device
+            param.narrow(0, start, rows).copy_(quantized.data)
+            layer.fp8_loading_scale[start : start + rows] = quantized.scale.to(layer.fp8_loading_scale.device)
             return
         if loaded.dtype != FP8:
             raise ValueError(
@@ -149,10 +187,11 @@ class Fp8LinearMethod(QuantizedLinearMethod):
     def _finish(self, layer: nn.Module) -> None:
         device = layer.weight.device
         if self.fmt.quantize_on_load:
-            scale, group_k = layer.fp8_loading_scale.to(device), layer.input_size
+            scale, group_k = layer.fp8_loading_scale.to(device), layer.input_size_per_rank
             del layer.fp8_loading_scale
         else:
-            scale, group_k = getattr(layer, self.fmt.scale_name).data, self.group_k(layer.input_size)
+            columns = layer.input_size_per_rank
+            scale, group_k = getattr(layer, self.fmt.scale_name).data, self.group_k(columns)
         weight = Fp8Weight(layer.weight.data, scale.float().contiguous(), group_k)
         input_scale = layer.input_scale.data.max() if "input_scale" in self.names else None
         self._make_runnable(layer, weight, input_scale, device)
@@ -188,8 +227,9 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         home = layer.weight.device
         on = home if device is None else torch.device(device)
         generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
-        group = self.group_k(layer.input_size) if self.fmt.strategy == "block" else None
-        weight = random_fp8_weight(layer.output_size, layer.input_size, group, std, generator, on)
+        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
+        group = self.group_k(columns) if self.fmt.strategy == "block" else None
+        weight = random_fp8_weight(rows, columns, group, std, generator, on)
         weight = Fp8Weight(weight.data.to(home), weight.scale.to(home), weight.group_k)
         if layer.bias is not None:
             with torch.no_grad():

@@ -7,6 +7,10 @@ shape, naming it, before copying. Once every tensor of every shard is in, the la
 Int4Weight (int4_formats.to_int4_weight), then the form it computes with (int4_cpu.make_runnable), and
 the packed checkpoint tensors are dropped.
 
+Under tensor parallel the parameters hold the rank's part and each loader takes it from the whole
+checkpoint tensor first (int4_tp.py: output rows of a column-parallel layer, input columns of a
+row-parallel one), so the unpack and repack see only the rank's part.
+
 With --load-format dummy no tensor arrives: `initialize_dummy` builds a random Int4Weight
 (int4_weight.random_int4_weight) in place of the checkpoint's and makes it runnable the same way.
 """
@@ -26,20 +30,34 @@ from fitserve.layers.quantization.int4_formats import (
     param_specs,
     to_int4_weight,
 )
+from fitserve.layers.quantization.int4_tp import (
+    act_order_groups,
+    check_rank_columns,
+    keeps_all_groups,
+    rank_part,
+    rank_specs,
+    select_groups,
+)
 from fitserve.layers.quantization.int4_weight import random_int4_weight
 from fitserve.layers.quantization.method_base import QuantizedLinearMethod
 from fitserve.layers.quantization.placement import run_device
 from fitserve.layers.quantization.quant_config import Int4Format
+from fitserve.layers.quantization.tp_split import RankSlice, rank_bias, rank_slice
 
 
 class Int4LinearMethod(QuantizedLinearMethod):
+    splits_for_tensor_parallel = True  # each loader takes the rank's part (int4_tp.py)
+
     def __init__(self, fmt: Int4Format, prefix: str = "") -> None:
         super().__init__(fmt, prefix)
         self.path = ""  # "triton-int4", "c-kernel", "torch-int4" or "dequantized", once loaded
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         self.dtype = torch.get_default_dtype()
-        self.specs = param_specs(self.fmt, input_size, output_size)
+        first_shard = next(iter(getattr(layer, "shard_ids", ())), None)
+        part = rank_slice(layer, first_shard, self.prefix)
+        check_rank_columns(self.fmt, part, self.prefix)  # refused before anything loads
+        self.specs = rank_specs(self.fmt, param_specs(self.fmt, input_size, output_size), part)
         for name, spec in self.specs.items():
             param = nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=False)
             param.weight_loader = self._loader(layer, name)  # type: ignore[attr-defined]
@@ -51,6 +69,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
             layer.register_parameter("bias", None)
         self._loaded: set[tuple[str, Any]] = set()
         self._g_idx_source: str | None = None
+        self._rank_groups: torch.Tensor | None = None  # act order, row-parallel: int4_tp.py
 
     def _load(
         self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any
@@ -63,9 +82,11 @@ class Int4LinearMethod(QuantizedLinearMethod):
             raise ValueError(f"{self.prefix}: {name} came after the layer was loaded and repacked")
         shard = None if shard_id is None else layer.shard_offsets[shard_id]
         what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id!r})")
+        part = rank_slice(layer, shard_id, what)
         spec = self.specs.get(name)
         if name == "bias":
             target = param if shard is None else param.narrow(0, *shard)
+            loaded = rank_bias(layer, loaded, part, what)
         elif spec.shard_dim is None or shard is None:
             target = param
         else:
@@ -73,26 +94,57 @@ class Int4LinearMethod(QuantizedLinearMethod):
             if start % spec.rows_per or size % spec.rows_per:
                 raise ValueError(f"{what}: shard rows {start}+{size} are not a multiple of {spec.rows_per}")
             target = param.narrow(spec.shard_dim, start // spec.rows_per, -(-size // spec.rows_per))
-        if name == "weight_zero_point" and loaded.dim() == 2 and loaded.shape[0] == 8 * target.shape[0]:
+        unpacked_rows = 8 * -(-part.whole_rows // 8)
+        if name == "weight_zero_point" and loaded.dim() == 2 and loaded.shape[0] == unpacked_rows:
             loaded = pack_zero_point_rows(loaded)  # an unpacked [N, G] signed zero point (older writers)
         if name == "weight_shape":
-            self._check_weight_shape(layer, loaded, shard, what)
-        elif tuple(loaded.shape) != tuple(target.shape):
-            raise ValueError(
-                f"quantized tensor {what} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)} "
-                f"for {self.fmt.describe()}: the checkpoint is truncated or does not match config.json "
-                "(download it again, or check its quantization_config)"
-            )
-        elif spec is not None and spec.shard_dim is None and (name, None) in self._loaded_names():
-            self._check_shared(param, loaded, what)
+            self._check_weight_shape(loaded, part, what)
+        elif name != "bias" and tuple(loaded.shape) != self._whole_shape(name, part):
+            self._refuse_shape(loaded, self._whole_shape(name, part), what)
         else:
-            with torch.no_grad():
-                target.copy_(loaded)
+            if name != "bias":
+                loaded = rank_part(self.fmt, name, spec, loaded, part, what)
+            self._copy(name, param, target, loaded, what, part)
         self._loaded.add((name, shard_id))
         if name.endswith("g_idx") and self._g_idx_source is None:
             self._g_idx_source = what
         if self._complete(layer):
             self._finish(layer)
+
+    def _whole_shape(self, name: str, part: RankSlice) -> tuple[int, ...]:
+        """The shape of checkpoint tensor `name` of the whole projection (or shard)."""
+        return param_specs(self.fmt, part.whole_columns, part.whole_rows)[name].shape
+
+    def _refuse_shape(self, loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+        raise ValueError(
+            f"quantized tensor {what} has shape {tuple(loaded.shape)}, expected {tuple(expected)} "
+            f"for {self.fmt.describe()}: the checkpoint is truncated or does not match config.json "
+            "(download it again, or check its quantization_config)"
+        )
+
+    def _copy(
+        self,
+        name: str,
+        param: nn.Parameter,
+        target: torch.Tensor,
+        loaded: torch.Tensor,
+        what: str,
+        part: RankSlice,
+    ) -> None:
+        """Copies the rank's part of a tensor into its rows of the parameter (a g_idx shared by a fused
+        layer's projections: checked against the first's)."""
+        spec = self.specs.get(name)
+        if tuple(loaded.shape) != tuple(target.shape):
+            self._refuse_shape(loaded, tuple(target.shape), what)
+        if spec is not None and spec.shard_dim is None and (name, None) in self._loaded_names():
+            self._check_shared(param, loaded, what)
+            return
+        if name.endswith("g_idx") and keeps_all_groups(self.fmt, part):
+            self._rank_groups = act_order_groups(
+                loaded, self.fmt.group_size, part.whole_columns // self.fmt.group_size, what
+            )
+        with torch.no_grad():
+            target.copy_(loaded)
 
     def _loaded_names(self) -> set[tuple[str, None]]:
         return {(name, None) for name, _ in self._loaded}
@@ -105,9 +157,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
                 "one g_idx (act order) as real GPTQ checkpoints do; this checkpoint cannot be fused"
             )
 
-    def _check_weight_shape(self, layer: nn.Module, loaded: torch.Tensor, shard: Any, what: str) -> None:
-        rows = layer.output_size if shard is None else shard[1]
-        expected = [rows, layer.input_size]
+    def _check_weight_shape(self, loaded: torch.Tensor, part: RankSlice, what: str) -> None:
+        expected = [part.whole_rows, part.whole_columns]
         if loaded.tolist() != expected:
             raise ValueError(f"quantized tensor {what} says {loaded.tolist()}, expected {expected}")
 
@@ -131,7 +182,10 @@ class Int4LinearMethod(QuantizedLinearMethod):
         tensors = {name: getattr(layer, name).data.cpu() for name in self.specs}
         if ("g_idx", None) not in self._loaded_names() and "g_idx" in tensors:
             del tensors["g_idx"]
-        weight = to_int4_weight(self.fmt, tensors, layer.input_size, self.prefix)
+        if self._rank_groups is not None:
+            g_idx_name = "g_idx" if "g_idx" in tensors else "weight_g_idx"
+            tensors = select_groups(self.fmt, tensors, g_idx_name, self._rank_groups)
+        weight = to_int4_weight(self.fmt, tensors, layer.input_size_per_rank, self.prefix)
         for name in self.specs:
             delattr(layer, name)
         self.runnable, self.path = make_runnable(
@@ -150,10 +204,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
         home = next(iter(getattr(layer, name) for name in self.specs)).device
         on = home if device is None else torch.device(device)
         generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
-        group = self.fmt.group_for(layer.input_size)
-        weight = random_int4_weight(
-            layer.output_size, layer.input_size, group, self.fmt.symmetric, std, generator, on
-        )
+        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
+        group = self.fmt.group_for(columns)
+        weight = random_int4_weight(rows, columns, group, self.fmt.symmetric, std, generator, on)
         if layer.bias is not None:
             with torch.no_grad():
                 layer.bias.zero_()

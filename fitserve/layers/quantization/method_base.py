@@ -11,6 +11,10 @@ from torch import nn
 
 
 class QuantizedLinearMethod:
+    # Whether the loaders take a tensor-parallel rank's part of each whole checkpoint tensor (tp_split.py);
+    # layers/linear.py refuses tensor parallel for a method that does not. Each format's method sets it.
+    splits_for_tensor_parallel = False
+
     def __init__(self, fmt: Any, prefix: str = "") -> None:
         self.fmt = fmt
         self.prefix = prefix  # the layer's name, for messages
@@ -28,10 +32,12 @@ class QuantizedLinearMethod:
         raise NotImplementedError
 
     def _shard_rows(self, layer: nn.Module, name: str, shard_id: Any) -> tuple[int, int, str]:
-        """(first row, rows, the tensor's name for messages) of checkpoint tensor `name` of shard
-        `shard_id` (None: the whole layer); ValueError when the layer was already made runnable."""
+        """(first row, rows, the tensor's name for messages): where checkpoint tensor `name` of shard
+        `shard_id` (None: the whole layer) goes in this rank's rows; ValueError when the layer was already
+        made runnable."""
         if self.runnable is not None:
             raise ValueError(f"{self.prefix}: {name} came after the layer was loaded")
-        start, rows = (0, layer.output_size) if shard_id is None else layer.shard_offsets[shard_id]
+        whole = (0, getattr(layer, "output_size_per_rank", layer.output_size))
+        start, rows = whole if shard_id is None else layer.shard_offsets[shard_id]
         what = f"{self.prefix}.{name}" + ("" if shard_id is None else f" (shard {shard_id!r})")
         return start, rows, what

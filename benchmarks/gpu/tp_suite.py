@@ -1,0 +1,140 @@
+"""Issue 30's speed figures for tensor parallel (dummy weights, the GPUs of one machine).
+
+Each figure runs in its own process (`one`), so one engine's GPU memory is gone before the next starts;
+`all` runs them in turn and writes one results file.
+
+  python benchmarks/gpu/tp_suite.py all [--figures single8b_tp1,single8b_tp2,...] [--out FILE]
+  python benchmarks/gpu/tp_suite.py one --figure single8b_tp2
+
+Figures:
+- single<model>_tp<N>: batch-1 decode, 128 tokens in, 256 out (best of 3 after a warm-up), output tok/s
+  and its fraction of the weight-streaming roofline: the bytes one rank's decode step reads (its
+  parameters but the input embedding rows) over one GPU's device-to-device copy bandwidth measured in
+  the run (every rank streams its part at once).
+- equal<model>_tp<N>: 256 requests of 512 random prompt tokens and 512 output tokens, offline, output tok/s.
+Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
+
+SHAPES = {"8b": "llama-3.1-8b", "70b": "llama-3.3-70b"}
+DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
+
+
+def parse(figure: str) -> tuple[str, str, int]:
+    kind = "single" if figure.startswith("single") else "equal"
+    model, tp = figure[len(kind) :].split("_tp")
+    return kind, model, int(tp)
+
+
+def rank_step_bytes(model) -> int:
+    """Bytes rank 0's decode step streams: its parameters but the input embedding table."""
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def run_one(figure: str) -> dict:
+    from fitserve import LLM, SamplingParams
+
+    kind, model, tp = parse(figure)
+    started = time.perf_counter()
+    llm = LLM(
+        str(MODELS / SHAPES[model]),
+        tokenizer=str(TOKENIZER),
+        load_format="dummy",
+        max_model_len=4096 if kind == "single" else 1024,
+        tensor_parallel_size=tp,
+        gpu_memory_utilization=0.92,
+    )
+    ready_s = time.perf_counter() - started
+    rng = random.Random(0)
+    result = {"figure": figure, "tensor_parallel_size": tp, "ready_s": round(ready_s, 1)}
+    result["kv_cache_tokens_per_rank"] = llm.engine.memory_plan.kv_cache_tokens
+    if kind == "single":
+        times = batch1_decode_seconds(llm, rng)
+        tok_per_s = 256 / min(times)
+        step_bytes = rank_step_bytes(llm.engine.executor.runner.model)
+        bandwidth = copy_bandwidth_bytes_per_s()
+        roofline = bandwidth / step_bytes
+        result.update(
+            tok_per_s=round(tok_per_s, 1),
+            seconds_per_request=[round(t, 3) for t in times],
+            rank_step_bytes=step_bytes,
+            copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
+            roofline_tok_per_s=round(roofline, 1),
+            roofline_frac=round(tok_per_s / roofline, 3),
+        )
+    else:
+        prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(256)]
+        params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+        llm.generate(prompts[:8], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.engine.kv_manager.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result.update(
+            out_tok_per_s=round(tokens / elapsed, 1), seconds=round(elapsed, 1), output_tokens=tokens
+        )
+    print("RESULT " + json.dumps(result), flush=True)
+    llm.engine.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["all", "one"])
+    parser.add_argument("--figure", default="single8b_tp2")
+    parser.add_argument("--figures", default=DEFAULT_FIGURES)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--figure-timeout-s", type=float, default=600)
+    args = parser.parse_args()
+    if args.mode == "one":
+        run_one(args.figure)
+        return
+    figures = {}
+    for figure in args.figures.split(","):
+        try:
+            completed = subprocess.run(
+                [sys.executable, __file__, "one", "--figure", figure],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=args.figure_timeout_s,
+            )
+        except subprocess.TimeoutExpired as expired:
+            figures[figure] = {
+                "error": f"timed out after {args.figure_timeout_s} s",
+                "tail": str(expired.stderr)[-2000:],
+            }
+            print(figure, json.dumps(figures[figure]), flush=True)
+            continue
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if lines:
+            figures[figure] = json.loads(lines[-1][len("RESULT ") :])
+        else:
+            figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
+        print(figure, json.dumps(figures[figure]), flush=True)
+    single = {k: v for k, v in figures.items() if "tok_per_s" in v}
+    if "single8b_tp1" in single and "single8b_tp2" in single:
+        figures["tp2_single8b_speedup"] = round(
+            single["single8b_tp2"]["tok_per_s"] / single["single8b_tp1"]["tok_per_s"], 3
+        )
+    out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_tp.json")
+    save("tp_suite", {"machine_detail": machine(), **figures}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""A step's inputs: built on the host from the scheduler's output (`HostInputs`, plain numbers and numpy
+arrays, which is what travels to the other tensor-parallel ranks), then copied to the device in one
+upload (`StepInputs`).
+
+Contract (ModelRunner.launch): the tokens the scheduler listed, in its order; one sampled row per
+request whose last known token is computed; prompt-logprob rows for the prompt positions computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fitserve.core.scheduler import ScheduledRequest
+from fitserve.layers.attention.metadata import AttentionMetadata
+from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
+from fitserve.worker.group_tables import GroupTables
+from fitserve.worker.transfer import PinnedStagingRing
+
+# The arrays every step uploads, in this order; a model with several KV cache groups appends two per
+# extra group (slot mapping, block table).
+NUM_STEP_ARRAYS = 9
+
+# req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
+PromptLogprobRows = dict[str, tuple[list[int], list[int], int]]
+
+
+@dataclass
+class HostInputs:
+    arrays: list[np.ndarray]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_samples: int
+    # Sampled rows are every row, in order (no index to upload).
+    samples_all_rows: bool
+    prompt_logprob_rows: PromptLogprobRows
+    has_fill: bool
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    # Rows of the hidden states to sample from, one per sampling request; None when every row, in order.
+    sample_rows: torch.Tensor | None
+    num_samples: int
+    prompt_logprob_rows: PromptLogprobRows
+    # Tokens still in flight (-1 in input_ids): (rows, their indices among the last step's sampled ids)
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With several KV cache groups: each layer's metadata (ForwardContext.layer_metadata)
+    layer_metadata: list[AttentionMetadata] | None = None
+
+
+def build_host_inputs(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    table_rows_of: BlockTableRows,
+    group_tables: GroupTables | None,
+    in_flight_index: Callable[[str], int],
+) -> tuple[HostInputs, list[ScheduledRequest]]:
+    """The step's host inputs, and the requests that sample, in row order."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    sample_indices: list[int] = []
+    sample_items: list[ScheduledRequest] = []
+    # Rows whose token is still in flight, and where the last step's sampled ids hold it.
+    placeholder_rows: list[int] = []
+    placeholder_sources: list[int] = []
+    prompt_rows: PromptLogprobRows = {}
+    max_blocks = 0
+    table_rows: list[int] = []
+    row_of_request = table_rows_of.row
+    for item in scheduled:
+        request = item.request
+        start, n = item.start, item.num_new_tokens
+        row_offset = len(input_ids)
+        table = item.block_ids
+        known = request.all_token_ids
+        if n == 1:  # decode: the common case, kept cheap
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            positions.extend(range(start, start + n))
+            extend_slots(slots, table, start, start + n, bs)
+        if start + n <= len(known):
+            input_ids.extend(known[start : start + n])
+        else:  # the last token is in flight: only ever one (see Scheduler)
+            input_ids.extend(known[start:])
+            input_ids.append(-1)  # written on the device from the last step's sampled ids
+            placeholder_rows.append(len(input_ids) - 1)
+            placeholder_sources.append(in_flight_index(request.request_id))
+        table_rows.append(row_of_request(request.request_id, table))
+        max_blocks = max(max_blocks, len(table))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
+            # Row j predicts token start + j + 1; keep those that are prompt tokens.
+            last = min(start + n, request.num_prompt_tokens - 1)
+            rows = list(range(row_offset, row_offset + last - start))
+            next_ids = request.all_token_ids[start + 1 : last + 1]
+            prompt_rows[request.request_id] = (rows, next_ids, request.params.prompt_logprobs)
+        if item.samples:
+            sample_indices.append(row_offset + n - 1)
+            sample_items.append(item)
+    query_start_loc = [0]
+    for q in query_lens:
+        query_start_loc.append(query_start_loc[-1] + q)
+    block_tables = table_rows_of.gather(table_rows, max_blocks)
+    all_rows = len(sample_indices) == len(input_ids)
+    arrays = [
+        np.array(input_ids, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        np.array(slots, dtype=np.int64),
+        np.array(query_start_loc, dtype=np.int32),
+        np.array(seq_lens, dtype=np.int32),
+        block_tables,
+        np.array(placeholder_rows, dtype=np.int64),
+        np.array(placeholder_sources, dtype=np.int64),
+        np.array([] if all_rows else sample_indices, dtype=np.int64),
+    ]
+    if group_tables is not None:
+        arrays.extend(group_tables.arrays(scheduled))
+    host = HostInputs(
+        arrays=arrays,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        num_samples=len(sample_items),
+        samples_all_rows=all_rows,
+        prompt_logprob_rows=prompt_rows,
+        has_fill=bool(placeholder_rows),
+    )
+    return host, sample_items
+
+
+def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: list[int]) -> StepInputs:
+    """One host-to-device copy of the host inputs, and the attention metadata over them."""
+    uploaded = staging.upload(host.arrays)
+    (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = uploaded[:NUM_STEP_ARRAYS]
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=starts,
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=max(host.query_lens),
+        max_seq_len=max(host.seq_lens),
+        query_lens_cpu=host.query_lens,
+        seq_lens_cpu=host.seq_lens,
+    )
+    layer_metadata = None
+    if len(uploaded) > NUM_STEP_ARRAYS:
+        group_metadata = [metadata]
+        for i in range(NUM_STEP_ARRAYS, len(uploaded), 2):
+            group_metadata.append(
+                dataclasses.replace(metadata, slot_mapping=uploaded[i], block_tables=uploaded[i + 1])
+            )
+        layer_metadata = [group_metadata[group] for group in layer_group]
+    return StepInputs(
+        layer_metadata=layer_metadata,
+        input_ids=ids,
+        positions=pos,
+        metadata=metadata,
+        sample_rows=None if host.samples_all_rows else rows,
+        num_samples=host.num_samples,
+        prompt_logprob_rows=host.prompt_logprob_rows,
+        fill=(fill_rows, fill_sources) if host.has_fill else None,
+    )

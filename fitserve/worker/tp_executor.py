@@ -1,0 +1,258 @@
+"""Tensor parallel: one process per rank, the first in the engine's own process.
+
+The first rank's ModelRunner plans each step on the host (worker/step_inputs.py) and hands the host
+inputs to every other rank over a pipe (pickled once, a few KB for a decode step) before it queues its
+own forward; all ranks then run the same forward, meeting in its all-reduces (NCCL on GPUs, gloo on
+CPUs), and the first rank samples and broadcasts the sampled ids (ModelRunner.launch). The KV cache is
+sized on every rank and the smallest pool wins, so every rank holds the same blocks.
+
+A rank that dies or fails: a thread per rank reads its replies and sees the pipe close; it records
+which rank and why, and aborts this process's group so a collective waiting for that rank returns at
+once. The next step raises RankFailedError, which stops the engine (the server then answers 503).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from fitserve.config import EngineConfig
+from fitserve.core.scheduler import SchedulerOutput
+from fitserve.distributed.parallel_state import (
+    abort_tensor_parallel,
+    destroy_tensor_parallel,
+    forget_tensor_parallel,
+    init_tensor_parallel,
+)
+from fitserve.planner.memory import MemoryPlan
+from fitserve.worker import tp_worker
+from fitserve.worker.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
+from fitserve.worker.rank_failure import RankFailedError
+from fitserve.worker.step_inputs import HostInputs
+
+logger = logging.getLogger("fitserve")
+
+# How long the first rank waits for another rank's reply to a start-up command (loading, profiling).
+STARTUP_REPLY_TIMEOUT_S = 3600.0
+LEAVE_GROUP_TIMEOUT_S = 5.0
+
+
+def _free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class _Rank:
+    """Another rank's process, its command pipe and the thread that reads its replies."""
+
+    def __init__(self, context: Any, config: EngineConfig, rank: int, size: int, address: str) -> None:
+        self.rank = rank
+        commands_in, self.commands = context.Pipe(duplex=False)
+        self._replies_in, replies_out = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=tp_worker.run_rank,
+            args=(config, rank, size, address, commands_in, replies_out, os.getpid()),
+            name=f"fitserve-rank-{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        commands_in.close()
+        replies_out.close()
+        self.replies: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._reap_lock = threading.Lock()
+        self.failure: str | None = None
+
+    def exit_reason(self) -> str:
+        """Why the process is gone, once it is (waits up to 5 s for the exit status)."""
+        multiprocessing.connection.wait([self.process.sentinel], timeout=5)
+        deadline = time.monotonic() + 2.0
+        with self._reap_lock:  # one thread reaps the status; another waiting at once would read None
+            code = self.process.exitcode
+            while code is None and time.monotonic() < deadline:  # closed its pipes, not yet reaped
+                time.sleep(0.01)
+                code = self.process.exitcode
+        if code is not None and code < 0:
+            return f"its process exited (exit code {code}: killed by signal {-code})"
+        return f"its process exited (exit code {code})"
+
+    def read_replies(self, on_failure: Any) -> None:
+        while True:
+            try:
+                kind, payload = pickle.loads(self._replies_in.recv_bytes())
+            except (EOFError, OSError):
+                on_failure(self, self.exit_reason())
+                return
+            if kind == tp_worker.FAILED:
+                on_failure(self, payload)
+                return
+            self.replies.put((kind, payload))
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.parallel.tensor_parallel_size
+        device_type = config.device.torch_device.type
+        address = f"tcp://127.0.0.1:{_free_local_port()}"
+        context = multiprocessing.get_context("spawn")
+        self._failure: str | None = None
+        self._stopping = False
+        self._failure_lock = threading.Lock()
+        self.ranks = [_Rank(context, config, rank, size, address) for rank in range(1, size)]
+        for rank in self.ranks:
+            threading.Thread(
+                target=rank.read_replies,
+                args=(self._on_rank_failure,),
+                name=f"fitserve-rank-{rank.rank}-replies",
+                daemon=True,
+            ).start()
+        if device_type == "cpu":
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        logger.info(
+            "Tensor parallel: %d ranks (%s), rank 0 in this process",
+            size,
+            "NCCL" if device_type == "cuda" else "gloo",
+        )
+        self._join_group(size, address, device_type)
+        self.runner = ModelRunner(config)
+        self.runner.step_sender = self._send_step
+        # before multiprocessing's own exit handler ends the ranks (atexit runs the latest first)
+        atexit.register(self.shutdown)
+        for rank in self.ranks:
+            self._reply(rank, tp_worker.LOADED)
+
+    def _join_group(self, size: int, address: str, device_type: str) -> None:
+        """Joins the group as rank 0; a rank that dies before joining (a bad start, no memory) stops the
+        wait with its reason instead of leaving it to the rendezvous timeout."""
+        joined: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+        def join() -> None:
+            try:
+                init_tensor_parallel(0, size, address, device_type)
+                joined.put(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                joined.put(error)
+
+        threading.Thread(target=join, name="fitserve-rank-0-join", daemon=True).start()
+        while True:
+            try:
+                error = joined.get(timeout=0.2)
+            except queue.Empty:
+                self._check()
+                continue
+            if error is not None:
+                raise error
+            return
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def _on_rank_failure(self, rank: _Rank, reason: str) -> None:
+        with self._failure_lock:
+            if self._failure is None and not self._stopping:
+                self._failure = f"tensor-parallel rank {rank.rank} failed: {reason}"
+                logger.error("%s; stopping the engine", self._failure)
+                abort_tensor_parallel()
+            for other in self.ranks:
+                other.replies.put((tp_worker.FAILED, reason))
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise RankFailedError(self._failure)
+
+    def _reply(self, rank: _Rank, expected: str) -> Any:
+        try:
+            kind, payload = rank.replies.get(timeout=STARTUP_REPLY_TIMEOUT_S)
+        except queue.Empty:
+            raise RankFailedError(f"tensor-parallel rank {rank.rank} did not answer ({expected})") from None
+        self._check()
+        if kind != expected:
+            raise RankFailedError(f"tensor-parallel rank {rank.rank} answered {kind!r}, not {expected!r}")
+        return payload
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        self._check()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in self.ranks:
+            try:
+                rank.commands.send_bytes(data)
+            except OSError:
+                self._on_rank_failure(rank, rank.exit_reason())
+                self._check()
+
+    def _send_step(self, host: HostInputs) -> None:
+        self._send((tp_worker.STEP, host))
+
+    # ---- the executor's interface -----------------------------------------------------------------
+    def initialize_kv_cache(self) -> MemoryPlan:
+        """Every rank sizes its KV cache; every rank allocates the smallest pool."""
+        self._send((tp_worker.SIZE_KV_CACHE, None))
+        plans = [self._guarded(self.runner.size_kv_cache)]
+        plans += [self._reply(rank, tp_worker.PLANNED) for rank in self.ranks]
+        plan = min(plans, key=lambda each: each.num_kv_blocks)
+        self._send((tp_worker.ALLOCATE_KV_CACHE, plan))
+        self._guarded(lambda: self.runner.allocate_kv_cache(plan))
+        for rank in self.ranks:
+            self._reply(rank, tp_worker.ALLOCATED)
+        return plan
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        launched = self._guarded(lambda: self.runner.launch(scheduler_output))
+
+        def finish() -> ModelRunnerOutput:
+            return self._guarded(launched.result)
+
+        return LaunchedStep(finish, launched.needs_token_history)
+
+    def _guarded(self, work: Any) -> Any:
+        """work(), with an error caused by a failed rank (a collective aborted) raised as that failure."""
+        self._check()
+        try:
+            return work()
+        except Exception as error:
+            if self._failure is not None:
+                raise RankFailedError(self._failure) from error
+            raise
+
+    def shutdown(self) -> None:
+        """Stops the other ranks, then leaves the group: aborted, not destroyed, since a destroy waits on
+        peers that are gone (it hung after NCCL ranks exited). Runs once (again at exit: a no-op)."""
+        if self._stopping:
+            return
+        atexit.unregister(self.shutdown)
+        self._stopping = True
+        self.runner.release_graphs()  # graphs that captured collectives first, or leaving the group blocks
+        if self._failure is None:
+            data = pickle.dumps((tp_worker.STOP, None))
+            for rank in self.ranks:
+                with contextlib.suppress(OSError):
+                    rank.commands.send_bytes(data)
+        for rank in self.ranks:
+            rank.process.join(timeout=10)
+            if rank.process.is_alive():
+                rank.process.kill()
+        # this process may build another engine: it must not keep this one's rank (or its group). Leaving
+        # an NCCL group whose collectives CUDA graphs captured can block, so it gets a few seconds aside.
+        leaving = threading.Thread(target=_leave_group, name="fitserve-leave-group", daemon=True)
+        leaving.start()
+        leaving.join(timeout=LEAVE_GROUP_TIMEOUT_S)
+        if leaving.is_alive():
+            logger.warning(
+                "leaving the tensor-parallel group did not finish in %.0f s", LEAVE_GROUP_TIMEOUT_S
+            )
+            forget_tensor_parallel()
+
+
+def _leave_group() -> None:
+    abort_tensor_parallel()
+    destroy_tensor_parallel()

@@ -1,0 +1,98 @@
+"""The main function of a tensor-parallel rank other than the first (worker/tp_executor.py starts it).
+
+It joins the group, builds its ModelRunner (its part of every layer), and then runs what the first rank
+sends, in order, over its own pipe: size the KV cache, allocate it, run a step (the first rank's host
+inputs), stop. Messages are pickled once by the sender (bytes); replies go back on a second pipe. An
+error is sent back with its traceback and the process exits; the process also exits when the engine's
+process is gone.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Messages to a rank: (kind, payload)
+SIZE_KV_CACHE = "size_kv_cache"
+ALLOCATE_KV_CACHE = "allocate_kv_cache"
+STEP = "step"
+STOP = "stop"
+# Replies from a rank
+LOADED = "loaded"
+PLANNED = "planned"
+ALLOCATED = "allocated"
+FAILED = "failed"
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _configure_logging(rank: int) -> None:
+    # The first rank logs the engine's lines; the others only what goes wrong, marked with their rank.
+    logger = logging.getLogger("fitserve")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s fitserve rank {rank}: %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+
+
+def run_rank(
+    config: Any,
+    rank: int,
+    size: int,
+    address: str,
+    commands: Connection,
+    replies: Connection,
+    parent_pid: int,
+) -> None:
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    # `kill -USR1 <pid>` prints where every thread of a rank is (to find what a hung collective waits on)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _configure_logging(rank)
+    try:
+        import torch
+
+        from fitserve.distributed.parallel_state import init_tensor_parallel
+        from fitserve.worker.model_runner import ModelRunner
+
+        device_type = config.device.torch_device.type
+        if device_type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        init_tensor_parallel(rank, size, address, device_type)
+        runner = ModelRunner(config)
+        replies.send_bytes(pickle.dumps((LOADED, runner.weight_bytes)))
+        while True:
+            kind, payload = pickle.loads(commands.recv_bytes())
+            if kind == STEP:
+                runner.run_host_inputs(payload)
+            elif kind == SIZE_KV_CACHE:
+                replies.send_bytes(pickle.dumps((PLANNED, runner.size_kv_cache())))
+            elif kind == ALLOCATE_KV_CACHE:
+                runner.allocate_kv_cache(payload)
+                replies.send_bytes(pickle.dumps((ALLOCATED, None)))
+            elif kind == STOP:
+                runner.release_graphs()
+                break
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        os._exit(0)  # the engine is gone
+    except BaseException as error:  # noqa: BLE001 - sent to the first rank, which stops the engine
+        reason = f"{type(error).__name__}: {error}"
+        logging.getLogger("fitserve").error("rank %d failed: %s\n%s", rank, reason, traceback.format_exc())
+        try:
+            replies.send_bytes(pickle.dumps((FAILED, reason)))
+        finally:
+            os._exit(1)
+    os._exit(0)
