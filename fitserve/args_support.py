@@ -108,8 +108,9 @@ def refuse_unsupported(args: EngineArgs) -> None:
             "data_parallel_size",
             args.data_parallel_size > 1,
             f"--data-parallel-size {args.data_parallel_size}",
-            "set --data-parallel-size 1, or start one fitserve per GPU behind a load balancer",
-            "set it to 1, or start one fitserve per GPU behind a load balancer",
+            "set --data-parallel-size 1: data parallel runs under `fitserve serve` (N engine replicas "
+            "behind one server)",
+            "set it to 1: data parallel runs under `fitserve serve` (N engine replicas behind one server)",
         ),
         (
             "tokenizer_mode",

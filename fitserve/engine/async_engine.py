@@ -51,7 +51,31 @@ class EngineUnavailableError(RuntimeError):
     """The engine is shutting down or its thread has died; no new request can run."""
 
 
-class AsyncEngine:
+class StreamsRequests:
+    """`generate` over an `add_request` that returns a RequestStream (AsyncEngine, DataParallelEngine)."""
+
+    async def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params: Any
+    ) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until the final one; leaving early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, prompt_token_ids, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+
+class AsyncEngine(StreamsRequests):
     def __init__(
         self,
         engine: Any,
@@ -151,21 +175,6 @@ class AsyncEngine:
         finally:
             self._pending_adds.pop(request_id, None)
         return stream
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int] | None,
-        params: Any,
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until the final one; leaving early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, prompt_token_ids, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its consumer (if any) is not told. Safe to call twice."""

@@ -74,16 +74,30 @@ class EngineProcess:
 
     @classmethod
     def start(
-        cls, engine_args: Any, *, serving: bool = False, decode_logprob_tokens: bool = True
+        cls,
+        engine_args: Any,
+        *,
+        serving: bool = False,
+        decode_logprob_tokens: bool = True,
+        visible_devices: str | None = None,
     ) -> EngineProcess:
         """Starts the engine process and waits until its engine is built; its startup error (bad settings,
-        a missing model, out of memory) is raised here, and the process is gone."""
+        a missing model, out of memory) is raised here, and the process is gone. `visible_devices`: the
+        process's CUDA_VISIBLE_DEVICES (a data-parallel replica's GPUs)."""
         context = multiprocessing.get_context("spawn")
         commands_in, commands = context.Pipe(duplex=False)
         replies, replies_out = context.Pipe(duplex=False)
         process = context.Process(
             target=run_engine_process,
-            args=(engine_args, serving, decode_logprob_tokens, commands_in, replies_out, os.getpid()),
+            args=(
+                engine_args,
+                serving,
+                decode_logprob_tokens,
+                commands_in,
+                replies_out,
+                os.getpid(),
+                visible_devices,
+            ),
             name="fitserve-engine",
             daemon=True,
         )

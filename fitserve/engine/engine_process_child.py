@@ -104,8 +104,11 @@ def run_engine_process(
     commands_in: Connection,
     replies: Connection,
     parent_pid: int,
+    visible_devices: str | None = None,
 ) -> None:
     """The engine process's main function."""
+    if visible_devices is not None:  # before anything asks CUDA for its devices
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The server started this process as a daemon (it goes when the server goes); a daemon may not start
     # processes, and tensor parallel starts one per rank. Only this process's own view changes: the

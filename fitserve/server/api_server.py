@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import gc
 import importlib
 import logging
@@ -24,12 +26,14 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import FrameType
 
 import uvicorn
 
 from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
+from fitserve.engine.data_parallel import DataParallelEngine, replica_visible_devices
 from fitserve.engine.engine import Engine
 from fitserve.engine.engine_process import EngineProcess
 from fitserve.planner.memory import MemoryPlan
@@ -178,6 +182,45 @@ def create_engine(engine_args: EngineArgs, settings: ServerSettings) -> Engine |
     return Engine.from_engine_args(engine_args, serving=True)
 
 
+def create_replicas(engine_args: EngineArgs) -> list[EngineProcess]:
+    """--data-parallel-size N: N engine processes, each on its own GPUs (engine/data_parallel.py), started
+    side by side; one that fails to start stops the others."""
+    size = engine_args.data_parallel_size
+    one = dataclasses.replace(engine_args, data_parallel_size=1)
+    visible: list[str | None] = [None] * size
+    gpus = visible_gpus()
+    if gpus:
+        tp = engine_args.tensor_parallel_size if "tensor_parallel_size" in engine_args.explicit() else 0
+        per_replica = tp or max(1, len(gpus) // size)
+        visible = list(replica_visible_devices(size, per_replica, gpus))
+    logger.info("Data parallel: %d engine replicas%s", size, "".join(f"; GPUs {v}" for v in visible if v))
+    # each start loads its tokenizer on its own thread: transformers' lazy imports race when two threads
+    # import it first at once (ImportError: cannot import name 'AutoTokenizer'), so it imports here once
+    from transformers import AutoTokenizer  # noqa: F401
+
+    with ThreadPoolExecutor(size, thread_name_prefix="fitserve-replica-start") as pool:
+        start = functools.partial(EngineProcess.start, one, serving=True, decode_logprob_tokens=False)
+        starting = [pool.submit(start, visible_devices=devices) for devices in visible]
+        wait(starting)
+    replicas = [future.result() for future in starting if future.exception() is None]
+    errors = [future.exception() for future in starting if future.exception() is not None]
+    if errors:
+        for replica in replicas:
+            replica.stop()
+        raise errors[0]
+    return replicas
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (its own list, else indices); none on
+    a machine without CUDA."""
+    import torch  # no CUDA context: the count comes from the driver
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = [entry for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return (listed or [str(index) for index in range(count)])[:count]
+
+
 def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
     """Serve until SIGINT/SIGTERM; `namespace` holds the server flags. Bad flags raise ValueError before
     anything loads."""
@@ -196,10 +239,19 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
     )
     app_modules.start()
     engine: Engine | EngineProcess | None = None
+    replicas: list[EngineProcess] = []
     try:
         with _sigterm_as_interrupt():
-            engine = create_engine(engine_args, settings)
-        async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
+            if engine_args.data_parallel_size > 1:
+                replicas = create_replicas(engine_args)
+            else:
+                engine = create_engine(engine_args, settings)
+        async_engine: AsyncEngine | DataParallelEngine
+        if replicas:
+            log_stats = not replicas[0].config.disable_log_stats
+            async_engine = DataParallelEngine([AsyncEngine(r, log_stats=log_stats) for r in replicas])
+        else:
+            async_engine = AsyncEngine(engine, log_stats=not engine.config.disable_log_stats)
         from fitserve.server.app import build_app
 
         app = build_app(async_engine, settings)
@@ -223,8 +275,9 @@ def run_server(engine_args: EngineArgs, namespace: argparse.Namespace) -> None:
         logger.info("Interrupted while starting: exiting")
     finally:
         sock.close()
-        if isinstance(engine, EngineProcess):  # already stopped, unless the server failed to start
-            engine.stop()
+        for process in [engine, *replicas]:
+            if isinstance(process, EngineProcess):  # already stopped, unless the server failed to start
+                process.stop()
 
 
 @contextlib.contextmanager

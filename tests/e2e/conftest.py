@@ -118,3 +118,13 @@ def live_server(e2e_cache_dir: str, tmp_path_factory: pytest.TempPathFactory) ->
     yield server
     status = server.stop(signal.SIGINT)
     assert status == 0, f"the server exited with {status} on SIGINT:\n{server.log()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, for servers of several processes on the CPU."""
+    from tests.unit.test_engine_vs_hf import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(folder, "LlamaForCausalLM")
+    return folder

@@ -15,23 +15,15 @@ import pytest
 
 from fitserve import LLM, SamplingParams
 from tests.e2e.conftest import LiveServer, start_server
-from tests.unit.test_engine_vs_hf import save_tiny_model
 
 PROMPT = [5, 17, 33, 2, 90, 41, 8]
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny_model(folder, "LlamaForCausalLM")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tp2_server(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def tp2_server(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     flags = [
-        str(tiny_folder),
+        str(tiny_llama_folder),
         "--served-model-name",
         "m",
         "--tensor-parallel-size",
@@ -57,10 +49,10 @@ def _complete(server: LiveServer) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
-def test_tp2_server_answers_as_one_rank_does_then_503_once_a_rank_dies(tiny_folder, tp2_server):
+def test_tp2_server_answers_as_one_rank_does_then_503_once_a_rank_dies(tiny_llama_folder, tp2_server):
     reply = _complete(tp2_server)
     assert reply.status_code == 200, reply.text
-    llm = LLM(str(tiny_folder), dtype="float32", max_model_len=256)
+    llm = LLM(str(tiny_llama_folder), dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].text
     assert reply.json()["choices"][0]["text"] == expected

@@ -105,7 +105,10 @@ def test_flags_take_vllm_spellings_and_config_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--data-parallel-size", "2"], "--data-parallel-size 2 (set --data-parallel-size 1, or start one"),
+        (
+            ["--data-parallel-size", "2"],
+            "--data-parallel-size 2 (set --data-parallel-size 1: data parallel runs",
+        ),
         (["-dp", "4"], "--data-parallel-size 4"),
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral (set --tokenizer-mode auto"),
         (["--config-format", "mistral"], "--config-format mistral (set --config-format auto"),
