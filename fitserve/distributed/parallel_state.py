@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +59,16 @@ def collective_timeout_s() -> float:
     return seconds
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: str) -> TensorParallel:
-    """Joins the group of `size` ranks at `init_method` (tcp://host:port) as `rank`; every rank calls it
-    with the same address. NCCL on CUDA (the rank's GPU is made current first), gloo on the CPU."""
+def init_tensor_parallel(
+    rank: int, size: int, address: str, device_type: str, while_waiting: Callable[[], None] | None = None
+) -> TensorParallel:
+    """Joins the group of `size` ranks at `address` (tcp://host:port) as `rank`; every rank calls it with
+    the same address. NCCL on CUDA (the rank's GPU is made current first), gloo on the CPU.
+
+    Rank 0 holds the rendezvous store and waits until every other rank has reached it, calling
+    `while_waiting` (which raises to give up: a rank died while starting) every 0.1 s; only then do all
+    join the group, so a rank that dies early never leaves rank 0 in torch's rendezvous, which cannot be
+    interrupted and blocks every later one in the process."""
     global _state
     if size == 1:
         _state = TensorParallel()
@@ -69,14 +78,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: st
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s()),
-        **options,
-    )
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    arrived = [f"fitserve/arrived/{other}" for other in range(1, size)]
+    if rank == 0:
+        while not store.check(arrived):
+            if while_waiting is not None:
+                while_waiting()
+            time.sleep(0.1)
+    else:
+        store.set(f"fitserve/arrived/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **options)
     _state = TensorParallel(rank, size, dist.group.WORLD)
     return _state
 
@@ -109,7 +122,7 @@ def abort_tensor_parallel() -> None:
     if group is None:
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch's way to abort a group
-    with contextlib.suppress(AttributeError, RuntimeError, TypeError, ValueError):
+    with contextlib.suppress(AttributeError, KeyError, RuntimeError, TypeError, ValueError):
         if abort is not None:
             abort(group)
             return

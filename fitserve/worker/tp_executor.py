@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from fitserve.config import EngineConfig
 from fitserve.core.scheduler import SchedulerOutput
 from fitserve.distributed.parallel_state import (
@@ -116,55 +118,40 @@ class MultiprocExecutor:
                 name=f"fitserve-rank-{rank.rank}-replies",
                 daemon=True,
             ).start()
-        if device_type == "cpu":
-            import torch
-
+        self._threads_before = torch.get_num_threads()
+        if device_type == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         logger.info(
             "Tensor parallel: %d ranks (%s), rank 0 in this process",
             size,
             "NCCL" if device_type == "cuda" else "gloo",
         )
-        self._join_group(size, address, device_type)
-        self.runner = ModelRunner(config)
-        self.runner.step_sender = self._send_step
+        self.runner: ModelRunner | None = None
         # before multiprocessing's own exit handler ends the ranks (atexit runs the latest first)
         atexit.register(self.shutdown)
-        for rank in self.ranks:
-            self._reply(rank, tp_worker.LOADED)
-
-    def _join_group(self, size: int, address: str, device_type: str) -> None:
-        """Joins the group as rank 0; a rank that dies before joining (a bad start, no memory) stops the
-        wait with its reason instead of leaving it to the rendezvous timeout."""
-        joined: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-
-        def join() -> None:
-            try:
-                init_tensor_parallel(0, size, address, device_type)
-                joined.put(None)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                joined.put(error)
-
-        threading.Thread(target=join, name="fitserve-rank-0-join", daemon=True).start()
-        while True:
-            try:
-                error = joined.get(timeout=0.2)
-            except queue.Empty:
-                self._check()
-                continue
-            if error is not None:
-                raise error
-            return
+        try:
+            # a rank that dies before it joins stops the wait with its reason (_check)
+            init_tensor_parallel(0, size, address, device_type, while_waiting=self._check)
+            self.runner = ModelRunner(config)
+            self.runner.step_sender = self._send_step
+            for rank in self.ranks:
+                self._reply(rank, tp_worker.LOADED)
+        except BaseException:
+            self.shutdown()  # a start that failed leaves no rank, group or thread setting behind
+            raise
 
     # ---- failures ---------------------------------------------------------------------------------
     def _on_rank_failure(self, rank: _Rank, reason: str) -> None:
         with self._failure_lock:
-            if self._failure is None and not self._stopping:
+            first = self._failure is None and not self._stopping
+            if first:
                 self._failure = f"tensor-parallel rank {rank.rank} failed: {reason}"
                 logger.error("%s; stopping the engine", self._failure)
-                abort_tensor_parallel()
             for other in self.ranks:
                 other.replies.put((tp_worker.FAILED, reason))
+        if first:
+            # on a thread of its own: an abort that blocks (NCCL) must not hold this reader or the lock
+            threading.Thread(target=abort_tensor_parallel, name="fitserve-abort-group", daemon=True).start()
 
     def _check(self) -> None:
         if self._failure is not None:
@@ -231,7 +218,8 @@ class MultiprocExecutor:
             return
         atexit.unregister(self.shutdown)
         self._stopping = True
-        self.runner.release_graphs()  # graphs that captured collectives first, or leaving the group blocks
+        if self.runner is not None:  # graphs that captured collectives go first, or leaving the group blocks
+            self.runner.release_graphs()
         if self._failure is None:
             data = pickle.dumps((tp_worker.STOP, None))
             for rank in self.ranks:
@@ -251,6 +239,7 @@ class MultiprocExecutor:
                 "leaving the tensor-parallel group did not finish in %.0f s", LEAVE_GROUP_TIMEOUT_S
             )
             forget_tensor_parallel()
+        torch.set_num_threads(self._threads_before)
 
 
 def _leave_group() -> None:

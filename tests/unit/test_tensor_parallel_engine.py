@@ -70,3 +70,42 @@ def test_tp4_replicates_the_kv_heads_and_gives_tp1_tokens(tmp_path_factory):
     finally:
         four.engine.shutdown()
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+
+
+def test_a_rank_that_dies_while_starting_fails_the_start_naming_it(tiny_folder):
+    import multiprocessing
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            make_llm(tiny_folder, tensor_parallel_size=2).engine.shutdown()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome.append(error)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    deadline = time.monotonic() + 30
+    ranks: list = []
+    while not ranks and time.monotonic() < deadline:
+        ranks = [p for p in multiprocessing.active_children() if p.name == "fitserve-rank-1"]
+        time.sleep(0.01)
+    assert ranks, "the rank process never started"
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    starter.join(timeout=60)
+    assert not starter.is_alive(), "the start hung after its rank died"
+    assert isinstance(outcome[0], RankFailedError)
+    assert "tensor-parallel rank 1 failed: its process exited (exit code -9" in str(outcome[0])
+
+
+def test_a_bad_collective_timeout_is_refused_naming_the_variable(monkeypatch):
+    from fitserve.distributed.parallel_state import TIMEOUT_ENV, collective_timeout_s
+
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=r"FITSERVE_DIST_TIMEOUT_S='soon' is not a number of seconds"):
+        collective_timeout_s()
+    monkeypatch.setenv(TIMEOUT_ENV, "0")
+    with pytest.raises(ValueError, match=r"FITSERVE_DIST_TIMEOUT_S='0' must be positive"):
+        collective_timeout_s()
