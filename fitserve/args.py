@@ -226,7 +226,11 @@ class EngineArgs:
         choices=["auto", "hf", "mistral"],
     )
     data_parallel_size: int = _flag(
-        1, "Data parallel engines (only 1 supported yet).", type=int, aliases=["-dp"]
+        1,
+        "Engine replicas behind one `fitserve serve`, each on its own GPUs, requests to the least loaded "
+        "(serve only).",
+        type=int,
+        aliases=["-dp"],
     )
     distributed_executor_backend: str | None = _flag(
         None,

@@ -84,6 +84,9 @@ def auto_fit(
     tensor_parallel_size, unset with several GPUs visible, is auto-fit's (planner/fit_parallel.py)."""
     user_tp = "tensor_parallel_size" in explicit or args.tensor_parallel_size != 1
     on_gpus = bool(devices) and devices[0].kind == "cuda"
+    if on_gpus and args.data_parallel_size > 1 and not user_tp:
+        # each data-parallel engine is planned on its share of the GPUs, as `fitserve serve` starts it
+        devices = devices[: max(1, len(devices) // args.data_parallel_size)]
     if user_tp or not on_gpus or len(devices) == 1:
         result = _fit_at(model, args, devices, explicit, host_ram_available, serving)
         if user_tp or len(devices) > 1:
@@ -489,7 +492,17 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             f"({weights.file_bytes / GiB:.2f} GiB); fitserve dequantizes it to {inputs.dtype}{kept}: "
             f"{plan.weights_bytes_per_gpu_before_offload / GiB:.2f} GiB in memory"
         )
-    if inputs.on_gpu and len(devices) > inputs.tensor_parallel_size:
+    replicas = args.data_parallel_size
+    if replicas > 1:
+        tp = inputs.tensor_parallel_size
+        where = "in its own process"
+        if inputs.on_gpu:
+            where = f"on {tp} GPU(s) of its own ({replicas * tp} in all)"
+        notes.append(
+            f"data_parallel_size {replicas}: `fitserve serve` runs {replicas} engines like this one, each "
+            f"{where}; every number above is one engine's (docs/distributed.md)"
+        )
+    if inputs.on_gpu and replicas == 1 and len(devices) > inputs.tensor_parallel_size:
         size = len(devices)
         if size_problem(model.shape, size) is None:
             wider = plan_memory(with_settings(inputs, tensor_parallel_size=size))

@@ -303,3 +303,17 @@ def test_the_report_says_per_rank_and_shows_the_auto_choice() -> None:
     assert "weights (0.60 B params, float32, 1/2 per rank)" in cpu_text
     one = with_settings(result.plan.inputs, tensor_parallel_size=1)
     assert weight_bytes_per_gpu(one) / GiB == pytest.approx(14.96, abs=0.01)
+
+
+def test_data_parallel_plans_each_engine_on_its_share_of_the_gpus() -> None:
+    # 4 x 20 GiB and two engines: each plans on 2 GPUs, where the 8B model needs both (TP 2)
+    result = fit("llama-3.1-8b", "4x20", data_parallel_size=2)
+    assert result.plan.inputs.tensor_parallel_size == 2
+    assert any(
+        note.startswith(
+            "data_parallel_size 2: `fitserve serve` runs 2 engines like this one, each on 2 GPU(s) of "
+            "its own (4 in all)"
+        )
+        for note in result.notes
+    )
+    assert not any("GPUs present" in note for note in result.notes)
