@@ -161,7 +161,8 @@ class GemmaPagedRunner:
         self.sequences: dict[str, tuple[int, list[int]]] = {}
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor] | None:
+        """Each chunk's logits; None on a tensor-parallel rank that gets none (all but the first)."""
         specs, input_ids, positions = [], [], []
         for seq_id, new_ids in chunks:
             computed, blocks = self.sequences.get(seq_id, (0, []))
@@ -176,6 +177,8 @@ class GemmaPagedRunner:
         with forward_context(metadata, self.kv_caches):
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions))
         logits = self.model.compute_logits(hidden)
+        if logits is None:
+            return None
         return list(logits.split([len(ids) for _, ids in chunks]))
 
 
@@ -206,8 +209,7 @@ def assert_greedy_matches(
 
 class GemmaRankRunner(GemmaPagedRunner):
     """GemmaPagedRunner for one tensor-parallel rank: each cache holds the rank's KV heads (as many as the
-    model's attention layers hold: a split or replicated share of the layer's heads), and `step` returns
-    None on the ranks that get no logits (all but the first)."""
+    model's attention layers hold: a split or replicated share of the layer's heads)."""
 
     def __init__(
         self,
@@ -222,23 +224,3 @@ class GemmaRankRunner(GemmaPagedRunner):
             if self.kv_caches[index].numel():
                 shape = (2, num_blocks, block_size, attention.num_kv_heads, attention.head_dim)
                 self.kv_caches[index] = torch.zeros(shape, dtype=dtype)
-
-    @torch.no_grad()
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor] | None:
-        specs, input_ids, positions = [], [], []
-        for seq_id, new_ids in chunks:
-            computed, blocks = self.sequences.get(seq_id, (0, []))
-            total = computed + len(new_ids)
-            while len(blocks) * self.block_size < total:
-                blocks.append(self.free.pop())
-            self.sequences[seq_id] = (total, blocks)
-            specs.append(ChunkSpec(computed, len(new_ids), list(blocks)))
-            input_ids.extend(new_ids)
-            positions.extend(range(computed, total))
-        metadata = build_attention_metadata(specs, self.block_size)
-        with forward_context(metadata, self.kv_caches):
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions))
-        logits = self.model.compute_logits(hidden)
-        if logits is None:
-            return None
-        return list(logits.split([len(ids) for _, ids in chunks]))
