@@ -22,32 +22,26 @@ from fitserve.server.parsers.gemma4_format import (
     STRING_DELIM,
     parse_call,
 )
+from fitserve.server.parsers.tagged_calls import WHITESPACE, TaggedToolParser
 from fitserve.server.parsers.text_scan import (
     drop_end_marker,
     marker_suffix_len,
     partial_tag_suffix_len,
-    trailing_run_len,
 )
-from fitserve.server.parsers.tool_calls import ToolCallDelta, ToolParser, new_tool_call_id
+from fitserve.server.parsers.tool_calls import ToolCallDelta, new_tool_call_id
 
-_WHITESPACE = " \t\r\n"
 _CALL_MARKERS = (STRING_DELIM, CALL_END, CALL_START)
 
 
-class Gemma4ToolParser(ToolParser):
+class Gemma4ToolParser(TaggedToolParser):
     name = "gemma4"
     keeps_special_tokens = True
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
-        self._pending = ""
-        self._in_call = False
         self._scanned = 0  # offset in the open call's text searched for its end so far
         self._in_string = False  # the scan is inside a <|"|> string
         self._space_before_call = ""  # whitespace cut from before the open call (kept if it is no call)
-        self._next_index = 0
-        self._after_call = False  # a call has ended: leading whitespace of the next text is dropped
-        self._segment_started = False
 
     def _on_finished(self, pending: str) -> str:
         return drop_end_marker(pending, END_OF_OUTPUT_MARKERS)
@@ -56,31 +50,17 @@ class Gemma4ToolParser(ToolParser):
         opened = self._pending.find(CALL_START)
         if opened >= 0:
             before = self._pending[:opened]
-            kept = before.rstrip(_WHITESPACE)
+            kept = before.rstrip(WHITESPACE)
             self._emit_text(content, kept)
             self._space_before_call = before[len(kept) :]
             self._pending = self._pending[opened + len(CALL_START) :]
             self._in_call, self._scanned, self._in_string = True, 0, False
             return True
-        if finished:
-            rest = self._pending.rstrip(_WHITESPACE) if self._after_call else self._pending
-            self._emit_text(content, rest)
-            self._pending = ""
-            return False
         held = max(
             partial_tag_suffix_len(self._pending, CALL_START),
             marker_suffix_len(self._pending, END_OF_OUTPUT_MARKERS),
         )
-        held += trailing_run_len(self._pending[: len(self._pending) - held], _WHITESPACE)
-        self._emit_text(content, self._pending[: len(self._pending) - held])
-        self._pending = self._pending[len(self._pending) - held :]
-        return False
-
-    def _emit_text(self, content: list[str], text: str) -> None:
-        if self._after_call and not self._segment_started:
-            text = text.lstrip(_WHITESPACE)
-            self._segment_started = bool(text)
-        content.append(text)
+        return self._emit_text_holding(content, finished, held)
 
     def _scan_call(self, content: list[str], calls: list[ToolCallDelta], finished: bool) -> bool:
         end, resume = self._find_call_end(finished)
@@ -100,7 +80,7 @@ class Gemma4ToolParser(ToolParser):
         name, arguments = parsed
         text = json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCallDelta(self._take_index(), new_tool_call_id(), name, text))
-        self._after_call, self._segment_started = True, False
+        self._call_ended()
         return True
 
     def _find_call_end(self, finished: bool) -> tuple[int, int]:
@@ -127,7 +107,3 @@ class Gemma4ToolParser(ToolParser):
                 self._scanned = found
                 return -1, -1
             position = found + 1
-
-    def _take_index(self) -> int:
-        index, self._next_index = self._next_index, self._next_index + 1
-        return index

@@ -13,25 +13,20 @@ from __future__ import annotations
 import json
 import re
 
-from fitserve.server.parsers.text_scan import partial_tag_suffix_len, trailing_run_len
-from fitserve.server.parsers.tool_calls import ToolCallDelta, ToolParser, new_tool_call_id
+from fitserve.server.parsers.tagged_calls import WHITESPACE, TaggedToolParser
+from fitserve.server.parsers.text_scan import partial_tag_suffix_len
+from fitserve.server.parsers.tool_calls import ToolCallDelta, new_tool_call_id
 
 _OPEN = "<tool_call>"
 _CLOSE = "</tool_call>"
-_WHITESPACE = " \t\r\n"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(TaggedToolParser):
     name = "hermes"
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
-        self._pending = ""
-        self._in_call = False
-        self._next_index = 0
-        self._after_call = False  # a block has ended: leading whitespace of the next text is dropped
-        self._segment_started = False
         self._call_index = -1  # index of the streaming call whose header was sent, else -1
         self._args_start = 0  # offset of the arguments text inside the block
         self._args_sent = 0
@@ -39,26 +34,11 @@ class HermesToolParser(ToolParser):
     def _scan_text(self, content: list[str], finished: bool) -> bool:
         opened = self._pending.find(_OPEN)
         if opened >= 0:
-            self._emit_text(content, self._pending[:opened].rstrip(_WHITESPACE))
+            self._emit_text(content, self._pending[:opened].rstrip(WHITESPACE))
             self._pending = self._pending[opened + len(_OPEN) :]
             self._in_call, self._call_index = True, -1
             return True
-        if finished:
-            rest = self._pending.rstrip(_WHITESPACE) if self._after_call else self._pending
-            self._emit_text(content, rest)
-            self._pending = ""
-            return False
-        held = partial_tag_suffix_len(self._pending, _OPEN)
-        held += trailing_run_len(self._pending[: len(self._pending) - held], _WHITESPACE)
-        self._emit_text(content, self._pending[: len(self._pending) - held])
-        self._pending = self._pending[len(self._pending) - held :]
-        return False
-
-    def _emit_text(self, content: list[str], text: str) -> None:
-        if self._after_call and not self._segment_started:
-            text = text.lstrip(_WHITESPACE)
-            self._segment_started = bool(text)
-        content.append(text)
+        return self._emit_text_holding(content, finished, partial_tag_suffix_len(self._pending, _OPEN))
 
     def _scan_call(self, content: list[str], calls: list[ToolCallDelta], finished: bool) -> bool:
         closed = self._pending.find(_CLOSE)
@@ -78,16 +58,17 @@ class HermesToolParser(ToolParser):
         if not ends:
             return False
         self._pending = self._pending[closed + len(_CLOSE) :] if closed >= 0 else ""
-        self._in_call, self._after_call, self._segment_started = False, True, False
+        self._in_call = False
+        self._call_ended()
         return closed >= 0
 
     def _stream_arguments(self, region: str, ends: bool, calls: list[ToolCallDelta]) -> None:
         if ends:
-            ready = region.rstrip(_WHITESPACE)
-            ready = ready[:-1].rstrip(_WHITESPACE) if ready.endswith("}") else ready
+            ready = region.rstrip(WHITESPACE)
+            ready = ready[:-1].rstrip(WHITESPACE) if ready.endswith("}") else ready
         else:
             ready = region[: len(region) - partial_tag_suffix_len(region, _CLOSE)]
-            ready = ready.rstrip(_WHITESPACE + "}")
+            ready = ready.rstrip(WHITESPACE + "}")
         if len(ready) > self._args_sent:
             calls.append(ToolCallDelta(self._call_index, arguments=ready[self._args_sent :]))
             self._args_sent = len(ready)
@@ -105,7 +86,3 @@ class HermesToolParser(ToolParser):
             calls.append(ToolCallDelta(self._take_index(), new_tool_call_id(), call["name"], text))
         else:
             self._emit_text(content, _OPEN + body + (_CLOSE if closed else ""))
-
-    def _take_index(self) -> int:
-        index, self._next_index = self._next_index, self._next_index + 1
-        return index
