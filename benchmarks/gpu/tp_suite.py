@@ -12,7 +12,10 @@ Figures:
   parameters but the input embedding rows) over one GPU's device-to-device copy bandwidth measured in
   the run (every rank streams its part at once).
 - equal<model>_tp<N>: 256 requests of 512 random prompt tokens and 512 output tokens, offline, output tok/s.
-Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B shapes.
+- a trailing `_ep` adds --enable-expert-parallel (Gemma-4 26B-A4B: each rank holds E/N whole experts).
+Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B, g31 = Gemma-4 31B, g26 = Gemma-4 26B-A4B shapes. Gemma-4 runs
+at max_model_len 1024 (its sliding window: the CUDA kernels have no window yet) and without CUDA graphs.
+For a mixture of experts the roofline counts the experts a batch-1 token reads on average (top-k of E).
 """
 
 from __future__ import annotations
@@ -27,45 +30,72 @@ from pathlib import Path
 
 from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
 
-SHAPES = {"8b": "llama-3.1-8b", "70b": "llama-3.3-70b"}
+SHAPES = {
+    "8b": "llama-3.1-8b",
+    "70b": "llama-3.3-70b",
+    "g31": "gemma-4-31b-it",
+    "g26": "gemma-4-26b-a4b-it",
+}
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
 
 
-def parse(figure: str) -> tuple[str, str, int]:
+def parse(figure: str) -> tuple[str, str, int, bool]:
     kind = "single" if figure.startswith("single") else "equal"
-    model, tp = figure[len(kind) :].split("_tp")
-    return kind, model, int(tp)
+    expert_parallel = figure.endswith("_ep")
+    model, tp = figure[len(kind) :].removesuffix("_ep").split("_tp")
+    return kind, model, int(tp), expert_parallel
 
 
-def rank_step_bytes(model) -> int:
-    """Bytes rank 0's decode step streams: its parameters but the input embedding table."""
-    embed = model.model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total if tied else total - embed.numel() * embed.element_size()
+def rank_step_bytes(model, experts_read: float = 1.0) -> int:
+    """Bytes rank 0's decode step streams: its parameters but the input embedding tables, expert weights
+    counted at the share of them one token reads (`experts_read`: top-k / E)."""
+    total = 0.0
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if "embed_tokens" in name and not (tied and name.endswith("model.embed_tokens.weight")):
+            continue
+        total += size * (experts_read if ".experts." in name else 1.0)
+    return int(total)
+
+
+def experts_read_per_token(llm) -> float:
+    """top-k / E from the model's config (1.0 for a dense model)."""
+    text = llm.engine.config.model.hf_config
+    text = getattr(text, "text_config", None) or text
+    experts = getattr(text, "num_experts", None)
+    top_k = getattr(text, "top_k_experts", None) or getattr(text, "num_experts_per_tok", None)
+    return top_k / experts if experts and top_k else 1.0
 
 
 def run_one(figure: str) -> dict:
     from fitserve import LLM, SamplingParams
 
-    kind, model, tp = parse(figure)
+    kind, model, tp, expert_parallel = parse(figure)
+    gemma = model.startswith("g")
     started = time.perf_counter()
     llm = LLM(
         str(MODELS / SHAPES[model]),
         tokenizer=str(TOKENIZER),
         load_format="dummy",
-        max_model_len=4096 if kind == "single" else 1024,
+        max_model_len=4096 if kind == "single" and not gemma else 1024,
         tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
         gpu_memory_utilization=0.92,
     )
     ready_s = time.perf_counter() - started
     rng = random.Random(0)
-    result = {"figure": figure, "tensor_parallel_size": tp, "ready_s": round(ready_s, 1)}
+    result = {
+        "figure": figure,
+        "tensor_parallel_size": tp,
+        "enable_expert_parallel": expert_parallel,
+        "ready_s": round(ready_s, 1),
+    }
     result["kv_cache_tokens_per_rank"] = llm.engine.memory_plan.kv_cache_tokens
     if kind == "single":
         times = batch1_decode_seconds(llm, rng)
         tok_per_s = 256 / min(times)
-        step_bytes = rank_step_bytes(llm.engine.executor.runner.model)
+        step_bytes = rank_step_bytes(llm.engine.executor.runner.model, experts_read_per_token(llm))
         bandwidth = copy_bandwidth_bytes_per_s()
         roofline = bandwidth / step_bytes
         result.update(
@@ -128,10 +158,11 @@ def main() -> None:
             figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
         print(figure, json.dumps(figures[figure]), flush=True)
     single = {k: v for k, v in figures.items() if "tok_per_s" in v}
-    if "single8b_tp1" in single and "single8b_tp2" in single:
-        figures["tp2_single8b_speedup"] = round(
-            single["single8b_tp2"]["tok_per_s"] / single["single8b_tp1"]["tok_per_s"], 3
-        )
+    for name in list(single):
+        kind, model, tp, _ = parse(name)
+        base = single.get(f"single{model}_tp1")
+        if tp > 1 and base:
+            figures[f"{name}_speedup_over_tp1"] = round(single[name]["tok_per_s"] / base["tok_per_s"], 3)
     out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_tp.json")
     save("tp_suite", {"machine_detail": machine(), **figures}, out)
 
