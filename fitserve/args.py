@@ -31,6 +31,7 @@ from fitserve.args_support import refuse_unsupported
 from fitserve.capture_sizes import parse_capture_sizes
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import check_cpu_kv_cache_space
+from fitserve.structured.flags import check_structured_outputs_flags
 
 DTYPES = {
     "half": torch.float16,
@@ -83,6 +84,15 @@ class EngineArgs:
     )
     block_size: int = _flag(16, "Tokens per KV cache block.", type=int, choices=[1, 8, 16, 32, 64, 128])
     enable_prefix_caching: bool = _flag(True, "Reuse KV blocks of shared prompt prefixes.", **_BOOL)
+    mamba_cache_mode: str = _flag(
+        "align",
+        "Prefix caching of hybrid models' recurrent state (Qwen3.5's DeltaNet layers). align: the state is "
+        "kept where a step ends on a block boundary (prompt chunks are cut to end there), so a later "
+        "request with the same prefix resumes from it; none: no hybrid prefix-cache hits; all: refused "
+        "for these models (vLLM runs them in align only). Ignored for attention-only models and without "
+        "prefix caching.",
+        choices=["none", "align", "all"],
+    )
     max_num_seqs: int = _flag(256, "Most requests running in one step.", type=int)
     max_num_batched_tokens: int | None = _flag(
         None,
@@ -188,7 +198,10 @@ class EngineArgs:
     )
     enable_lora: bool = _flag(False, "Serve LoRA adapters (not supported yet).", **_BOOL)
     speculative_config: str | dict | None = _flag(
-        None, "Speculative decoding, JSON object (not supported yet).", type=json_object
+        None,
+        "Speculative decoding, a JSON object with vLLM's keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (docs/speculative.md).',
+        type=json_object,
     )
     download_dir: str | None = _flag(None, "Hub download folder (not supported yet).", type=nullable_str)
     tokenizer_mode: str = _flag(
@@ -278,7 +291,8 @@ class EngineArgs:
     disable_cascade_attn: bool = _flag(False, f"{_NO_EFFECT}: fitserve has no cascade attention.", **_BOOL)
     guided_decoding_backend: str | None = _flag(
         None,
-        f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
+        "vLLM's older name for --structured-outputs-config's backend: the structured-outputs engine, auto "
+        "or xgrammar (fitserve runs xgrammar; guidance, outlines and lm-format-enforcer are refused).",
         type=nullable_str,
     )
     enable_expert_parallel: bool = _flag(
@@ -303,7 +317,8 @@ class EngineArgs:
     )
     structured_outputs_config: str | dict | None = _flag(
         None,
-        f"{_NO_EFFECT}: fitserve has no structured output; requests asking for it are refused.",
+        'Structured outputs, as JSON: {"backend": "auto" | "xgrammar"} (fitserve runs xgrammar; vLLM\'s '
+        "guidance, outlines and lm-format-enforcer are refused). docs/structured_outputs.md.",
         type=json_object,
     )
     enable_prompt_embeds: bool = _flag(False, "Prompts as embeddings (not supported yet).", **_BOOL)
@@ -380,6 +395,7 @@ class EngineArgs:
                 "--gpu-memory-utilization to a fraction such as 0.9"
             )
         check_cpu_kv_cache_space(self.cpu_kv_cache_space)
+        check_structured_outputs_flags(self.structured_outputs_config, self.guided_decoding_backend)
         parse_capture_sizes(self.compilation_config)
         served_names(self.served_model_name)
         generation_overrides(self.override_generation_config)

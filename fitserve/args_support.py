@@ -91,13 +91,6 @@ def refuse_unsupported(args: EngineArgs) -> None:
             "merge the adapter into the weights, or delete that key",
         ),
         (
-            "speculative_config",
-            args.speculative_config is not None,
-            "--speculative-config",
-            "drop --speculative-config",
-            "delete that key",
-        ),
-        (
             "download_dir",
             args.download_dir is not None,
             f"--download-dir {args.download_dir}",
@@ -241,11 +234,6 @@ def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
             "fitserve runs one process per tensor-parallel rank on this host, as vLLM's mp backend does",
         ),
         (
-            args.guided_decoding_backend is not None,
-            f"--guided-decoding-backend {args.guided_decoding_backend}",
-            "fitserve has no structured output; a request asking for it is refused with a 400",
-        ),
-        (
             args.calculate_kv_scales and args.kv_cache_dtype == "auto",
             "--calculate-kv-scales",
             "the KV cache is not fp8 (--kv-cache-dtype auto), so there are no scales to calculate",
@@ -271,11 +259,6 @@ def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
             args.otlp_traces_endpoint is not None,
             f"--otlp-traces-endpoint {args.otlp_traces_endpoint}",
             "fitserve exports no traces; the request log and /metrics carry the timings",
-        ),
-        (
-            args.structured_outputs_config is not None,
-            "--structured-outputs-config",
-            "fitserve has no structured output; a request asking for it is refused with a 400",
         ),
     ]
     return [(flag, note) for given, flag, note in notes if given]

@@ -16,6 +16,7 @@ import torch
 
 from fitserve.kv_groups import KvCacheGroup, elements_per_request_token, kv_cache_groups
 from fitserve.kv_layers import KvLayerSpec, kv_layer_specs
+from fitserve.spec_decode.config import SpeculativeConfig
 
 # --kv-cache-dtype values other than "auto" (the model dtype) -> the cache's torch dtype. As in vLLM,
 # "fp8" is e4m3. One byte per element: twice the tokens of a 16-bit cache in the same memory.
@@ -81,6 +82,9 @@ class ModelConfig:
     tokenizer_revision: str | None = None
     # --override-generation-config, in SamplingParams names: set over the generation_config defaults
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # --mamba-cache-mode, resolved (none without prefix caching): how a hybrid model's recurrent state pool
+    # keeps snapshots for prefix caching; read by its worker and scheduler sides (core/state_slots.py)
+    mamba_cache_mode: str = "align"
 
     @property
     def architecture(self) -> str:
@@ -172,6 +176,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     quantization: str | None = None
     disable_log_stats: bool = False
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: off
     # The EngineArgs fields the user set, and every setting as resolved, with its reason (the log's lines).
     explicit: frozenset[str] = frozenset()
     choices: tuple[Choice, ...] = ()

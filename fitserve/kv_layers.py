@@ -22,7 +22,10 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# Qwen3.5's Gated DeltaNet layers: per-request recurrent state (worker/recurrent_state.py), no KV cache
+LINEAR = "linear_attention"
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # The reference's default for a config that leaves global_head_dim out (Gemma4TextConfig.__post_init__).
 GEMMA4_DEFAULT_GLOBAL_HEAD_DIM = 512
 
@@ -46,11 +49,18 @@ def is_gemma4(config: Any) -> bool:
     return str(getattr(config, "model_type", "")) in GEMMA4_MODEL_TYPES
 
 
+def is_qwen3_5(config: Any) -> bool:
+    """Qwen3.5 / Qwen3.6 (dense or MoE): Gated DeltaNet layers beside full attention (models/qwen3_5.py)."""
+    return str(getattr(config, "model_type", "")) in QWEN3_5_MODEL_TYPES
+
+
 def cuda_graphs_unsupported(model_type: str) -> str | None:
     """Why a model's steps cannot be captured in CUDA graphs yet (None: they can): the engine then runs
     them eagerly, and the planner reserves no graph memory for them."""
     if model_type in GEMMA4_MODEL_TYPES:
         return "Gemma-4's torch MoE and sliding-window paths decide on the host each step"
+    if model_type in QWEN3_5_MODEL_TYPES:
+        return "Qwen3.5's Gated DeltaNet layers run torch code that decides on the host each step"
     return None
 
 
@@ -135,6 +145,12 @@ def kv_layer_specs(config: Any) -> tuple[KvLayerSpec, ...]:
     """Every decoder layer's cache geometry (config: the text config of a multimodal model)."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
+    if is_qwen3_5(config):  # DeltaNet layers own no cache (cache_layer -1); full layers a plain one
+        heads, head_dim = int(config.num_key_value_heads), int(config.head_dim)
+        return tuple(
+            KvLayerSpec(0, 0, -1, layer_type=LINEAR) if kind == LINEAR else KvLayerSpec(heads, head_dim, i)
+            for i, kind in enumerate(config.layer_types)
+        )
     if is_gemma4(config):
         types = gemma4_layer_types(config)
         sources = gemma4_kv_sources(config, types)
@@ -175,8 +191,9 @@ def describe_kv_layers(specs: tuple[KvLayerSpec, ...], element_bytes: int) -> st
     for spec in owners:
         key = (spec.layer_type, spec.num_kv_heads, spec.head_dim)
         groups[key] = groups.get(key, 0) + 1
-    shared = len(specs) - len(owners)
-    if len(groups) == 1 and not shared:
+    linear = sum(1 for spec in specs if spec.layer_type == LINEAR)
+    shared = len(specs) - len(owners) - linear
+    if len(groups) == 1 and not shared and not linear:
         ((_, heads, head_dim), count) = next(iter(groups.items()))
         return f"2 (K, V) x {count} layers x {heads} KV heads x {head_dim} x {element_bytes} bytes"
     terms = [
@@ -184,4 +201,5 @@ def describe_kv_layers(specs: tuple[KvLayerSpec, ...], element_bytes: int) -> st
         for (kind, heads, head_dim), count in groups.items()
     ]
     text = f"2 (K, V) x {element_bytes} bytes x (" + " + ".join(terms) + ")"
-    return text + (f"; {shared} KV-shared layers store none" if shared else "")
+    text += f"; {shared} KV-shared layers store none" if shared else ""
+    return text + (f"; {linear} linear-attention layers keep recurrent state instead" if linear else "")

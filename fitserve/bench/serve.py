@@ -25,6 +25,7 @@ from fitserve.bench.client import BACKEND_ENDPOINTS, RequestInput, RequestResult
 from fitserve.bench.datasets import SampleRequest, describe_lengths, sample_requests
 from fitserve.bench.metrics import RequestTiming, compute_metrics
 from fitserve.bench.report import (
+    TABLE_WIDTH,
     build_result_json,
     print_failures,
     print_summary,
@@ -32,6 +33,7 @@ from fitserve.bench.report import (
     save_result_json,
 )
 from fitserve.bench.serve_args import check_serve_args, resolve_api_key
+from fitserve.bench.spec_metrics import format_spec_decode, read_spec_counters, spec_decode_summary
 
 PROBE_TIMEOUT_S = 10.0
 
@@ -92,16 +94,21 @@ async def _run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | N
             len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed)
         )
         _print_traffic(args)
+        spec_before = await read_spec_counters(client, base_url, headers)
         results, duration = await run_requests(
             client, inputs, offsets, args.max_concurrency, args.disable_tqdm
         )
+        spec = spec_decode_summary(spec_before, await read_spec_counters(client, base_url, headers))
     timings, output_lens = collect_timings(results, tokenizer)
     metrics = compute_metrics(timings, len(results) - len(timings), duration, args.metric_percentiles_list)
     print_summary(metrics, args.percentile_metrics_list, args.max_concurrency, args.request_rate)
+    if spec:
+        print(format_spec_decode(spec, TABLE_WIDTH))
     print_failures(results)
     result = build_result_json(
         args, metrics, results, output_lens, model_id=model_id, tokenizer_id=tokenizer_id, server=server
     )
+    result.update(spec)
     path = result_file_path(args, model_id, result["date"])
     if args.save_result:
         save_result_json(result, path, args.save_detailed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fitserve.core.sampling_params import SamplingParams
@@ -77,6 +77,14 @@ class Request:
         # Sibling gate: a later sample of an n > 1 request waits until the first sample's prompt is
         # computed, so its prompt blocks come from the prefix cache instead of being computed again.
         self.waits_for: Request | None = None
+        # Hybrid models: its row of the recurrent state pool while it holds one (core/state_slots.py)
+        self.state_slot: int | None = None
+        # Structured outputs: this sequence's grammar state (fitserve/structured), set once its grammar
+        # is compiled, before the request reaches the scheduler; None = unconstrained.
+        self.grammar: Any = None
+        # Speculative decoding: draft tokens to verify after the last known token in the next step
+        # (fitserve/spec_decode), set just before that step is scheduled.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# vLLM's structured-output parameters, importable from here as from vllm.sampling_params
+from fitserve.structured.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = [
+    "GuidedDecodingParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingType",
+    "StructuredOutputsParams",
+]
+
 # Temperatures below this are greedy decoding (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 PENALTY_LIMIT = 2.0
@@ -62,7 +73,13 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     logit_bias: {token id: bias} added to the logits before penalties and sampling (stored with int keys).
     allowed_token_ids: only these token ids may be sampled (every other logit becomes -inf); not empty.
+    bad_words: words never to generate: each word's tokens (as the tokenizer writes it alone and after a
+        space) are banned, the last one whenever the output ends with the others (vLLM's rule);
+        the engine turns them into token ids (update_from_tokenizer).
     output_kind: CUMULATIVE (a RequestOutput every step, for streaming) or FINAL_ONLY (the offline API).
+    structured_outputs: hold the output to a JSON schema, a JSON object, a regex, a choice or a grammar
+        (a `StructuredOutputsParams`, or a dict of its fields; docs/structured_outputs.md).
+    guided_decoding: vLLM's older name for structured_outputs (moved there; set one of them).
     """
 
     n: int = 1
@@ -87,9 +104,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Any = None
+    guided_decoding: Any = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _normalise_structured_outputs(self.structured_outputs, self.guided_decoding)
+        self.guided_decoding = None
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         _check_int("n", self.n, minimum=1)
@@ -144,6 +166,9 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), minimum=0)
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
+        # bad_words as token-id sequences: set by update_from_tokenizer (the engine, on add_request)
+        self.bad_words_token_ids: list[list[int]] = []
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop={self.stop!r} needs text but detokenize=False: set detokenize=True or use "
@@ -183,6 +208,19 @@ class SamplingParams:
                     f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}): use ids this "
                     "model's tokenizer produces"
                 )
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Turns bad_words into the token-id sequences the sampler bans: each word as the tokenizer
+        writes it at the start of a text, and after a space when that spelling is another token
+        sequence of the same length (a word in the middle of a sentence)."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or ():
+            alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (alone, spaced):
+                if ids and ids not in sequences and (ids is alone or len(ids) == len(alone)):
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
 
     @property
     def max_stop_str_len(self) -> int:
@@ -267,6 +305,47 @@ def _normalise_allowed_token_ids(allowed: object) -> list[int] | None:
                 f"allowed_token_ids contains {item!r}: every entry must be a token id, an integer 0 or more"
             )
     return sorted(set(allowed))
+
+
+def _normalise_structured_outputs(structured: object, guided: object) -> Any:
+    """A StructuredOutputsParams (from itself or a dict of its fields), or None."""
+    if structured is not None and guided is not None:
+        raise ValueError(
+            "structured_outputs and guided_decoding are both set: they are the same setting under two "
+            "names; keep structured_outputs"
+        )
+    value = structured if structured is not None else guided
+    name = "structured_outputs" if structured is not None else "guided_decoding"
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{name}={value!r:.80} has type {type(value).__name__}: pass a StructuredOutputsParams or a dict "
+            "with one of json, json_object, regex, choice or grammar"
+        )
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {unknown}: use only {', '.join(sorted(known))}")
+    return StructuredOutputsParams(**value)
+
+
+def _normalise_bad_words(bad_words: object) -> list[str] | None:
+    if bad_words is None:
+        return None
+    if isinstance(bad_words, str):
+        bad_words = [bad_words]
+    if not isinstance(bad_words, (list, tuple)):
+        raise ValueError(
+            f"bad_words={bad_words!r} has type {type(bad_words).__name__}: set bad_words to a list of strings"
+        )
+    for word in bad_words:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(
+                f"bad_words contains {word!r}: every entry must be a word (a string with a character other "
+                "than whitespace)"
+            )
+    return list(bad_words) or None
 
 
 def _check_int(name: str, value: object, minimum: int | None) -> int:

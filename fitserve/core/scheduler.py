@@ -39,6 +39,9 @@ class ScheduledRequest:
     # The tables of KV cache groups 1.. (sliding-window layers: null before the window), for a model that
     # has several groups (core/kv_cache_groups.py); () with one group, whose table is block_ids.
     group_block_ids: tuple[list[int], ...] = ()
+    # Speculative decoding: the draft tokens this step verifies after the request's last known token
+    # (num_new_tokens is then 1 + their count; fitserve/spec_decode/verify.py).
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Scheduler:
         self.config = config
         self.kv_manager = kv_manager
         self._several_groups = kv_manager.num_groups > 1
+        # hybrid models: prompt chunks end on block boundaries, where the state is kept (core/state_slots.py)
+        self._align_chunk = getattr(kv_manager, "align_chunk", None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -90,9 +95,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if self._align_chunk is not None:  # hybrid models (core/state_slots.py)
+                num_new = self._align_chunk(request, request.num_computed_tokens, num_new)
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1
                 continue
+            drafts = self._drafts(request, num_new, budget)
+            num_new += len(drafts)
             while not self.kv_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -100,7 +109,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._record(request, num_new))
+                scheduled.append(self._record(request, num_new, drafts))
                 budget -= num_new
                 i += 1
 
@@ -127,6 +136,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
             num_new = self._chunk(request.num_tokens - num_hit_tokens, budget)
+            if self._align_chunk is not None:  # hybrid models (core/state_slots.py)
+                num_new = self._align_chunk(request, num_hit_tokens, num_new)
             request.num_computed_tokens = num_hit_tokens
             if not self.kv_manager.allocate_slots(request, num_new, computed_blocks):
                 request.num_computed_tokens = 0
@@ -149,6 +160,19 @@ class Scheduler:
             missing = threshold
         return min(missing, budget)
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The draft tokens this step verifies for a decoding request (taken from it: drafts are proposed
+        afresh before each step), cut so that what they could add stays within max_tokens,
+        max_model_len and the step's budget."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1 or request.num_output_placeholders:
+            return ()
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return tuple(drafts[: max(room, 0)])
+
     def _reaches_limit(self, request: Request) -> bool:
         """True when the tokens in flight already end the request (max_tokens or max_model_len): it
         finishes when they arrive, so computing another would be wasted."""
@@ -169,17 +193,18 @@ class Scheduler:
             return False
         return True
 
-    def _record(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _record(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        # drafts are computed past the known tokens (rolled back to the accepted ones afterwards)
+        samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
         if samples:
             request.num_output_placeholders += 1
         block_ids = self.kv_manager.block_ids(request.request_id)
+        groups = ()
         if self._several_groups:
             groups = self.kv_manager.group_block_ids(request.request_id)  # type: ignore[union-attr]
-            return ScheduledRequest(request, start, num_new, block_ids, samples, groups)
-        return ScheduledRequest(request, start, num_new, block_ids, samples)
+        return ScheduledRequest(request, start, num_new, block_ids, samples, groups, drafts)
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request)
@@ -192,7 +217,8 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append sampled tokens, finish requests that hit eos / a stop token / a length limit.
 
-        Returns the requests that received a token this step (finished ones included).
+        Returns the requests that received a token this step (finished ones included). A request that
+        verified drafts gets its first token here, the rest through append_tokens.
         """
         progressed = []
         for item in output.scheduled:
@@ -200,15 +226,34 @@ class Scheduler:
                 continue
             request = item.request
             request.num_output_placeholders -= 1
+            if item.draft_token_ids:
+                # the drafts' keys and values beyond the accepted ones are written over later
+                request.num_computed_tokens = item.start + 1
             token_id = sampled.get(request.request_id)
             if token_id is None or request.is_finished:
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self._finish(request, status)
+            self._append(request, token_id)
             progressed.append(request)
         return progressed
+
+    def append_tokens(self, tokens: dict[str, int]) -> list[Request]:
+        """One more token for each of these requests (an accepted draft's position of a verify step, in
+        order), unless it already finished; returns those that took one."""
+        progressed = []
+        for request_id, token_id in tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens += 1  # the accepted draft's keys and values are in the cache
+            self._append(request, token_id)
+            progressed.append(request)
+        return progressed
+
+    def _append(self, request: Request, token_id: int) -> None:
+        request.append_output_token(token_id)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            self._finish(request, status)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

@@ -33,7 +33,7 @@ from typing import Any
 from fitserve.core.outputs import RequestOutput
 from fitserve.engine.engine_loop import STOP, AbortCommand, AddCommand, EngineLoop
 from fitserve.engine.request_stream import RequestStream
-from fitserve.engine.stats_line import format_stats_line, stats_show_activity
+from fitserve.engine.stats_line import format_spec_decode_line, format_stats_line, stats_show_activity
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +304,9 @@ class AsyncEngine(StreamsRequests):
             active = stats_show_activity(previous, current)
             if active or last_was_active:
                 logger.info(format_stats_line(previous, current, now - previous_time))
+                spec_line = format_spec_decode_line(previous, current)
+                if spec_line is not None:
+                    logger.info(spec_line)
             last_was_active = active
             previous, previous_time = current, now
 

@@ -36,21 +36,26 @@ def replica_visible_devices(num_replicas: int, gpus_per_replica: int, visible: S
     return [",".join(visible[i * gpus_per_replica : (i + 1) * gpus_per_replica]) for i in range(num_replicas)]
 
 
+_NOT_SUMMED = ("kv_cache_usage", "block_size", "iteration_tokens_counts", "spec_accepted_per_pos")
+
+
 def merge_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """The replicas' stats as one engine's: counts summed, KV cache usage over all their blocks."""
     blocks = sum(s.num_kv_blocks for s in stats)
     usage = sum(s.kv_cache_usage * s.num_kv_blocks for s in stats) / blocks if blocks else 0.0
     counts = [s.iteration_tokens_counts for s in stats if s.iteration_tokens_counts]
+    per_pos = [s.spec_accepted_per_pos for s in stats if s.spec_accepted_per_pos]
     summed = {
         field.name: sum(getattr(s, field.name) for s in stats)
         for field in dataclasses.fields(EngineStats)
-        if field.name not in ("kv_cache_usage", "block_size", "iteration_tokens_counts")
+        if field.name not in _NOT_SUMMED
     }
     return EngineStats(
         **summed,
         kv_cache_usage=usage,
         block_size=stats[0].block_size,
         iteration_tokens_counts=tuple(map(sum, zip(*counts))) if counts else (),
+        spec_accepted_per_pos=tuple(map(sum, zip(*per_pos))) if per_pos else (),
     )
 
 

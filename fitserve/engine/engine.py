@@ -11,19 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from fitserve.config import EngineConfig
 from fitserve.core.kv_cache_groups import make_kv_cache_manager
 from fitserve.core.outputs import RequestMetrics, RequestOutput
 from fitserve.core.request import Request, RequestStatus
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import Scheduler, SchedulerOutput
+from fitserve.core.state_slots import with_state_slots
 from fitserve.engine.detokenizer import IncrementalDetokenizer
-from fitserve.engine.out_of_memory import out_of_memory_message, request_failure_message, step_failure_message
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
+from fitserve.engine.step_failures import StepFailures
 from fitserve.engine.token_bytes import token_byte_table
 from fitserve.kv_groups import group_num_blocks
+from fitserve.kv_layers import LINEAR
 from fitserve.logger import configure_default_logging
 from fitserve.models.loader import (
     load_generation_defaults,
@@ -32,6 +32,9 @@ from fitserve.models.loader import (
     resolve_tokenizer_path,
 )
 from fitserve.planner.resolve import create_engine_config
+from fitserve.spec_decode.config import check_speculative_model
+from fitserve.spec_decode.speculator import Speculator
+from fitserve.structured.manager import StructuredOutputManager
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep, RequestsFailedError
 from fitserve.worker.rank_failure import RankFailedError
@@ -57,6 +60,11 @@ class EngineStats:
     # Engine steps by tokens computed (prompt + generated), per ITERATION_TOKENS_BUCKETS bucket, then above
     iteration_tokens_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding (vLLM's vllm:spec_decode_* counters); all 0 / () when it is off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 # Upper bounds of vLLM's `vllm:iteration_tokens_total` histogram buckets (tokens per engine step).
@@ -80,6 +88,10 @@ class Engine:
         tokenizer_folder = resolve_tokenizer_path(mc.tokenizer, mc.tokenizer_revision)
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
         use_fast = mc.tokenizer_mode != "slow"  # --tokenizer-mode
+        if config.speculative is not None:  # refused before any weight loads
+            recurrent = sum(1 for spec in mc.kv_layers if spec.layer_type == LINEAR)
+            check_speculative_model(config.speculative, len(config.kv_groups), recurrent)
+            logger.info("Speculative decoding: %s", config.speculative.describe())
         tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code, use_fast)
         try:
             self.executor = create_executor(config)
@@ -96,10 +108,17 @@ class Engine:
         self.kv_manager = make_kv_cache_manager(
             groups, num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
+        self.kv_manager = with_state_slots(self.kv_manager, config.model, config.scheduler.max_num_seqs)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.failures = StepFailures(
+            config, self.memory_plan.kv_cache_bytes, self.scheduler, self.output_processor, self.kv_manager
+        )
         token_byte_table(self.tokenizer)  # built once now, not on the first request
         self.eos_token_ids = self._eos_token_ids()
+        # structured outputs: grammars compiled off the step path; constrained requests wait for theirs
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -191,6 +210,11 @@ class Engine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
         params.check_token_ids(self.config.model.vocab_size)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)  # the words as token ids, for the sampler
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.submit(params.structured_outputs)  # compiles in the background
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children = []
         for index in range(params.n):
@@ -227,6 +251,9 @@ class Engine:
                 metrics=RequestMetrics(arrival_time=arrival_time),
             )
         )
+        if grammar is not None:
+            self.structured.hold(request_id, children, grammar)  # scheduled once the grammar is compiled
+            return
         for child in children:
             self.scheduler.add_request(child)
 
@@ -250,6 +277,7 @@ class Engine:
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         for parent_id in request_ids:
+            self.structured.drop(parent_id)
             child_ids = self.output_processor.child_ids(parent_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(parent_id)
@@ -257,7 +285,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """True while step() has work: a request to schedule, or tokens in flight that someone awaits
         (a step whose requests were all aborted or stopped meanwhile is not waited for)."""
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() or self.structured.has_held:
             return True
         step = self._in_flight
         return step is not None and any(not s.request.is_finished for s in step.scheduler_output.scheduled)
@@ -269,12 +297,18 @@ class Engine:
         host's work hides behind the device's, and the device never waits for the host.
 
         Step N+1 is planned with step N's tokens as placeholders (see Scheduler). When step N sampled
-        with penalties (they read the exact output tokens), its tokens are taken first instead."""
+        with penalties or a grammar (they read the exact output tokens; a grammar's matcher must have
+        taken them before the next mask), its tokens are taken first instead."""
         outputs: list[RequestOutput] = []
+        if self.structured.has_held:
+            outputs.extend(self._admit_structured())
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.launched.needs_token_history:
+        speculate = self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running)
+        if previous is not None and (previous.launched.needs_token_history or speculate):
             outputs.extend(self._take_tokens(previous))
             previous = None
+        if speculate:
+            self.speculator.propose(self.scheduler.running)  # drafts continue the tokens just taken
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
             self._in_flight = self._launch_or_fail(scheduler_output, outputs)
@@ -283,6 +317,22 @@ class Engine:
         if previous is not None:
             outputs.extend(self._take_tokens_or_fail(previous))
         return outputs
+
+    def _admit_structured(self) -> list[RequestOutput]:
+        """Hands the scheduler the constrained requests whose grammar is compiled; one whose grammar
+        failed to compile ends with that error. With nothing else to run, waits a few ms for a compile."""
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        failed = []
+        for parent_id, children, error in self.structured.take_ready(wait_s=0.005 if idle else 0.0):
+            if error is None:
+                for child in children:
+                    self.scheduler.add_request(child)
+                continue
+            for child in children:
+                child.status = RequestStatus.FINISHED_ERROR
+            self.output_processor.fail(parent_id, str(error))
+            failed.append(parent_id)
+        return self.output_processor.make_outputs(failed)
 
     def _launch_or_fail(
         self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]
@@ -299,9 +349,9 @@ class Engine:
                     if child_id in _ids(scheduler_output)
                 }
                 if not failed:
-                    outputs.extend(self._fail_step(scheduler_output, error))
+                    outputs.extend(self.failures.fail_step(scheduler_output, error))
                     return None
-                outputs.extend(self._fail_requests(scheduler_output, failed))
+                outputs.extend(self.failures.fail_requests(scheduler_output, failed))
                 remaining = [item for item in scheduler_output.scheduled if not item.request.is_finished]
                 if not remaining:
                     return None
@@ -313,7 +363,7 @@ class Engine:
             except RankFailedError:
                 raise  # the engine cannot go on without a rank (EngineLoop stops)
             except Exception as error:
-                outputs.extend(self._fail_step(scheduler_output, error))
+                outputs.extend(self.failures.fail_step(scheduler_output, error))
                 return None
 
     def _take_tokens_or_fail(self, step: InFlightStep) -> list[RequestOutput]:
@@ -323,7 +373,7 @@ class Engine:
             raise
         except Exception as error:
             live = [item for item in step.scheduler_output.scheduled if not item.request.is_finished]
-            return self._fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
+            return self.failures.fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
         launched = self.executor.launch(scheduler_output)
@@ -332,89 +382,57 @@ class Engine:
         self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
         return InFlightStep(scheduler_output, launched)
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
-        """The step could not run: end that step's requests with an error (for running out of memory,
-        one naming the knob to turn), free their blocks, and go on with the others."""
-        num_tokens, num_seqs = scheduler_output.num_batched_tokens, len(scheduler_output.scheduled)
-        if isinstance(error, torch.OutOfMemoryError):
-            message = out_of_memory_message(
-                self.config, num_tokens, num_seqs, error, self.memory_plan.kv_cache_bytes
-            )
-            logger.error(message)
-        else:
-            message = step_failure_message(error, num_seqs)
-            logger.error(
-                "An engine step of %d tokens over %d sequences failed; its requests were ended",
-                num_tokens,
-                num_seqs,
-                exc_info=error,
-            )
-        parent_ids = self._end_with_error(scheduler_output.scheduled, {}, message)
-        if torch.cuda.is_available() and isinstance(error, torch.OutOfMemoryError):
-            torch.cuda.empty_cache()
-        return self.output_processor.make_outputs(parent_ids)
-
-    def _fail_requests(
-        self, scheduler_output: SchedulerOutput, failures: dict[str, BaseException]
-    ) -> list[RequestOutput]:
-        """End the requests whose own work raised (each with its own message), and any other request of
-        the step that reads a block one of them was to write this step."""
-        by_id = {item.request.request_id: item for item in scheduler_output.scheduled}
-        failed_parents = {by_id[child_id].request.parent_id for child_id in failures}
-        failed_items = [
-            item for item in scheduler_output.scheduled if item.request.parent_id in failed_parents
-        ]
-        unwritten = self._unwritten_blocks(failed_items)
-        readers = [
-            item
-            for item in scheduler_output.scheduled
-            if item.request.parent_id not in failed_parents and unwritten.intersection(item.block_ids)
-        ]
-        messages: dict[str, str] = {}
-        for child_id, error in failures.items():
-            parent_id = by_id[child_id].request.parent_id
-            logger.error("Request %s failed in the engine and was ended", parent_id, exc_info=error)
-            messages.setdefault(parent_id, request_failure_message(error))
-        parent_ids = self._end_with_error(failed_items, messages, "")
-        if readers:
-            shared = (
-                "a request of the same step that shared this request's prompt blocks failed, so their "
-                'contents were never computed: this request was ended (finish_reason "error") and can be '
-                "retried; the server goes on"
-            )
-            parent_ids += self._end_with_error(readers, {}, shared)
-        return self.output_processor.make_outputs(parent_ids)
-
-    def _unwritten_blocks(self, items: list) -> set[int]:
-        """The blocks these scheduled requests were to fill this step: they leave the prefix cache."""
-        block_size = self.config.cache.block_size
-        unwritten: set[int] = set()
-        for item in items:
-            unwritten.update(
-                self.kv_manager.uncache_unwritten(item.request.request_id, item.start // block_size)
-            )
-        return unwritten
-
-    def _end_with_error(self, items: list, messages: dict[str, str], default: str) -> list[str]:
-        self._unwritten_blocks(items)
-        parent_ids = list(dict.fromkeys(item.request.parent_id for item in items))
-        for parent_id in parent_ids:
-            children = self.output_processor.child_ids(parent_id)
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
-            self.output_processor.fail(parent_id, messages.get(parent_id, default))
-        return parent_ids
-
     def _take_tokens(self, step: InFlightStep) -> list[RequestOutput]:
         runner_output = step.launched.result()
         now = time.time()
         self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(step.scheduler_output, runner_output.sampled)
-        stopped = self.output_processor.apply_tokens(progressed, runner_output.logprobs, now)
+        self._apply_tokens(progressed, runner_output.logprobs, now)
+        if runner_output.verified:
+            progressed += self._take_verified(step.scheduler_output, runner_output.verified, now)
+        parent_ids = list(dict.fromkeys(child.parent_id for child in progressed))
+        return self.output_processor.make_outputs(parent_ids)
+
+    def _apply_tokens(self, progressed: list[Request], logprobs: dict, now: float) -> None:
+        """The requests' newest tokens through their grammars, detokenizers and stop strings."""
+        self._advance_grammars(progressed)
+        stopped = self.output_processor.apply_tokens(progressed, logprobs, now)
         for child, stop_string in stopped:
             child.stop_reason = stop_string
             self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
-        parent_ids = list(dict.fromkeys(child.parent_id for child in progressed))
-        return self.output_processor.make_outputs(parent_ids)
+
+    def _take_verified(self, scheduler_output: SchedulerOutput, verified: dict, now: float) -> list[Request]:
+        """Speculative decoding: the accepted drafts' tokens, one position at a time, each through the same
+        checks as any token (a stop ends the request there and drops the rest); then the counters."""
+        progressed: list[Request] = []
+        for position in range(max(len(tokens) for tokens in verified.values())):
+            tokens = {rid: t[position][0] for rid, t in verified.items() if len(t) > position}
+            logprobs = {
+                rid: t[position][1]
+                for rid, t in verified.items()
+                if len(t) > position and t[position][1] is not None
+            }
+            taken = self.scheduler.append_tokens(tokens)
+            self._apply_tokens(taken, logprobs, now)
+            progressed += taken
+        if self.speculator is not None:
+            results = [
+                (len(item.draft_token_ids), len(verified.get(item.request.request_id, ())))
+                for item in scheduler_output.scheduled
+                if item.draft_token_ids
+            ]
+            self.speculator.record_step(results, len(scheduler_output.scheduled))
+        self.num_generation_tokens_total += len(progressed)
+        return progressed
+
+    def _advance_grammars(self, progressed: list[Request]) -> None:
+        """Structured outputs: each constrained request's matcher takes its new token; a request whose
+        grammar is complete stops (finish_reason "stop"), one whose token it refused ends with an error."""
+        terminated, rejected = self.structured.advance(progressed)
+        self.scheduler.finish_requests([r.request_id for r in terminated], RequestStatus.FINISHED_STOPPED)
+        for rejection in rejected:
+            self.scheduler.finish_requests([rejection.request.request_id], RequestStatus.FINISHED_ERROR)
+            self.output_processor.fail(rejection.request.parent_id, rejection.message)
 
     def _count_tokens(self, scheduler_output: SchedulerOutput) -> None:
         step_tokens = 0
@@ -430,6 +448,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def get_stats(self) -> EngineStats:
@@ -446,7 +465,19 @@ class Engine:
             block_size=self.config.cache.block_size,
             iteration_tokens_counts=tuple(self.iteration_tokens_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {
+            "spec_num_drafts": stats.num_drafts,
+            "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(stats.accepted_per_pos),
+        }
 
 
 def _ids(scheduler_output: SchedulerOutput) -> set[str]:

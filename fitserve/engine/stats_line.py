@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitserve.spec_decode.stats import SpecDecodeStats
+
 
 def stats_show_activity(previous: Any, current: Any) -> bool:
     """True when the interval processed tokens or requests are still running or waiting."""
@@ -32,4 +34,22 @@ def format_stats_line(previous: Any, current: Any, elapsed_s: float) -> str:
         f"Running: {current.num_running} reqs, Waiting: {current.num_waiting} reqs, "
         f"KV cache usage: {100.0 * current.kv_cache_usage:.1f}%, "
         f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
+
+
+def format_spec_decode_line(previous: Any, current: Any) -> str | None:
+    """vLLM's "SpecDecoding metrics" line over the interval, or None when nothing was drafted in it."""
+    if not current.spec_accepted_per_pos:
+        return None
+    return _spec_stats(current).log_line(since=_spec_stats(previous))
+
+
+def _spec_stats(stats: Any) -> SpecDecodeStats:
+    k = len(stats.spec_accepted_per_pos) or 1
+    return SpecDecodeStats(
+        k,
+        stats.spec_num_drafts,
+        stats.spec_num_draft_tokens,
+        stats.spec_num_accepted_tokens,
+        list(stats.spec_accepted_per_pos) or [0] * k,
     )

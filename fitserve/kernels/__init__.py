@@ -19,4 +19,9 @@ machine):
 | `swapped_gemm` | `swapped_gemm` (17 to 32 rows: y.T = W x.T) | `F.linear` |
 | `argmax` | `argmax_rows` (greedy sampling) | `torch.argmax` |
 | `graph_inputs` | `stage_decode_inputs` | `CudaGraphRunner.copy_inputs_torch` |
+| `gated_delta_chunk` | `chunk_gated_delta_rule_kernel` (prefill) | `chunk_gated_delta_rule` (*) |
+| `gated_delta_recurrent` | `fused_recurrent_gated_delta_rule_kernel` | `recurrent_gated_delta_rule` (*) |
+| `causal_conv1d` | `causal_conv1d_varlen`, `causal_conv1d_update` | `causal_conv1d(_step)` (*) |
+
+(*) in fitserve/layers/gated_delta_rule.py (Gated DeltaNet, whose CUDA branch calls these kernels).
 """

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fitserve.models.gemma4_config import GEMMA4_ARCHITECTURES, gemma4_values
+from fitserve.models.qwen3_5_config import QWEN3_5_ARCHITECTURES, qwen3_5_values
 
 _COMMON = {
     "hidden_size": 4096,
@@ -107,6 +108,8 @@ class CheckpointConfig:
         architectures = raw.get("architectures") or []
         if len(architectures) == 1 and architectures[0] in GEMMA4_ARCHITECTURES:
             return cls(gemma4_values(raw))  # its text_config flattened (gemma4_config.py)
+        if len(architectures) == 1 and architectures[0] in QWEN3_5_ARCHITECTURES:
+            return cls(qwen3_5_values(raw))  # its text_config flattened (qwen3_5_config.py)
         if "text_config" in raw:
             return None
         if len(architectures) != 1 or architectures[0] not in FAMILY_DEFAULTS:

@@ -28,7 +28,6 @@ from fitserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     ShardId,
-    default_weight_loader,
 )
 from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
 from fitserve.layers.quantization.methods import linear_method_for
@@ -36,6 +35,7 @@ from fitserve.layers.quantization.quant_config import Int4Format, int4_format
 from fitserve.layers.rotary_embedding import RotaryEmbedding, StepRope, rope_settings_from_config
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
+from fitserve.models.parameter_loads import ParameterLoads
 
 
 @dataclass(frozen=True)
@@ -341,12 +341,10 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
+        loads = ParameterLoads(self)
         expected_shards: dict[str, set[ShardId]] = {}
         for packed, shard_id in self.packed_modules_mapping.values():
             expected_shards.setdefault(packed, set()).add(shard_id)
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[ShardId]] = {}
         for name, tensor in weights:
             if name.endswith(self.skipped_weight_suffixes):
                 continue
@@ -354,28 +352,8 @@ class DecoderForCausalLM(nn.Module):
             if self.lm_head.tied and name.startswith("lm_head."):
                 continue  # tied: the head reads the embedding, loaded under its own name
             target, packed, shard_id = self._map_checkpoint_name(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}: the "
-                    "checkpoint is not this architecture, or config.json does not describe it"
-                )
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            except ValueError as error:
-                raise ValueError(f"loading checkpoint tensor {name!r} into {target!r}: {error}") from error
-            if shard_id is None:
-                loaded.add(target)
-                continue
-            seen = shards_seen.setdefault(target, set())
-            seen.add(shard_id)
-            if seen == expected_shards[packed]:
-                loaded.add(target)
-        return loaded
+            loads.load(name, target, tensor, shard_id, expected_shards.get(packed, ()))
+        return loads.loaded
 
     def _map_checkpoint_name(self, name: str) -> tuple[str, str, ShardId | None]:
         """hf name -> (parameter name, packed module name or "", shard id or None)."""

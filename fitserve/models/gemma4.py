@@ -29,11 +29,12 @@ from torch import nn
 from fitserve.kv_layers import cuda_graphs_unsupported as graphs_unsupported_reason
 from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.layer import Attention
-from fitserve.layers.linear import ReplicatedLinear, ShardId, default_weight_loader
+from fitserve.layers.linear import ReplicatedLinear, ShardId
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
 from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm
+from fitserve.models.parameter_loads import ParameterLoads
 
 logger = logging.getLogger("fitserve")
 
@@ -174,9 +175,7 @@ class Gemma4ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        shards: dict[str, set[ShardId]] = {}
-        loaded: set[str] = set()
+        loads = ParameterLoads(self)
         skipped_towers = 0
         for name, tensor in weights:
             if name.startswith(TOWER_PREFIXES):
@@ -189,25 +188,8 @@ class Gemma4ForCausalLM(nn.Module):
             target, shard_id = _map_name(name)
             if self._is_shared_layer_kv(target, shard_id):
                 continue  # a KV-shared layer computes no keys or values: its k/v weights are unused
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}: the "
-                    "checkpoint is not this architecture, or config.json does not describe it"
-                )
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
-            except ValueError as error:
-                raise ValueError(f"loading checkpoint tensor {name!r} into {target!r}: {error}") from error
-            if shard_id is None:
-                loaded.add(target)
-                continue
-            seen = shards.setdefault(target, set())
-            seen.add(shard_id)
-            module = self.get_submodule(target.rsplit(".", 1)[0])
-            if seen >= set(module.shard_ids):
-                loaded.add(target)
+            shards = () if shard_id is None else self.get_submodule(target.rsplit(".", 1)[0]).shard_ids
+            loads.load(name, target, tensor, shard_id, shards)
         for attention in self.attention_layers:  # a shared layer reads its cache with the writer's scales
             source = self.attention_layers[attention.kv_cache_layer]
             attention.k_scale, attention.v_scale = source.k_scale, source.v_scale
@@ -216,7 +198,7 @@ class Gemma4ForCausalLM(nn.Module):
                 "Skipped %d vision/audio tower tensors: fitserve serves Gemma-4's text model only",
                 skipped_towers,
             )
-        return loaded
+        return loads.loaded
 
     def _is_shared_layer_kv(self, target: str, shard_id: ShardId | None) -> bool:
         parts = target.split(".")

@@ -15,6 +15,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("fitserve.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma4ForCausalLM": ("fitserve.models.gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("fitserve.models.gemma4", "Gemma4ForConditionalGeneration"),
+    "Qwen3_5ForCausalLM": ("fitserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("fitserve.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForCausalLM": ("fitserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("fitserve.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

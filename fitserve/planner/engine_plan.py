@@ -57,4 +57,5 @@ def inputs_from_engine_config(
         cudagraph_capture_sizes=sizes,
         num_gpu_blocks_override=config.cache.num_gpu_blocks_override,
         cpu_kv_cache_space_gib=config.cache.cpu_kv_cache_space_gib,
+        mamba_cache_mode=config.model.mamba_cache_mode if config.cache.enable_prefix_caching else "none",
     )

@@ -50,6 +50,7 @@ from fitserve.planner.memory import (
     with_settings,
 )
 from fitserve.planner.model_info import ModelInfo
+from fitserve.planner.model_shape import ModelShape
 
 # The model's own max_model_len is kept when the KV cache holds FULL_LENGTH_REQUESTS (2) requests of that
 # length (one long request then never stalls all the others); else the largest length that many fit. The
@@ -243,6 +244,7 @@ def _fit_at(
         cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu, model.shape.model_type),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         cpu_kv_cache_space_gib=None if args.cpu_kv_cache_space is None else float(args.cpu_kv_cache_space),
+        mamba_cache_mode=resolve_mamba_cache_mode(args, model.shape),
     )
     headroom = Headroom(
         max_utilization=min(d.free_bytes / d.total_bytes for d in used) if on_gpu else 1.0,
@@ -275,6 +277,21 @@ def _fit_at(
         choices=tuple(choices),
         notes=tuple(_notes(plan, model, args, devices)),
     )
+
+
+def resolve_mamba_cache_mode(args: EngineArgs, shape: ModelShape) -> str:
+    """--mamba-cache-mode for this model: none without prefix caching or without recurrent layers; all is
+    refused for a hybrid (core/state_slots.py keeps states where steps end, not at every boundary)."""
+    hybrid = bool(shape.recurrent_state_elements)
+    if not args.enable_prefix_caching or not hybrid:
+        return "none"
+    if args.mamba_cache_mode == "all":
+        raise ValueError(
+            f"--mamba-cache-mode all is not supported for {shape.architecture or 'this hybrid model'}: its "
+            "linear-attention state is kept only where a step ends on a block boundary (vLLM caches "
+            "Qwen3.5's Gated DeltaNet in align mode only); use --mamba-cache-mode align (the default) or none"
+        )
+    return args.mamba_cache_mode
 
 
 def _choose_dtype(

@@ -11,7 +11,7 @@ from fitserve.capture_sizes import decode_capture_sizes, parse_capture_sizes
 from fitserve.kv_layers import cuda_graphs_unsupported
 from fitserve.planner.fit_options import holds
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryInputs, plan_memory, with_settings
+from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
 
 _SHRINK_GRAPH_CAPS = (128, 64, 32, 16, 8)
 _SHRINK_BATCHED_TOKENS = (4096, 2048, 1024, 512)
@@ -63,15 +63,20 @@ def shrink_to_fit(
     why = f"to leave the KV cache room for a {needed:,}-token request"
     freed: dict[str, int] = {}  # bytes each setting's steps freed so far
     for setting, changed in shrink_steps(inputs, auto):
-        before = plan_memory(inputs).terms.total
+        before = _taken(plan_memory(inputs))
         inputs = changed
-        freed[setting] = freed.get(setting, 0) + before - plan_memory(inputs).terms.total
+        freed[setting] = freed.get(setting, 0) + before - _taken(plan_memory(inputs))
         reasons[setting] = f"lowered {why} (frees {freed[setting] / GiB:.2f} GiB)"
         if holds(inputs, needed) is not None:
             return inputs, reasons
     if plan_memory(inputs).free_for_kv_bytes <= 0:
         return original, {}
     return inputs, reasons
+
+
+def _taken(plan: MemoryPlan) -> int:
+    """Bytes the plan spends before the KV cache (a hybrid model's state pool included)."""
+    return plan.terms.total + plan.recurrent_state_bytes
 
 
 def shrink_steps(inputs: MemoryInputs, auto: frozenset[str]) -> list[tuple[str, MemoryInputs]]:

@@ -67,6 +67,8 @@ class MemoryInputs:
     cudagraph_capture_sizes: tuple[int, ...] = ()  # () = eager
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space_gib: float | None = None  # None: sized by fitserve/cpu_kv_cache.py's rule
+    # --mamba-cache-mode as resolved ("none" without prefix caching): a hybrid's state snapshots
+    mamba_cache_mode: str = "none"
 
     @property
     def on_gpu(self) -> bool:
@@ -102,6 +104,10 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     offload: OffloadSplit = NO_OFFLOAD  # --cpu-offload-gb: the decoder layers kept in CPU memory
     cpu_kv: CpuKvCacheSize | None = None  # on the CPU: the KV cache's size and why (the engine's rule)
+    # per GPU: hybrid models' recurrent state pool (max_num_seqs + 1 live slots and the prefix cache's
+    # snapshot slots), before the KV cache
+    recurrent_state_bytes: int = 0
+    state_snapshot_bytes: int = 0  # the snapshot slots' part of recurrent_state_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -162,9 +168,10 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
     terms = measured or estimated
     per_token = kv_bytes_per_token(inputs)
     block_bytes = per_token * inputs.block_size
+    state = recurrent_state_bytes(inputs)
     if inputs.on_gpu:
         budget = int(inputs.device.total_bytes * inputs.gpu_memory_utilization)
-        free_for_kv = budget - terms.total
+        free_for_kv = budget - terms.total - state
         cpu_kv = None
     else:
         # Tensor-parallel ranks are processes sharing the host's RAM: each plans for its share of it.
@@ -174,7 +181,8 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         # cache (cpu_kv_size splits it between the ranks)
         cpu_kv = None
         if inputs.num_gpu_blocks_override is None:
-            cpu_kv = cpu_kv_size(inputs, max(0, inputs.device.free_bytes - ranks * terms.weights))
+            left = inputs.device.free_bytes - ranks * (terms.weights + state)
+            cpu_kv = cpu_kv_size(inputs, max(0, left))
         free_for_kv = cpu_kv.bytes if cpu_kv is not None else 0
     if inputs.num_gpu_blocks_override is not None:
         num_blocks = inputs.num_gpu_blocks_override
@@ -195,7 +203,26 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         notes=tuple(notes),
         offload=offload,
         cpu_kv=cpu_kv,
+        recurrent_state_bytes=state,
+        state_snapshot_bytes=state_snapshot_bytes(inputs),
     )
+
+
+def recurrent_state_bytes(inputs: MemoryInputs) -> int:
+    """A hybrid model's state pool on one rank: max_num_seqs + 1 live slots and the snapshot slots of
+    prefix caching (worker/recurrent_state.py, core/state_slots.py), each every DeltaNet layer's conv state
+    (model dtype) and recurrent state (float32); 0 for attention-only models."""
+    per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
+    return (inputs.max_num_seqs + 1) * per_seq + state_snapshot_bytes(inputs) if per_seq else 0
+
+
+def state_snapshot_bytes(inputs: MemoryInputs) -> int:
+    """The snapshot slots' share of recurrent_state_bytes (--mamba-cache-mode align: 2 x max_num_seqs,
+    at most 16; core/state_slots.py num_snapshot_slots)."""
+    from fitserve.core.state_slots import num_snapshot_slots
+
+    per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
+    return num_snapshot_slots(inputs.mamba_cache_mode, True, inputs.max_num_seqs) * per_seq
 
 
 def cpu_kv_size(inputs: MemoryInputs, available_bytes: int | None) -> CpuKvCacheSize:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fitserve.kv_layers import KvLayerSpec, is_gemma4, kv_elements_per_token, kv_layer_specs
+from fitserve.kv_layers import KvLayerSpec, is_gemma4, is_qwen3_5, kv_elements_per_token, kv_layer_specs
 from fitserve.planner.gemma4_shape import gemma4_counts
+from fitserve.planner.qwen3_5_shape import qwen3_5_counts
 
 # model_type values whose q/k/v projections carry a bias without saying so in config.json.
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
@@ -58,6 +59,9 @@ class ModelShape:
     counts: ParamCounts | None = None  # counted by the family's own rule (Gemma-4), else from the shape
     active_params: int | None = None  # parameters a token runs, where it differs from the total (MoE)
     towers: tuple[str, ...] = ()  # multimodal towers config.json describes, not counted (text only)
+    # Hybrid models (Qwen3.5's DeltaNet layers): state elements per request, model dtype and float32
+    conv_state_elements: int = 0
+    recurrent_state_elements: int = 0
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelShape:
@@ -72,6 +76,8 @@ class ModelShape:
         archs = getattr(hf_config, "architectures", None) or []
         if is_gemma4(config):
             return cls._gemma4(config, archs[0] if archs else "")
+        if is_qwen3_5(config):
+            return cls._qwen3_5(config, archs[0] if archs else "")
         return cls(
             architecture=archs[0] if archs else "",
             model_type=model_type,
@@ -121,6 +127,41 @@ class ModelShape:
             active_params=counts.active if moe else None,
             towers=tuple(getattr(config, "towers", ()) or ()),
         )
+
+    @classmethod
+    def _qwen3_5(cls, config: Any, architecture: str) -> ModelShape:
+        counts = qwen3_5_counts(config)
+        moe = bool(getattr(config, "num_experts", None))
+        return cls(
+            architecture=architecture,
+            model_type=str(config.model_type),
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size if not moe else config.moe_intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=True,
+            num_experts=int(config.num_experts) if moe else 0,
+            num_experts_per_tok=int(config.num_experts_per_tok) if moe else 0,
+            moe_intermediate_size=int(config.moe_intermediate_size) if moe else 0,
+            shared_expert_intermediate_size=int(config.shared_expert_intermediate_size) if moe else 0,
+            torch_dtype=_dtype_name(config),
+            kv_layers=kv_layer_specs(config),
+            counts=ParamCounts(counts.linear, counts.other, counts.replicated),
+            active_params=counts.active if moe else None,
+            towers=tuple(getattr(config, "towers", ()) or ()),
+            conv_state_elements=counts.conv_state_elements,
+            recurrent_state_elements=counts.recurrent_state_elements,
+        )
+
+    def state_bytes_per_seq(self, dtype_bytes: int) -> int:
+        """A request's recurrent state over the hybrid layers (0 for attention-only models)."""
+        return self.conv_state_elements * dtype_bytes + self.recurrent_state_elements * 4
 
     def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
         """K and V elements per token over the layers that own a cache, on one rank."""

@@ -191,12 +191,27 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
         (f"activation peak ({inputs.max_num_batched_tokens:,} tokens per step)", terms.activation),
         *([(graphs, terms.cuda_graphs)] if inputs.on_gpu else []),
         ("runtime overhead", terms.runtime_overhead),
+        *recurrent_state_rows(plan),
         (kv_label, plan.kv_cache_bytes),
     ]
     header = f"Memory {per}"
     lines = [f"{header:<{_MEMORY_LABEL_WIDTH + 2}}{'GiB':>9}"]
     lines += [f"  {label:<{_MEMORY_LABEL_WIDTH}}{value / GiB:>9.2f}" for label, value in rows]
     return lines
+
+
+def recurrent_state_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
+    """A hybrid model's state pool (worker/recurrent_state.py), before the KV cache; none otherwise."""
+    if not plan.recurrent_state_bytes:
+        return []
+    slots = plan.inputs.max_num_seqs + 1
+    live = plan.recurrent_state_bytes - plan.state_snapshot_bytes
+    per_slot = live / slots / (1 << 20)
+    rows = [(f"recurrent state ({slots} slots x {per_slot:.1f} MiB)", live)]
+    if plan.state_snapshot_bytes:  # --mamba-cache-mode align (core/state_slots.py)
+        snapshots = round(plan.state_snapshot_bytes / (live / slots))
+        rows.append((f"state snapshots ({snapshots} x {per_slot:.1f} MiB)", plan.state_snapshot_bytes))
+    return rows
 
 
 def _active(shape: Any) -> str:

@@ -34,6 +34,7 @@ from fitserve.planner.fit import FitResult, auto_fit
 from fitserve.planner.hardware import DeviceSpec, cpu_device, parse_assume_gpus, probe_gpus, probe_host
 from fitserve.planner.model_info import inspect_model
 from fitserve.planner.quantized_checkpoint import check_quantized_checkpoint
+from fitserve.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger("fitserve")
 
@@ -55,6 +56,7 @@ def plan_settings(args: EngineArgs, request: PlanRequest = PlanRequest()) -> Fit
     args.check_ranges()
     if not request.planning_only:
         args.refuse_unsupported()
+    parse_speculative_config(args.speculative_config)  # a bad --speculative-config stops here
     _use_hf_token(args.hf_token)
     devices, host_ram = planning_devices(args.device, request.assume_gpus, can_assume=request.planning_only)
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
@@ -115,6 +117,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         tokenizer_mode=args.tokenizer_mode,
         tokenizer_revision=args.tokenizer_revision,
         override_generation_config=generation_overrides(args.override_generation_config),
+        mamba_cache_mode=inputs.mamba_cache_mode,  # resolved by auto_fit (planner/fit.py)
     )
     cache = CacheConfig(
         block_size=inputs.block_size,
@@ -144,6 +147,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         ),
         quantization=args.quantization,
         disable_log_stats=args.disable_log_stats,
+        speculative=parse_speculative_config(args.speculative_config),
         explicit=args.explicit(),
         choices=fit.choices,
     )

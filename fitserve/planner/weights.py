@@ -37,7 +37,14 @@ _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # Decoder-layer tensors: HF "model.layers.3.", GPT-2 style "h.3.", GGUF "blk.3.".
 _LAYER_PATTERN = re.compile(r"(^|\.)(layers|h|blk)\.\d+\.")
 # A multimodal checkpoint's towers (Gemma-4's), which fitserve does not load when serving text.
-TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+TOWER_PREFIXES = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "model.visual.",  # Qwen3.5 / Qwen3.6: the vision tower
+    "mtp.",  # Qwen3.5 / Qwen3.6: the multi-token-prediction layer (not loaded yet)
+)
 # A quantized checkpoint's float scales (GPTQ / AWQ `scales`, compressed-tensors `weight_scale`, fp8's
 # `weight_scale_inv` and static `input_scale`): loaded as stored, beside the packed int32 codes, zeros,
 # g_idx and fp8 weights (which are not float, so stored already).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -17,6 +18,9 @@ from fitserve.server.args import ServerSettings
 from fitserve.server.chat import ChatRenderer
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import ChatCompletionRequest, OpenAIBaseModel, SamplingRequest, TokenizeRequest
+from fitserve.structured.backend import preload as preload_grammar_backend
+from fitserve.structured.backend import validate as validate_structured
+from fitserve.structured.params import StructuredOutputsParams, check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,9 @@ class ServingContext:
         renderer = ChatRenderer(
             engine.tokenizer, settings.chat_template, settings.chat_template_content_format
         )
+        # xgrammar (~0.3 s to import) loads beside the server's start, not on the event loop when the
+        # first structured-output request is checked
+        threading.Thread(target=preload_grammar_backend, name="fitserve-xgrammar-import", daemon=True).start()
         return cls(
             engine=engine,
             settings=settings,
@@ -84,7 +91,7 @@ class ServingContext:
     def check_extra_fields(self, request: OpenAIBaseModel, misplaced: dict[str, str], route: str) -> None:
         """Refuse fields of another route; log (and ignore) other unknown fields, as vLLM does."""
         extra = request.model_extra or {}
-        check_no_structured_output(extra)
+        check_no_structural_tag(extra)
         for name in extra:
             if name in misplaced:
                 raise APIError(f"{name} is not a field of {route}: {misplaced[name]}", param=name)
@@ -200,9 +207,18 @@ class ServingContext:
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        tool_structured: dict[str, Any] | None = None,
     ) -> SamplingParams | BeamSearchParams:
         """The request's SamplingParams, or its BeamSearchParams when it asks for use_beam_search (n beams,
-        as in vLLM; check_common has refused the fields beam search would not honour)."""
+        as in vLLM; check_common has refused the fields beam search would not honour). tool_structured: the
+        structured output the chat route's tool_choice asks for (required / a named function)."""
+        structured = structured_outputs_params(request, tool_structured)
+        if structured is not None and request.use_beam_search:
+            raise APIError(
+                "structured outputs (response_format, structured_outputs, guided_*) do not work with beam "
+                "search: set use_beam_search to false, or drop the constraint",
+                param="use_beam_search",
+            )
         if request.use_beam_search:
             return BeamSearchParams(
                 beam_width=n,
@@ -229,6 +245,8 @@ class ServingContext:
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "logit_bias": _clamped_logit_bias(request.logit_bias),
             "allowed_token_ids": request.allowed_token_ids,
+            "bad_words": request.bad_words,
+            "structured_outputs": structured,
         }
         for name in _MODEL_DEFAULT_FIELDS:
             requested = getattr(request, name)
@@ -238,6 +256,8 @@ class ServingContext:
             params.check_token_ids(self.engine.config.model.vocab_size)
         except ValueError as exc:
             raise APIError(str(exc), param=_field_named_in(str(exc), values)) from exc
+        if structured is not None:
+            check_structured_outputs(structured, _structured_field(request, tool_structured))
         return params
 
     async def add_request(
@@ -327,35 +347,110 @@ def check_unicode(text: str, param: str) -> None:
         ) from None
 
 
-# vLLM's fields that ask for structured output (guided decoding), which fitserve does not have yet.
-STRUCTURED_OUTPUT_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-    "structural_tag",
-    "structured_outputs",
-)
+# vLLM's older request fields for structured outputs -> StructuredOutputsParams' field.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
-def check_no_structured_output(extra: dict[str, Any]) -> None:
-    """A request for structured output is refused, never answered with free text."""
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        if extra.get(name) is not None:
-            raise APIError(
-                f"{name} is not supported yet: fitserve has no structured output (guided decoding), so the "
-                f"answer could not be held to it; leave {name} out",
-                param=name,
-            )
-    response_format = extra.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+def check_no_structural_tag(extra: dict[str, Any]) -> None:
+    """vLLM's structural_tag (tags around JSON sections) is refused, never answered with free text."""
+    if extra.get("structural_tag") is not None:
         raise APIError(
-            f"response_format of type {response_format.get('type')!r} is not supported yet: fitserve has no "
-            "structured output (guided decoding); leave response_format out or set its type to text",
-            param="response_format",
+            "structural_tag is not supported by fitserve: ask for structured_outputs json, regex, choice or "
+            "grammar (or response_format), or leave structural_tag out",
+            param="structural_tag",
         )
+
+
+def structured_outputs_params(
+    request: SamplingRequest, tool_structured: dict[str, Any] | None = None
+) -> StructuredOutputsParams | None:
+    """What the request's response_format, structured_outputs and guided_* fields ask for, as one
+    StructuredOutputsParams; a 400 naming the fields when more than one constraint is asked for, or a
+    value is malformed. tool_structured: what the chat route's tool_choice required / named asks for."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    if tool_structured is not None:
+        asked.append(("tool_choice", tool_structured))
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise APIError(
+                'response_format of type "json_schema" needs json_schema.schema: send {"type": '
+                '"json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
+        asked.append(("response_format", {"json": spec.json_schema}))
+    if request.structured_outputs is not None:
+        asked.append(("structured_outputs", dict(request.structured_outputs)))
+    for field_name, key in GUIDED_FIELDS.items():
+        value = getattr(request, field_name)
+        if value is not None:
+            asked.append((field_name, {key: value}))
+    if not asked:
+        if request.guided_decoding_backend is not None or request.guided_whitespace_pattern is not None:
+            _check_options(request, {})
+        return None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise APIError(
+            f"this request asks for {len(asked)} output constraints ({names}), but one request takes one: "
+            "keep exactly one of them",
+            param=asked[1][0],
+        )
+    name, values = asked[0]
+    values = _check_options(request, values)
+    try:
+        return StructuredOutputsParams(**values)
+    except (TypeError, ValueError) as exc:
+        raise APIError(f"{name}: {exc}", param=name) from None
+
+
+def _check_options(request: SamplingRequest, values: dict[str, Any]) -> dict[str, Any]:
+    values = dict(values)
+    if request.guided_decoding_backend is not None:
+        values.setdefault("backend", request.guided_decoding_backend)
+    if request.guided_whitespace_pattern is not None:
+        values.setdefault("whitespace_pattern", request.guided_whitespace_pattern)
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise APIError(
+            f"structured_outputs has unknown key(s) {unknown}: use only {', '.join(sorted(known))}",
+            param="structured_outputs",
+        )
+    try:
+        check_backend(values.get("backend"), "guided_decoding_backend")
+        if values.get("whitespace_pattern") is not None:
+            StructuredOutputsParams(json_object=True, whitespace_pattern=values["whitespace_pattern"])
+    except ValueError as exc:
+        raise APIError(str(exc), param="guided_decoding_backend") from None
+    return values
+
+
+def _structured_field(request: SamplingRequest, tool_structured: dict[str, Any] | None) -> str:
+    if tool_structured is not None:
+        return "tool_choice"
+    if request.response_format is not None and request.response_format.type != "text":
+        return "response_format"
+    if request.structured_outputs is not None:
+        return "structured_outputs"
+    return next((name for name in GUIDED_FIELDS if getattr(request, name) is not None), "structured_outputs")
+
+
+def check_structured_outputs(structured: StructuredOutputsParams, field_name: str) -> None:
+    """Builds the request's grammar once (no decoding): an invalid schema, regex or grammar, or a schema
+    feature the backend cannot enforce, is a 400 naming the reason."""
+    try:
+        validate_structured(structured)
+    except ValueError as exc:
+        raise APIError(f"{field_name}: {exc}", param=field_name) from None
 
 
 # Sampling fields beam search does not use, with the value that means "off" (vLLM ignores them there; a
@@ -373,6 +468,7 @@ _NOT_FOR_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
     "stop_token_ids": ([],),
     "logit_bias": ({},),
     "allowed_token_ids": (),
+    "bad_words": ([],),
     "prompt_logprobs": (),
     "top_logprobs": (0,),
 }

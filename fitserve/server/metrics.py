@@ -79,6 +79,12 @@ _ENGINE_COUNTERS = (
     ("num_preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
 )
 
+_SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted tokens."),
+)
+
 
 def cache_config_info(engine: Any) -> dict[str, str]:
     """vLLM's `vllm:cache_config_info` labels: the cache settings, and the KV blocks the engine's memory
@@ -134,6 +140,23 @@ class _EngineStatsCollector(Collector):
         total = float(getattr(stats, "iteration_tokens_sum", 0) or 0) if stats else 0.0
         histogram.add_metric(self.labels, buckets, total)
         yield histogram
+        if stats is not None and getattr(stats, "spec_accepted_per_pos", ()):
+            yield from self._spec_decode(stats, labelnames)
+
+    def _spec_decode(self, stats: Any, labelnames: list[str]) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters, there only when --speculative-config is set."""
+        for name, attribute, documentation in _SPEC_DECODE_COUNTERS:
+            counter = CounterMetricFamily(PREFIX + name, documentation, labels=labelnames)
+            counter.add_metric(self.labels, float(getattr(stats, attribute)))
+            yield counter
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labelnames, "position"],
+        )
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([*self.labels, str(position)], float(count))
+        yield per_pos
 
 
 @dataclass

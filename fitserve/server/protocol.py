@@ -47,8 +47,21 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """OpenAI's response_format.json_schema: {name, description, schema, strict}."""
+
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema: stored as json_schema, read and written as "schema"
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class FunctionCallParam(OpenAIBaseModel):
@@ -114,9 +127,20 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM: with use_beam_search, the final ranking divides the cumulative logprob by length ** this.
     length_penalty: float | None = None
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     # vLLM: keep only the last N prompt tokens (-1: as many as the context holds; None/0 handled below).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     return_tokens_as_token_ids: bool | None = None
+    # Structured outputs (docs/structured_outputs.md): OpenAI's response_format, vLLM's
+    # structured_outputs ({json | regex | choice | grammar | json_object: ...}) and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -136,7 +160,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,7 +19,8 @@ from fitserve.server.context import ServingContext
 from fitserve.server.errors import APIError, raise_if_generation_failed
 from fitserve.server.logprobs import chat_logprob_entries
 from fitserve.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, ToolCallDelta, ToolParser
-from fitserve.server.protocol import ChatCompletionRequest
+from fitserve.server.parsers.forced_tools import NamedToolParser, RequiredToolsParser
+from fitserve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from fitserve.server.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -36,6 +38,7 @@ from fitserve.server.responses import (
 )
 from fitserve.server.serving_completion import truncate_prompt_ids
 from fitserve.server.streaming import SSE_DONE, EventStreamResponse, run_unless_disconnected, sse_event
+from fitserve.structured.tools import named_tool_schema, required_tools_schema
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +60,9 @@ class ChatHandler:
         model_name = ctx.check_model(request.model)
         ctx.check_extra_fields(request, MISPLACED_FIELDS, ROUTE)
         n = ctx.check_common(request)
-        tool_parser_cls = self._tool_parser_class(request)
+        tool_structured = self._forced_tool_choice(request)
+        tool_parser_cls = None if tool_structured is not None else self._tool_parser_class(request)
         self._keep_special_tokens_for_parsers(request, tool_parser_cls)
-        self._check_response_format(request)
         ctx.check_logprobs(request.top_logprobs, "top_logprobs")
         prompt_text, prompt_ids = await ctx.render_chat(request, request.add_special_tokens)
         prompt_ids = truncate_prompt_ids(prompt_ids, request.truncate_prompt_tokens, ctx.max_model_len)
@@ -69,7 +72,11 @@ class ChatHandler:
         max_tokens = ctx.resolve_max_tokens(requested, field, len(prompt_ids))
         num_top = request.top_logprobs or 0
         params = ctx.sampling_params(
-            request, n=n, max_tokens=max_tokens, logprobs=num_top if request.logprobs else None
+            request,
+            n=n,
+            max_tokens=max_tokens,
+            logprobs=num_top if request.logprobs else None,
+            tool_structured=tool_structured,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -103,22 +110,32 @@ class ChatHandler:
             return last.content
         return "\n".join(str(part.get("text", "")) for part in last.content if part.get("type") == "text")
 
+    @staticmethod
+    def _forced_tool_choice(request: ChatCompletionRequest) -> dict[str, Any] | None:
+        """tool_choice "required" or a named function: the structured output that holds the reply to
+        valid calls of the tools (fitserve/structured/tools.py), as structured_outputs fields; None for
+        "auto" and "none"."""
+        choice = request.tool_choice
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return None
+        tools = [tool.model_dump() for tool in request.tools or []]
+        if not tools:
+            what = '"required"' if choice == "required" else f"naming the function {choice.function.name!r}"
+            raise APIError(
+                f"tool_choice {what} needs tools: add the tools the model may call to tools",
+                param="tool_choice",
+            )
+        try:
+            if choice == "required":
+                return {"json": required_tools_schema(tools, request.parallel_tool_calls is not False)}
+            return {"json": named_tool_schema(tools, choice.function.name)}
+        except ValueError as exc:
+            raise APIError(str(exc), param="tool_choice") from None
+
     def _tool_parser_class(self, request: ChatCompletionRequest) -> type[ToolParser] | None:
         choice = request.tool_choice
         if choice is None:
             choice = "auto" if request.tools else "none"
-        if not isinstance(choice, str):
-            raise APIError(
-                f"tool_choice naming the function {choice.function.name!r} is not supported yet (it needs "
-                'structured output): use tool_choice "auto" and describe the tool in the request',
-                param="tool_choice",
-            )
-        if choice == "required":
-            raise APIError(
-                'tool_choice "required" is not supported yet (it needs structured output): use '
-                'tool_choice "auto" or "none"',
-                param="tool_choice",
-            )
         if choice == "none":
             return None
         if not request.tools:
@@ -143,21 +160,17 @@ class ChatHandler:
         if any(cls is not None and cls.keeps_special_tokens for cls in (reasoning_cls, tool_parser_cls)):
             request.skip_special_tokens = False
 
-    @staticmethod
-    def _check_response_format(request: ChatCompletionRequest) -> None:
-        if request.response_format is not None and request.response_format.type != "text":
-            raise APIError(
-                f"response_format type {request.response_format.type!r} is not supported yet (no structured "
-                'output): leave response_format out or use {"type": "text"}',
-                param="response_format",
-            )
-
     def _choice_parser(
         self, prompt_text: str, tool_parser_cls: type[ToolParser] | None, request: ChatCompletionRequest
     ) -> ChoiceParser:
         name = self.ctx.settings.reasoning_parser
         reasoning = REASONING_PARSERS[name](prompt_text) if name else None
-        tools = tool_parser_cls([t.model_dump() for t in request.tools or []]) if tool_parser_cls else None
+        tool_dicts = [t.model_dump() for t in request.tools or []]
+        tools: ToolParser | None = tool_parser_cls(tool_dicts) if tool_parser_cls else None
+        if request.tool_choice == "required":
+            tools = RequiredToolsParser(tool_dicts)
+        elif isinstance(request.tool_choice, NamedToolChoice):
+            tools = NamedToolParser(tool_dicts, request.tool_choice.function.name)
         return ChoiceParser(reasoning, tools)
 
     def _logprobs(

@@ -1,7 +1,7 @@
 """The sampler's in-place edits of a batch's logits, each only for the rows that ask for it (a batch where
-no row does costs one check per row): allowed_token_ids, logit_bias, the repetition, frequency and
-presence penalties, and min_tokens' ban on stop tokens. fitserve/worker/sampler.py runs them in that
-order (vLLM's)."""
+no row does costs one check per row): allowed_token_ids, logit_bias, bad_words, structured outputs'
+grammar bitmasks, the repetition, frequency and presence penalties, and min_tokens' ban on stop tokens.
+fitserve/worker/sampler.py runs them in that order (vLLM's)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,44 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         device = logits.device
         index = (index_tensor(bias_rows, device), index_tensor(bias_tokens, device))
         logits.index_put_(index, row_floats(bias_values, device), accumulate=True)
+
+
+def ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: -inf for the last token of every bad word whose other tokens end the output (a word of
+    one token: always). Rows whose params hold no bad_words_token_ids are untouched."""
+    vocab_size = logits.shape[1]
+    ban_rows: list[int] = []
+    ban_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        sequences = row.params.bad_words_token_ids
+        if not sequences:
+            continue
+        output = row.output_token_ids
+        for ids in sequences:
+            head, last = ids[:-1], ids[-1]
+            if last >= vocab_size or len(head) > len(output):
+                continue
+            if not head or output[len(output) - len(head) :] == head:
+                ban_rows.append(i)
+                ban_tokens.append(last)
+    if ban_tokens:
+        logits[index_tensor(ban_rows, logits.device), index_tensor(ban_tokens, logits.device)] = -torch.inf
+
+
+def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: -inf for every token the grammar of a constrained row (row.grammar) does not allow
+    next. The matchers fill one host bitmask (int32, a bit per token), unpacked on the logits' device
+    (fitserve/structured/bitmask.py). Rows without a grammar are untouched."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return
+    from fitserve.structured.bitmask import apply_bitmask_rows
+
+    width = max(rows[i].grammar.bitmask_width for i in constrained)
+    bitmask = torch.zeros((len(constrained), width), dtype=torch.int32)
+    for j, i in enumerate(constrained):
+        rows[i].grammar.fill_bitmask(bitmask, j)
+    apply_bitmask_rows(logits, bitmask, constrained)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

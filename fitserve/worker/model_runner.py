@@ -23,12 +23,14 @@ from fitserve.kv_groups import group_num_blocks
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
 from fitserve.planner.memory import MemoryPlan
+from fitserve.spec_decode.verify import num_accepted, verify_rows
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.group_tables import GroupTables
 from fitserve.worker.kv_allocation import layer_caches, log_kv_cache
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 from fitserve.worker.platforms import make_platform
+from fitserve.worker.recurrent_state import allocate_recurrent_state
 from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from fitserve.worker.step_inputs import HostInputs, StepInputs, build_host_inputs, upload_inputs
 from fitserve.worker.transfer import PinnedStagingRing
@@ -42,6 +44,9 @@ GiB = 1 << 30
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Speculative decoding: per request that verified drafts, the tokens after `sampled` it gained (one
+    # per accepted draft), each with its logprobs (None unless asked); [] when the first draft missed.
+    verified: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     # Prompt logprobs computed this step, in prompt order, for positions start+1 .. (see launch()).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -138,6 +143,7 @@ class ModelRunner:
         full_need = -(-self.config.model.max_model_len // self.block_size)
         self.group_num_blocks = group_num_blocks(self.kv_groups, plan.num_kv_blocks, full_need)
         self.kv_caches = self._layer_caches(self.group_num_blocks)
+        allocate_recurrent_state(self.model, self.config, self.device)  # hybrid models only
         log_kv_cache(plan, self.kv_groups, self.group_num_blocks, self.kv_caches, self.kv_cache_dtype)
         if self.group_tables is not None and self.device.type == "cuda":
             # the graphs hold one metadata for every layer; groups have tables of their own
@@ -243,8 +249,12 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return LaunchedStep(lambda: output)
-        sampling_rows = self._sampling_rows(scheduler_output.scheduled)
-        host, sample_items = self._host_inputs(scheduler_output.scheduled)
+        scheduled = scheduler_output.scheduled
+        drafts = {item.request.request_id: item.draft_token_ids for item in scheduled if item.draft_token_ids}
+        if drafts:
+            scheduled = verify_rows(scheduled)  # k + 1 one-token rows per request with drafts
+        sampling_rows = self._sampling_rows(scheduled)
+        host, sample_items = self._host_inputs(scheduled)
         if self.step_sender is not None:
             self.step_sender(host)  # the other tensor-parallel ranks run the same step
         inputs = upload_inputs(host, self.staging, self.layer_group)
@@ -254,7 +264,7 @@ class ModelRunner:
         if not sample_items:
             return LaunchedStep(lambda: output)
         logits = self._sample_logits(hidden, inputs)
-        rows = [sampling_rows[item.request.request_id] for item in sample_items]
+        rows = [sampling_rows[_row_key(item)] for item in sample_items]
         pending = self.sampler.launch(logits, rows)
         # every rank reads the tokens in flight from its own copy (run_host_inputs)
         self._last_sampled = broadcast_from_first(pending.sampled)
@@ -266,12 +276,22 @@ class ModelRunner:
                 sample_items, result.sampled_token_ids, result.logprobs
             ):
                 request_id = item.request.request_id
+                if request_id in output.sampled:  # a verify row past the first
+                    output.verified[request_id].append((token_id, token_logprobs))
+                    continue
                 output.sampled[request_id] = token_id
                 if token_logprobs is not None:
                     output.logprobs[request_id] = token_logprobs
+                if request_id in drafts:
+                    output.verified[request_id] = []
+            for request_id, request_drafts in drafts.items():
+                samples = [output.sampled[request_id]] + [t for t, _ in output.verified[request_id]]
+                accepted = num_accepted(samples, request_drafts)
+                output.verified[request_id] = output.verified[request_id][:accepted]
             return output
 
-        return LaunchedStep(finish, any(row.needs_token_history for row in rows))
+        # the next step's drafts continue this one's tokens: it waits for them
+        return LaunchedStep(finish, bool(drafts) or any(row.needs_token_history for row in rows))
 
     @torch.inference_mode()
     def run_host_inputs(self, host: HostInputs) -> None:
@@ -319,14 +339,14 @@ class ModelRunner:
     def _sampling_rows(self, scheduled: list[ScheduledRequest]) -> dict[str, SamplingRow]:
         """The sampling row of every request that samples this step. A request whose row cannot be made
         fails alone: RequestsFailedError names it (and every other one that failed), nothing is queued."""
-        rows: dict[str, SamplingRow] = {}
+        rows: dict[str | tuple[str, int], SamplingRow] = {}
         failures: dict[str, BaseException] = {}
         for item in scheduled:
             if not item.samples:
                 continue
             request_id = item.request.request_id
             try:
-                rows[request_id] = self._sampling_row(item)
+                rows[_row_key(item)] = self._sampling_row(item)
             except Exception as error:  # noqa: BLE001 - attributed to its request, logged by the engine
                 self.generators.pop(request_id, None)
                 failures[request_id] = error
@@ -344,13 +364,17 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)  # before it is kept: a seed torch refuses leaves none
                 self.generators[request.request_id] = generator
+        outputs = request.output_token_ids
+        if item.draft_token_ids:  # a verify row: the drafts before it count as output (penalties)
+            outputs = outputs + list(item.draft_token_ids)
         return SamplingRow(
             params=params,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            output_token_ids=outputs,
             generator=generator,
             eos_token_ids=request.eos_token_ids,
             num_pending_outputs=request.num_output_placeholders - 1,
+            grammar=request.grammar,  # structured outputs (fitserve/structured); None = unconstrained
         )
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
@@ -370,3 +394,10 @@ class ModelRunner:
                 "sample it: the scheduler and the model runner disagree (a bug; please report it)"
             )
         return index
+
+
+def _row_key(item: ScheduledRequest) -> str | tuple[str, int]:
+    """A sampling row's key: the request, and for a verify row past the first its position."""
+    if item.draft_token_ids:
+        return (item.request.request_id, len(item.draft_token_ids))
+    return item.request.request_id

@@ -3,7 +3,9 @@
 Order of operations, per row, all as tensor ops over the batch (no Python loop over the vocabulary):
   1. logprobs are taken from the raw logits (log_softmax of the unprocessed logits, vLLM's default);
   2. allowed_token_ids (every other token gets -inf), then logit_bias is added (vLLM's order);
-     both only for rows that set them;
+     both only for rows that set them; then bad_words (a word's last token gets -inf where the output
+     ends with its other tokens); then structured outputs: a row with a grammar gets -inf for
+     every token its grammar does not allow next (its matcher's bitmask, fitserve/structured);
   3. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
   4. min_tokens: eos and stop_token_ids get -inf while fewer than min_tokens tokens were generated;
   5. greedy rows (temperature < 1e-5) take the argmax of these logits (ties: the lowest id);
@@ -26,8 +28,10 @@ from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import SamplingParams, SamplingType
 from fitserve.worker.logits_processors import (
     apply_allowed_token_ids,
+    apply_grammar_bitmasks,
     apply_logit_bias,
     apply_penalties,
+    ban_bad_words,
     mask_stop_tokens_before_min_tokens,
 )
 from fitserve.worker.tensor_index import index_tensor, row_floats
@@ -48,6 +52,9 @@ class SamplingRow:
     # Tokens sampled by earlier steps still in flight, not in output_token_ids yet (asynchronous
     # scheduling): they count toward min_tokens. Rows with penalties never have any.
     num_pending_outputs: int = 0
+    # Structured outputs: the sequence's grammar state (fitserve/structured/backend.GrammarState);
+    # None = unconstrained.
+    grammar: Any = None
 
     @property
     def num_generated(self) -> int:
@@ -55,9 +62,17 @@ class SamplingRow:
 
     @property
     def needs_token_history(self) -> bool:
-        """Penalties read the exact output tokens, so the next step must wait for this one's."""
+        """Penalties and bad words of several tokens read the exact output tokens, and a grammar's mask
+        needs its matcher advanced by every token sampled so far, so the next step must wait for this
+        one's."""
         p = self.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        return (
+            p.repetition_penalty != 1.0
+            or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0
+            or self.grammar is not None
+            or any(len(ids) > 1 for ids in p.bad_words_token_ids)
+        )
 
 
 @dataclass
@@ -91,6 +106,8 @@ class Sampler:
         processed = logits.to(torch.float32, copy=True) if edits else logits
         apply_allowed_token_ids(processed, rows)
         apply_logit_bias(processed, rows)
+        ban_bad_words(processed, rows)
+        apply_grammar_bitmasks(processed, rows)
         apply_penalties(processed, rows)
         mask_stop_tokens_before_min_tokens(processed, rows)
 
@@ -258,13 +275,15 @@ def _sample_random(
 
 
 def _edits_logits(row: SamplingRow) -> bool:
-    """True when penalties, min_tokens, logit_bias or allowed_token_ids change this row's logits."""
+    """True when penalties, min_tokens, logit_bias, allowed_token_ids, bad_words or a grammar change
+    this row's logits."""
     p = row.params
     return (
         row.needs_token_history
         or row.num_generated < p.min_tokens
         or p.logit_bias is not None
         or p.allowed_token_ids is not None
+        or bool(p.bad_words_token_ids)
     )
 
 

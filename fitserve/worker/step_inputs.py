@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fitserve.core.scheduler import ScheduledRequest
+from fitserve.core.state_slots import state_slots_of
 from fitserve.layers.attention.metadata import AttentionMetadata
 from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
 from fitserve.worker.group_tables import GroupTables
@@ -39,6 +40,8 @@ class HostInputs:
     samples_all_rows: bool
     prompt_logprob_rows: PromptLogprobRows
     has_fill: bool
+    # Hybrid models: each sequence's recurrent state slot (core/state_slots.py); None otherwise
+    state_slots: list[int] | None = None
 
 
 @dataclass
@@ -91,7 +94,9 @@ def build_host_inputs(
         else:
             positions.extend(range(start, start + n))
             extend_slots(slots, table, start, start + n, bs)
-        if start + n <= len(known):
+        if item.draft_token_ids and start >= len(known):  # a verify row (spec_decode/verify.py)
+            input_ids.append(item.draft_token_ids[-1])
+        elif start + n <= len(known):
             input_ids.extend(known[start : start + n])
         else:  # the last token is in flight: only ever one (see Scheduler)
             input_ids.extend(known[start:])
@@ -137,6 +142,7 @@ def build_host_inputs(
         samples_all_rows=all_rows,
         prompt_logprob_rows=prompt_rows,
         has_fill=bool(placeholder_rows),
+        state_slots=state_slots_of(scheduled),
     )
     return host, sample_items
 
@@ -154,6 +160,7 @@ def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: lis
         max_seq_len=max(host.seq_lens),
         query_lens_cpu=host.query_lens,
         seq_lens_cpu=host.seq_lens,
+        state_slots_cpu=host.state_slots,
     )
     layer_metadata = None
     if len(uploaded) > NUM_STEP_ARRAYS:

@@ -46,6 +46,8 @@ logger = logging.getLogger("fitserve")
 
 # How long the first rank waits for another rank's reply to a start-up command (loading, profiling).
 STARTUP_REPLY_TIMEOUT_S = 3600.0
+# A step that raised: how long to wait for a rank's exit to show (its collective may fail first).
+DEAD_RANK_WAIT_S = 2.0
 LEAVE_GROUP_TIMEOUT_S = 5.0
 
 
@@ -207,9 +209,19 @@ class MultiprocExecutor:
         try:
             return work()
         except Exception as error:
+            if self._failure is None:
+                self._notice_dead_rank()  # the collective may fail before the reply reader sees the exit
             if self._failure is not None:
                 raise RankFailedError(self._failure) from error
             raise
+
+    def _notice_dead_rank(self, timeout_s: float = DEAD_RANK_WAIT_S) -> None:
+        """Records the first rank whose process has exited (waiting up to timeout_s for one to)."""
+        exited = multiprocessing.connection.wait([rank.process.sentinel for rank in self.ranks], timeout_s)
+        for rank in self.ranks:
+            if rank.process.sentinel in exited:
+                self._on_rank_failure(rank, rank.exit_reason())
+                return
 
     def shutdown(self) -> None:
         """Stops the other ranks, then leaves the group: aborted, not destroyed, since a destroy waits on

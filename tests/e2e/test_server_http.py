@@ -53,9 +53,12 @@ def test_probes_need_no_key_and_the_rest_does(live_server: LiveServer) -> None:
         (chat(stop=[1, 2]), "stop", "stop must be a string or a list of strings"),
         (chat(prompt="x"), "prompt", "prompt is not a field of /v1/chat/completions"),
         (
-            chat(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]),
+            chat(
+                tool_choice={"type": "function", "function": {"name": "g"}},
+                tools=[{"function": {"name": "f"}}],
+            ),
             "tool_choice",
-            "not supported yet",
+            "tool_choice names the function 'g', which is not in tools",
         ),
     ],
 )

@@ -42,6 +42,8 @@ class FakeOpenAIServer:
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model", "root": None}]})
         if request.method == "GET" and request.url.path == "/version":
             return httpx.Response(200, json={"version": "fake-1.0"})
+        if request.method == "GET":  # /metrics and the rest: not served, as a server without them answers
+            return httpx.Response(404)
         body = json.loads(request.content)
         self.bodies.append(body)
         prompt = body["prompt"] if "prompt" in body else body["messages"][-1]["content"]

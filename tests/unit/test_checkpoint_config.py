@@ -13,6 +13,7 @@ from transformers import AutoConfig
 from fitserve.models.checkpoint_config import FAMILY_DEFAULTS, CheckpointConfig
 from fitserve.models.gemma4_config import GEMMA4_ARCHITECTURES
 from fitserve.models.loader import load_hf_config, model_max_length
+from fitserve.models.qwen3_5_config import QWEN3_5_ARCHITECTURES
 from fitserve.planner.model_shape import ModelShape
 from tests.paths import SHARED_DIR
 from tests.unit.model_helpers import tiny_hf_config
@@ -67,6 +68,7 @@ def _shared_folders(read_by_fitserve: bool):
         folder
         for folder in folders
         if architectures[folder] not in GEMMA4_ARCHITECTURES
+        and architectures[folder] not in QWEN3_5_ARCHITECTURES  # read by qwen3_5_config.py
         and (architectures[folder] in FAMILY_DEFAULTS) == read_by_fitserve
     ]
 

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layers", ("fitserve.layers",)),
     ("distributed", ("fitserve.distributed",)),
     ("kernels", ("fitserve.kernels",)),
-    ("core", ("fitserve.core",)),
+    ("core", ("fitserve.core", "fitserve.spec_decode", "fitserve.structured.manager")),
     (
         "base",
         (
@@ -44,6 +44,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fitserve.capture_sizes",
             "fitserve.kv_layers",
             "fitserve.kv_groups",
+            "fitserve.spec_decode.config",
+            "fitserve.structured",
         ),
     ),
 )

@@ -35,7 +35,10 @@ def test_defaults_are_vllms() -> None:
         "include_stop_str_in_output": False,
         "logit_bias": None,
         "allowed_token_ids": None,
+        "bad_words": None,
         "output_kind": RequestOutputKind.CUMULATIVE,
+        "structured_outputs": None,
+        "guided_decoding": None,
     }
     assert {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} == expected
     assert params.sampling_type == SamplingType.RANDOM

@@ -114,9 +114,9 @@ def test_every_served_name_is_accepted_and_others_are_404(client) -> None:
         ),
         (
             "/v1/chat/completions",
-            chat_body(response_format={"type": "json_object"}),
+            chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
             "response_format",
-            "not supported yet",
+            "needs json_schema.schema",
         ),
         (
             "/v1/chat/completions",
@@ -169,16 +169,13 @@ def test_malformed_json_is_400(client) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (
-            chat_body(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]),
-            '"required" is not supported yet',
-        ),
+        (chat_body(tool_choice="required"), 'tool_choice "required" needs tools'),
         (
             chat_body(
-                tool_choice={"type": "function", "function": {"name": "f"}},
+                tool_choice={"type": "function", "function": {"name": "g"}},
                 tools=[{"type": "function", "function": {"name": "f"}}],
             ),
-            "naming the function 'f' is not supported yet",
+            "tool_choice names the function 'g', which is not in tools (offered: 'f')",
         ),
         (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "--enable-auto-tool-choice"),
     ],

@@ -108,23 +108,24 @@ def test_detokenize_is_bounded_by_max_model_len(client) -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "field", "value"),
+    ("path", "field", "value", "message"),
     [
-        ("/v1/chat/completions", "guided_choice", ["yes", "no"]),
-        ("/v1/chat/completions", "guided_json", {"type": "object"}),
-        ("/v1/chat/completions", "guided_regex", "[a-z]+"),
-        ("/v1/chat/completions", "guided_grammar", "root ::= 'a'"),
-        ("/v1/completions", "guided_choice", ["yes", "no"]),
-        ("/v1/completions", "structured_outputs", {"choice": ["a"]}),
-        ("/v1/completions", "response_format", {"type": "json_object"}),
-        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-        ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("/v1/chat/completions", "guided_choice", [], "choice is an empty list"),
+        ("/v1/chat/completions", "guided_json", {"type": "thing"}, 'Unsupported type "thing"'),
+        ("/v1/chat/completions", "guided_regex", "(ab", "The parenthesis is not closed"),
+        ("/v1/chat/completions", "guided_grammar", "root ::= foo", 'Rule "foo" is not defined'),
+        ("/v1/completions", "guided_choice", ["yes", ""], "every choice must be a non-empty string"),
+        ("/v1/completions", "structured_outputs", {"choice": ["a"], "regex": "a"}, "takes one"),
+        ("/v1/completions", "structural_tag", "{}", "structural_tag is not supported"),
+        ("/v1/chat/completions", "response_format", {"type": "json_schema"}, "needs json_schema.schema"),
     ],
 )
-def test_structured_output_requests_are_400(client, path: str, field: str, value: object) -> None:
+def test_bad_structured_output_requests_are_400(
+    client, path: str, field: str, value: object, message: str
+) -> None:
     body = {"messages": [USER]} if "chat" in path else {"prompt": "hi"}
     err = error(post(client, path, body | {field: value, "max_tokens": 2}))
-    assert "not supported yet" in err["message"] and err["param"] == field
+    assert message in err["message"] and err["param"] == field, err
 
 
 def test_openapi_declares_400_not_422_and_the_probe_bodies(client) -> None:

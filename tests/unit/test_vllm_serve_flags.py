@@ -57,7 +57,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["--enable-sleep-mode"], "--enable-sleep-mode: fitserve has no sleep mode"),
         (["--disable-cascade-attn"], "--disable-cascade-attn: fitserve has no cascade attention"),
         (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp: fitserve runs one"),
-        (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar: fitserve has no"),
         (["--calculate-kv-scales"], "--calculate-kv-scales: the KV cache is not fp8"),
         (["--enable-expert-parallel"], "--enable-expert-parallel: one rank holds every expert"),
         (["--max-loras", "4"], "--max-loras / --max-lora-rank / --max-cpu-loras: LoRA adapters are not"),
@@ -66,7 +65,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ["--otlp-traces-endpoint", "http://c:4317"],
             "--otlp-traces-endpoint http://c:4317: fitserve exports",
         ),
-        (["--structured-outputs-config", '{"backend": "xgrammar"}'], "--structured-outputs-config: fitserve"),
     ],
 )
 def test_engine_flags_without_a_mode_are_accepted_and_logged(

@@ -34,6 +34,8 @@ class AttentionMetadata:
     # Host copies, for the reference backend and for kernels' launch grids (no device sync).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Hybrid models (core/state_slots.py): each sequence's row of the recurrent state pool; None otherwise
+    state_slots_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -7,6 +7,7 @@ from fitserve.server.parsers.gemma4_reasoning import Gemma4ReasoningParser
 from fitserve.server.parsers.gemma4_tool import Gemma4ToolParser
 from fitserve.server.parsers.hermes import HermesToolParser
 from fitserve.server.parsers.qwen3 import Qwen3ReasoningParser
+from fitserve.server.parsers.qwen3_coder import Qwen3CoderToolParser
 from fitserve.server.parsers.reasoning import ReasoningDelta, ReasoningParser
 from fitserve.server.parsers.tool_calls import (
     ParsedToolCalls,
@@ -25,6 +26,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
     Gemma4ToolParser.name: Gemma4ToolParser,
     HermesToolParser.name: HermesToolParser,
+    Qwen3CoderToolParser.name: Qwen3CoderToolParser,
 }
 
 __all__ = [

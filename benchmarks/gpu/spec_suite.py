@@ -1,0 +1,225 @@
+"""Issue 31's speed figures for speculative decoding, on one GPU.
+
+  python benchmarks/gpu/spec_suite.py all [--out FILE]        # every figure, each engine in its own process
+  python benchmarks/gpu/spec_suite.py one --figure NAME --work DIR
+
+Figures (Llama-3.1-8B shape, dummy weights, greedy, ignore_eos):
+- baseline8b: no speculation. Batch 1: 3 requests of 128 random prompt tokens and 256 output tokens, one
+  at a time after a warm-up, output tok/s of the fastest; concurrency 32: 32 requests of 512 prompt tokens
+  and 256 output tokens at once, the mean TPOT ((last token time - first token time) / 255) over them.
+  Its outputs are the oracle's answers.
+- oracle8b: `{"method": "oracle", "num_speculative_tokens": 3}`, drafting the baseline's own tokens (all
+  accepted): the same batch-1 figure (`oracle_k3_single8b_tok_per_s`); then concurrency 32 with every
+  draft wrong (`zero_accept_c32_tpot_ms`: speculation's cost when nothing is accepted, with its back-off).
+  (Every draft right at concurrency 32 cannot be set up with dummy weights: bf16 sums over batch x 4 rows
+  round differently from batch rows, the random model's near-ties flip, and the answers stop being its.)
+- ngram_smollm2: the default model (SmolLM2-135M-Instruct, real weights) on 50 prompts that ask to rewrite
+  or correct a text (benchmarks/data/rewrite_prompts.py), chat template, greedy, up to 160 tokens, one
+  at a time: seconds for all 50 without speculation and with `{"method": "ngram",
+  "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`, outputs compared, mean
+  acceptance length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import MODELS, TOKENIZER, machine, save  # noqa: I001
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+
+FIGURES = ("baseline8b", "oracle8b", "ngram_smollm2")
+K = 3
+NGRAM_K = 4
+
+
+def _llama(**kwargs):
+    from fitserve import LLM
+
+    return LLM(
+        str(MODELS / "llama-3.1-8b"),
+        tokenizer=str(TOKENIZER),
+        load_format="dummy",
+        max_model_len=2048,
+        gpu_memory_utilization=0.9,
+        **kwargs,
+    )
+
+
+def _prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randint(0, 30000) for _ in range(length)] for _ in range(n)]
+
+
+def _greedy(max_tokens: int):
+    from fitserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _batch1(llm, prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+    """Seconds per request (the first, a warm-up, not counted) and every request's tokens."""
+    times, outputs = [], []
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], _greedy(256), use_tqdm=False)[0]
+        times.append(time.perf_counter() - start)
+        outputs.append(list(out.outputs[0].token_ids))
+    return times[1:], outputs
+
+
+def _concurrent(llm, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(256), use_tqdm=False)
+    tpots = []
+    for out in outs:
+        m = out.metrics
+        tpots.append((m.last_token_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1))
+    return 1000 * sum(tpots) / len(tpots), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _workload() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(0)
+    return _prompts(rng, 4, 128), _prompts(rng, 32, 512)
+
+
+def baseline8b(work: Path) -> dict:
+    single, c32 = _workload()
+    llm = _llama()
+    times, single_out = _batch1(llm, single)
+    llm.generate([{"prompt_token_ids": c32[0][:64]}], _greedy(8), use_tqdm=False)  # warm
+    tpot, c32_out = _concurrent(llm, c32)
+    (work / "answers.json").write_text(json.dumps({"single": single_out, "c32": c32_out}))
+    return {
+        "single8b_tok_per_s": round(256 / min(times), 1),
+        "seconds_per_request": [round(t, 3) for t in times],
+        "baseline_c32_tpot_ms": round(tpot, 2),
+    }
+
+
+def oracle8b(work: Path) -> dict:
+    single, c32 = _workload()
+    answers = json.loads((work / "answers.json").read_text())
+    llm = _llama(speculative_config={"method": "oracle", "num_speculative_tokens": K})
+    proposer = llm.engine.speculator.proposer
+    vocab = llm.engine.config.model.vocab_size
+    proposer.load(single, answers["single"], vocab)
+    times, single_out = _batch1(llm, single)
+    result = {
+        "oracle_k3_single8b_tok_per_s": round(256 / min(times), 1),
+        "seconds_per_request": [round(t, 3) for t in times],
+        "single_outputs_equal_baseline": single_out == answers["single"],
+    }
+    stats = llm.engine.speculator.stats
+    result["single_mean_acceptance_length"] = round(
+        1 + stats.num_accepted_tokens / max(stats.num_drafts, 1), 3
+    )
+    proposer.load(c32, answers["c32"], vocab, miss=True)
+    before = stats.snapshot()
+    tpot, _ = _concurrent(llm, c32)
+    result["zero_accept_c32_tpot_ms"] = round(tpot, 2)
+    result["zero_accept_c32_drafted_tokens"] = stats.num_draft_tokens - before.num_draft_tokens
+    result["zero_accept_c32_accepted_tokens"] = stats.num_accepted_tokens - before.num_accepted_tokens
+    return result
+
+
+def ngram_smollm2(work: Path) -> dict:
+    from rewrite_prompts import rewrite_prompts
+
+    from fitserve import LLM
+
+    prompts = [[{"role": "user", "content": text}] for text in rewrite_prompts()]
+    result: dict = {"prompts": len(prompts), "num_speculative_tokens": NGRAM_K}
+    outputs = {}
+    for name, config in (
+        ("plain", None),
+        (
+            "ngram",
+            {
+                "method": "ngram",
+                "num_speculative_tokens": NGRAM_K,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            },
+        ),
+    ):
+        llm = LLM(speculative_config=config, max_model_len=2048)
+        from fitserve import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=160)
+        llm.chat(prompts[:2], params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outs = [llm.chat([p], params, use_tqdm=False)[0] for p in prompts]
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in outs]
+        result[f"{name}_seconds"] = round(elapsed, 2)
+        result[f"{name}_output_tokens"] = tokens
+        result[f"{name}_tok_per_s"] = round(tokens / elapsed, 1)
+        if config is not None:
+            stats = llm.engine.speculator.stats
+            result["mean_acceptance_length"] = round(
+                1 + stats.num_accepted_tokens / max(stats.num_drafts, 1), 3
+            )
+            result["draft_acceptance_rate"] = round(
+                stats.num_accepted_tokens / max(stats.num_draft_tokens, 1), 3
+            )
+            result["drafted_steps"] = stats.num_drafts
+        llm.engine.shutdown()
+        del llm
+    result["outputs_equal"] = outputs["plain"] == outputs["ngram"]
+    result["ngram_smollm2_speedup"] = round(result["plain_seconds"] / result["ngram_seconds"], 3)
+    result["sample_output"] = outputs["ngram"][0][:40]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["all", "one"])
+    parser.add_argument("--figure", choices=FIGURES)
+    parser.add_argument("--figures", default=",".join(FIGURES))
+    parser.add_argument("--work", default="/tmp/spec_suite")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--figure-timeout-s", type=float, default=300)
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.mode == "one":
+        result = globals()[args.figure](work)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    figures: dict = {}
+    for figure in args.figures.split(","):
+        command = [sys.executable, __file__, "one", "--figure", figure, "--work", str(work)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.figure_timeout_s)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            figures[figure] = (
+                json.loads(lines[-1][len("RESULT ") :])
+                if lines
+                else {"error": (done.stderr or done.stdout)[-3000:]}
+            )
+        except subprocess.TimeoutExpired as expired:
+            figures[figure] = {
+                "error": f"timed out after {args.figure_timeout_s} s",
+                "tail": str(expired.stderr)[-2000:],
+            }
+        print(figure, json.dumps(figures[figure]), flush=True)
+    base, oracle = figures.get("baseline8b", {}), figures.get("oracle8b", {})
+    if "single8b_tok_per_s" in base and "oracle_k3_single8b_tok_per_s" in oracle:
+        figures["oracle_k3_single8b_speedup"] = round(
+            oracle["oracle_k3_single8b_tok_per_s"] / base["single8b_tok_per_s"], 3
+        )
+        figures["zero_accept_c32_tpot_ratio"] = round(
+            oracle["zero_accept_c32_tpot_ms"] / base["baseline_c32_tpot_ms"], 3
+        )
+    out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100_spec.json")
+    save("spec_suite", {"machine_detail": machine(), **figures}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Qwen3.5 / Qwen3.6 text models, dense and MoE: Qwen3_5(Moe)ForCausalLM and the text model of
+Qwen3_5(Moe)ForConditionalGeneration (the published checkpoints, served as text).
+
+A hybrid: most layers are Gated DeltaNet (linear_attention: a per-request recurrent state, no KV cache), every
+fourth one gated softmax attention (full_attention: the paged KV cache); qwen3_5_layers.py computes them.
+embed -> layers -> RMSNorm (1 + weight) -> LM head (untied unless tie_word_embeddings).
+
+The DeltaNet states live in a RecurrentStatePool (worker/recurrent_state.py) that the model runner
+allocates beside the KV cache (`allocate_recurrent_state`); the scheduler hands each running request a slot
+(core/state_slots.py) that reaches the layers through the step's metadata (`state_slots_cpu`).
+
+Weights: a ConditionalGeneration checkpoint keeps the text model under `model.language_model.`, read as
+`model.`; the vision tower (`model.visual.`) and the multi-token-prediction layers (`mtp.`) are skipped,
+each with one log line (MTP speculative decoding is not served yet). MoE experts load from either the
+per-expert form (`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitserve.distributed.parallel_state import tp
+from fitserve.layers.attention.layer import Attention
+from fitserve.layers.linear import ShardId
+from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from fitserve.models.cpu_offload import make_layers
+from fitserve.models.parameter_loads import ParameterLoads
+from fitserve.models.qwen3_5_config import linear_layer_indices
+from fitserve.models.qwen3_5_layers import (
+    GatedDeltaNet,
+    PartialRope,
+    Qwen3_5DecoderLayer,
+    Qwen3_5RMSNorm,
+    rope_inv_freq,
+)
+
+logger = logging.getLogger("fitserve")
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+_PACKED: dict[str, tuple[str, ShardId]] = {
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = make_layers(config.num_hidden_layers, lambda i: Qwen3_5DecoderLayer(config, i))
+        self.norm = Qwen3_5RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = PartialRope(positions, self.inv_freq.float(), hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope)
+        return self.norm(hidden)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """`model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
+    `compute_logits(hidden) -> [N, vocab]`; `load_weights(...)` -> the parameters loaded."""
+
+    cuda_graphs_unsupported = (
+        "Qwen3.5's Gated DeltaNet layers run torch code that decides on the host each step"
+    )
+    # read by the engine: its DeltaNet layers keep per-request state (core/state_slots.py)
+    has_recurrent_state = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        _refuse_unsupported(config)
+        self.config = config
+        self.model = Qwen3_5Model(config)
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
+        )
+        self.weights_prefix = getattr(config, "weights_prefix", "model.")
+        self.state_pool: Any = None
+        if getattr(config, "towers", None):
+            logger.info("Qwen3.5: serving the text model only; the vision tower is not built or loaded")
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
+
+    @property
+    def delta_net_layers(self) -> list[GatedDeltaNet]:
+        return [self.model.layers[i].linear_attn for i in linear_layer_indices(self.config)]
+
+    def attach_state_pool(self, pool: Any) -> None:
+        """Hands each DeltaNet layer its tensors of `pool` (worker/recurrent_state.py)."""
+        self.state_pool = pool
+        for layer, (conv, recurrent) in zip(self.delta_net_layers, pool.layer_states(), strict=True):
+            layer.conv_states, layer.recurrent_states = conv, recurrent
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loads = ParameterLoads(self)
+        experts: dict[str, set[tuple[int, str]]] = {}
+        skipped = {"vision": 0, "mtp": 0}
+        for name, tensor in weights:
+            if name.startswith(VISION_PREFIXES):
+                skipped["vision"] += 1
+                continue
+            if name.startswith(MTP_PREFIXES):
+                skipped["mtp"] += 1
+                continue
+            if name.startswith(self.weights_prefix):
+                name = "model." + name.removeprefix(self.weights_prefix)
+            if name.startswith("lm_head.") and self.lm_head.tied:
+                continue
+            if ".mlp.experts." in name and self._load_expert(name, tensor, loads, experts):
+                continue
+            target, shard_id = _map_name(name)
+            param = loads.param(name, target)
+            if target.endswith(".conv_weight"):
+                tensor = tensor.reshape(param.shape)  # conv1d.weight [C, 1, K] -> [C, K]
+            loads.load(name, target, tensor, shard_id, (0, 1), param)
+        if skipped["vision"]:
+            logger.info(
+                "Skipped %d vision tower tensors: fitserve serves Qwen3.5's text model", skipped["vision"]
+            )
+        if skipped["mtp"]:
+            logger.info(
+                "Skipped %d multi-token-prediction (mtp.*) tensors: MTP speculative decoding is not served "
+                "for Qwen3.5 yet",
+                skipped["mtp"],
+            )
+        return loads.loaded
+
+    def _load_expert(
+        self, name: str, tensor: torch.Tensor, loads: ParameterLoads, experts: dict[str, set[tuple[int, str]]]
+    ) -> bool:
+        """A per-expert checkpoint tensor (`...mlp.experts.<e>.<gate|up|down>_proj.weight`) copied into
+        its rows of the fused parameters; False for the fused form, which loads by name."""
+        prefix, _, rest = name.partition(".mlp.experts.")
+        parts = rest.split(".")
+        if len(parts) != 3 or not parts[0].isdigit():
+            return False
+        expert, projection = int(parts[0]), parts[1]
+        base = f"{prefix}.mlp.experts."
+        gate_up, down = loads.param(name, base + "gate_up_proj"), loads.param(name, base + "down_proj")
+        width = down.shape[-1]
+        with torch.no_grad():
+            if projection == "gate_proj":
+                gate_up[expert, :width].copy_(tensor)
+            elif projection == "up_proj":
+                gate_up[expert, width:].copy_(tensor)
+            elif projection == "down_proj":
+                down[expert].copy_(tensor)
+            else:
+                raise ValueError(
+                    f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj"
+                )
+        seen = experts.setdefault(base, set())
+        seen.add((expert, projection))
+        num_experts = gate_up.shape[0]
+        if len(seen) == 3 * num_experts:
+            loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
+        return True
+
+
+def _map_name(name: str) -> tuple[str, ShardId | None]:
+    if name.endswith(".linear_attn.conv1d.weight"):
+        return name.replace(".conv1d.weight", ".conv_weight"), None
+    if ".mlp.experts." not in name:
+        for marker, (packed, shard_id) in _PACKED.items():
+            if marker in name:
+                return name.replace(marker, packed), shard_id
+    return name, None
+
+
+def _refuse_unsupported(config: Any) -> None:
+    size = tp().size
+    if size > 1:
+        raise ValueError(
+            f"Qwen3.5 runs with --tensor-parallel-size 1 in fitserve for now, not {size}: its Gated DeltaNet "
+            "layers do not split across ranks yet (serve it with --tensor-parallel-size 1)"
+        )
+    asked = {
+        key: value
+        for key, value in vars(config).items()
+        if "quantization" in key.lower() and value not in (None, "", {}, "none")
+    }
+    if asked:
+        raise ValueError(
+            f"Qwen3.5 runs unquantized in fitserve for now, but the model asks for {asked}: serve a bfloat16 "
+            "checkpoint without --quantization (quantized Qwen3.5 layers are not implemented yet)"
+        )
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text model of a multimodal Qwen3.5 checkpoint (text_config, flattened by qwen3_5_config.py;
+    weights under model.language_model.). Image and video input are not served."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """The MoE variant: every layer's MLP is the sparse block with its shared expert."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text model of a multimodal Qwen3.5 MoE checkpoint (Qwen3.6-35B-A3B)."""

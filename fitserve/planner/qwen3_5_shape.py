@@ -1,0 +1,79 @@
+"""Qwen3.5 / Qwen3.6's text parameters and per-request state, counted from config.json as transformers'
+modeling_qwen3_5(_moe).py builds them.
+
+Per full_attention layer: q_proj (query and gate: 2 x heads x head_dim rows), k_proj, v_proj, o_proj,
+q_norm and k_norm. Per linear_attention (Gated DeltaNet) layer: in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a, out_proj (the projections), the conv1d (conv_dim x K), A_log and dt_bias (one per value head)
+and the gated norm (v_dim). Every layer: two norms and the MLP (dense), or the router, the experts and the
+shared expert with its one-output gate (MoE). Outside the layers: the embedding, the LM head (untied), the
+final norm. The vision tower and the MTP layers are not counted (not loaded).
+
+The per-request state (worker/recurrent_state.py counts the same): per DeltaNet layer conv_dim x (K - 1)
+elements in the model dtype and value heads x k_dim x v_dim in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fitserve.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION
+
+
+@dataclass(frozen=True)
+class Qwen3_5Counts:
+    linear: int  # projection matrices and experts
+    other: int  # embeddings, LM head, norms, conv weights, decay parameters, routers
+    replicated: int  # norms, conv weights, decay parameters, routers
+    experts: int
+    active_experts: int
+    conv_state_elements: int  # per request, over the DeltaNet layers (model dtype)
+    recurrent_state_elements: int  # per request, over the DeltaNet layers (float32)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.other
+
+    @property
+    def active(self) -> int:
+        return self.total - self.experts + self.active_experts
+
+
+def qwen3_5_counts(config: Any) -> Qwen3_5Counts:
+    hidden, head_dim = int(config.hidden_size), int(config.head_dim)
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    key_size = int(config.linear_num_key_heads) * int(config.linear_key_head_dim)
+    value_heads, v_dim = int(config.linear_num_value_heads), int(config.linear_value_head_dim)
+    value_size = value_heads * v_dim
+    conv_dim, width = 2 * key_size + value_size, int(config.linear_conv_kernel_dim)
+    moe = bool(getattr(config, "num_experts", None))
+    linear = replicated = experts = active_experts = conv_elements = recurrent_elements = 0
+    for kind in config.layer_types:
+        if kind == FULL_ATTENTION:
+            linear += hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + heads * head_dim * hidden
+            replicated += 2 * head_dim
+        elif kind == LINEAR_ATTENTION:
+            linear += hidden * (conv_dim + value_size + 2 * value_heads) + value_size * hidden
+            replicated += conv_dim * width + 2 * value_heads + v_dim
+            conv_elements += conv_dim * (width - 1)
+            recurrent_elements += value_heads * int(config.linear_key_head_dim) * v_dim
+        replicated += 2 * hidden
+        if moe:
+            num_experts, expert_width = int(config.num_experts), int(config.moe_intermediate_size)
+            experts += 3 * num_experts * expert_width * hidden
+            active_experts += 3 * int(config.num_experts_per_tok) * expert_width * hidden
+            linear += 3 * hidden * int(config.shared_expert_intermediate_size)
+            replicated += hidden * num_experts + hidden  # router, shared-expert gate
+        else:
+            linear += 3 * hidden * int(config.intermediate_size)
+    replicated += hidden  # the final norm
+    tables = int(config.vocab_size) * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return Qwen3_5Counts(
+        linear=linear + experts,
+        other=tables + replicated,
+        replicated=replicated,
+        experts=experts,
+        active_experts=active_experts,
+        conv_state_elements=conv_elements,
+        recurrent_state_elements=recurrent_elements,
+    )

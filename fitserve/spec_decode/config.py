@@ -1,0 +1,157 @@
+"""`--speculative-config` as vLLM reads it: a JSON object (flag), a mapping (config.yaml,
+`LLM(speculative_config=...)`), checked once into a frozen `SpeculativeConfig`.
+
+Keys: `method`, `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (ngram), `model`,
+`draft_tensor_parallel_size`, `disable_by_batch_size`. Methods fitserve runs: `ngram` (prompt lookup) and,
+for benchmarks only, `oracle` (drafts the tokens a first pass produced, fitserve/spec_decode/oracle.py).
+`draft_model`, `eagle` / `eagle3`, `mtp` and `suffix` are vLLM's other methods: refused with what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# What each method needs, and the most draft tokens one step verifies (a verify step computes
+# batch x (k + 1) tokens; past 15 a miss wastes more than any acceptance saves).
+MAX_SPECULATIVE_TOKENS = 15
+RUNS = ("ngram", "oracle")
+NOT_BUILT = {
+    "draft_model": "a draft model",
+    "eagle": "EAGLE draft heads",
+    "eagle3": "EAGLE-3 draft heads",
+    "mtp": "the checkpoint's MTP layers",
+    "deepseek_mtp": "the checkpoint's MTP layers",
+    "qwen3_next_mtp": "the checkpoint's MTP layers",
+    "medusa": "Medusa heads",
+    "mlp_speculator": "an MLP speculator",
+    "suffix": "suffix decoding",
+}
+KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "draft_tensor_parallel_size",
+    "disable_by_batch_size",
+    "quantization",
+    "revision",
+    "max_model_len",
+}
+# vLLM's ngram defaults when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    # No drafts for a step with more running requests than this (vLLM's key); None: fitserve's own
+    # rule (fitserve/spec_decode/speculator.py) decides from the batch and the acceptance.
+    disable_by_batch_size: int | None = None
+
+    def describe(self) -> str:
+        if self.method == "ngram":
+            return (
+                f"ngram, {self.num_speculative_tokens} draft tokens, prompt lookup "
+                f"{self.prompt_lookup_min}..{self.prompt_lookup_max} tokens"
+            )
+        return f"{self.method}, {self.num_speculative_tokens} draft tokens"
+
+
+def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"--speculative-config {key} is {value!r}: it must be a whole number of at least 1 "
+            f'(e.g. "{key}": 3)'
+        )
+    return value
+
+
+def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The checked config, or None when speculative decoding is off (no config, or `{}`)."""
+    if not raw:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"--speculative-config is {raw!r}: give a JSON object, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\''
+        )
+    unknown = sorted(set(raw) - KEYS)
+    if unknown:
+        raise ValueError(
+            f"--speculative-config has unknown key(s) {', '.join(unknown)}: the keys are "
+            f"{', '.join(sorted(KEYS))}"
+        )
+    method = raw.get("method")
+    if method is None:
+        method = "draft_model" if raw.get("model") else None
+    if method in ("[ngram]",):
+        method = "ngram"
+    if method is None:
+        raise ValueError(
+            '--speculative-config has no method: set "method" to ngram (prompt lookup), e.g. '
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\''
+        )
+    if method in NOT_BUILT:
+        raise ValueError(
+            f"--speculative-config method {method!r} (speculation with {NOT_BUILT[method]}) is not built in "
+            f"fitserve yet: use method ngram (prompt lookup, no second model), or drop --speculative-config"
+        )
+    if method not in RUNS:
+        raise ValueError(
+            f"--speculative-config method {method!r} is unknown: fitserve runs {', '.join(RUNS[:1])} "
+            f"(vLLM's other methods: {', '.join(NOT_BUILT)})"
+        )
+    k = _positive_int(raw, "num_speculative_tokens")
+    if k is None:
+        raise ValueError(
+            f"--speculative-config method {method} needs num_speculative_tokens (draft tokens a step "
+            'verifies, e.g. "num_speculative_tokens": 3)'
+        )
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"--speculative-config num_speculative_tokens is {k}, above the limit of "
+            f"{MAX_SPECULATIVE_TOKENS}: a verify step computes k + 1 tokens per request, so set 1 to "
+            f"{MAX_SPECULATIVE_TOKENS} (3 to 5 is usual)"
+        )
+    lookup_min = _positive_int(raw, "prompt_lookup_min")
+    lookup_max = _positive_int(raw, "prompt_lookup_max")
+    if lookup_min is None and lookup_max is None:
+        lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+    lookup_min = lookup_min or lookup_max
+    lookup_max = lookup_max or lookup_min
+    if lookup_min > lookup_max:
+        raise ValueError(
+            f"--speculative-config prompt_lookup_min {lookup_min} is above prompt_lookup_max {lookup_max}: "
+            "the lookup tries the longest match first, from prompt_lookup_max down to prompt_lookup_min"
+        )
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=k,
+        prompt_lookup_min=lookup_min,
+        prompt_lookup_max=lookup_max,
+        disable_by_batch_size=_positive_int(raw, "disable_by_batch_size"),
+    )
+
+
+def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int, recurrent_layers: int) -> None:
+    """Refuses, before any weight loads, a model whose steps a verify step cannot be shaped for yet."""
+    if recurrent_layers:
+        raise ValueError(
+            f"--speculative-config method {config.method} on a hybrid model ({recurrent_layers} layers with "
+            "recurrent state) is not built yet: a verify step's drafts would have to roll the state back; "
+            "drop --speculative-config for this model"
+        )
+    if num_kv_groups > 1:
+        raise ValueError(
+            f"--speculative-config method {config.method} with sliding-window layers ({num_kv_groups} KV "
+            "cache groups) is not built yet: drop --speculative-config for this model, or set "
+            "--max-model-len to the window or less (its layers then keep one group)"
+        )
