@@ -35,6 +35,7 @@ from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddi
 from fitserve.models.cpu_offload import make_layers
 from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm
 from fitserve.models.parameter_loads import ParameterLoads
+from fitserve.models.unquantized import refuse_quantization
 
 logger = logging.getLogger("fitserve")
 
@@ -142,7 +143,7 @@ class Gemma4ForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        _refuse_quantization(config)
+        refuse_quantization(config, "Gemma-4")
         self.config = config
         self.model = Gemma4Model(config)
         tie = bool(getattr(config, "tie_word_embeddings", True))
@@ -206,21 +207,6 @@ class Gemma4ForCausalLM(nn.Module):
             return False
         attention = self.model.layers[int(parts[2])].self_attn
         return attention.shared and (shard_id in ("k", "v") or parts[4] in ("k_norm", "v_norm"))
-
-
-def _refuse_quantization(config: Any) -> None:
-    """Gemma-4's projections are plain linears here: a quantized checkpoint or --quantization (which the
-    loader hands the model on the config, under an attribute naming quantization) is refused, not ignored."""
-    asked = {
-        key: value
-        for key, value in vars(config).items()
-        if "quantization" in key.lower() and value not in (None, "", {}, "none")
-    }
-    if asked:
-        raise ValueError(
-            f"Gemma-4 runs unquantized in fitserve for now, but the model asks for {asked}: serve a bfloat16 "
-            "checkpoint without --quantization (quantized Gemma-4 layers are not implemented yet)"
-        )
 
 
 def _map_name(name: str) -> tuple[str, ShardId | None]:

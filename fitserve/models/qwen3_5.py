@@ -38,6 +38,7 @@ from fitserve.models.qwen3_5_layers import (
     Qwen3_5RMSNorm,
     rope_inv_freq,
 )
+from fitserve.models.unquantized import refuse_quantization
 
 logger = logging.getLogger("fitserve")
 
@@ -193,16 +194,7 @@ def _refuse_unsupported(config: Any) -> None:
             f"Qwen3.5 runs with --tensor-parallel-size 1 in fitserve for now, not {size}: its Gated DeltaNet "
             "layers do not split across ranks yet (serve it with --tensor-parallel-size 1)"
         )
-    asked = {
-        key: value
-        for key, value in vars(config).items()
-        if "quantization" in key.lower() and value not in (None, "", {}, "none")
-    }
-    if asked:
-        raise ValueError(
-            f"Qwen3.5 runs unquantized in fitserve for now, but the model asks for {asked}: serve a bfloat16 "
-            "checkpoint without --quantization (quantized Qwen3.5 layers are not implemented yet)"
-        )
+    refuse_quantization(config, "Qwen3.5")
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
