@@ -298,25 +298,45 @@ class Engine:
 
         Step N+1 is planned with step N's tokens as placeholders (see Scheduler). When step N sampled
         with penalties or a grammar (they read the exact output tokens; a grammar's matcher must have
-        taken them before the next mask), its tokens are taken first instead."""
+        taken them before the next mask), step N+1's forward is queued, step N's tokens are taken, and
+        only then is N+1's sampling queued. After a speculative step (the next drafts continue its
+        tokens) its tokens are taken before anything is planned."""
         outputs: list[RequestOutput] = []
         if self.structured.has_held:
             outputs.extend(self._admit_structured())
         previous, self._in_flight = self._in_flight, None
         speculate = self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running)
-        if previous is not None and (previous.launched.needs_token_history or speculate):
+        if previous is not None and (previous.launched.must_sync or speculate):
             outputs.extend(self._take_tokens(previous))
             previous = None
         if speculate:
             self.speculator.propose(self.scheduler.running)  # drafts continue the tokens just taken
+        # Rows with penalties or a grammar read the last step's tokens: this step's forward is queued
+        # first and its sampling once they are taken.
+        defer = previous is not None and previous.launched.needs_token_history
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
-            self._in_flight = self._launch_or_fail(scheduler_output, outputs)
+            self._in_flight = self._launch_or_fail(scheduler_output, outputs, defer)
         elif scheduler_output.finished_req_ids:
             self.executor.launch(scheduler_output)  # lets the runner drop finished requests' state
         if previous is not None:
             outputs.extend(self._take_tokens_or_fail(previous))
+        if defer and self._in_flight is not None:
+            self._sample_or_fail(self._in_flight, outputs)
         return outputs
+
+    def _sample_or_fail(self, step: InFlightStep, outputs: list[RequestOutput]) -> None:
+        """Queues a deferred sampling; a failure ends that step's requests, as a launch's does."""
+        try:
+            step.launched.sample()
+        except RankFailedError:
+            raise
+        except Exception as error:
+            self._in_flight = None
+            live = [item for item in step.scheduler_output.scheduled if not item.request.is_finished]
+            outputs.extend(
+                self.failures.fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
+            )
 
     def _admit_structured(self) -> list[RequestOutput]:
         """Hands the scheduler the constrained requests whose grammar is compiled; one whose grammar
@@ -335,13 +355,13 @@ class Engine:
         return self.output_processor.make_outputs(failed)
 
     def _launch_or_fail(
-        self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]
+        self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput], defer_sampling: bool = False
     ) -> InFlightStep | None:
         """Launches the step. A request whose own work raised is ended alone (finish_reason "error") and
         the step runs without it; a step that fails as a whole ends its requests, never the engine."""
         while True:
             try:
-                return self._launch(scheduler_output)
+                return self._launch(scheduler_output, defer_sampling)
             except RequestsFailedError as error:
                 failed = {
                     child_id: e
@@ -375,8 +395,8 @@ class Engine:
             live = [item for item in step.scheduler_output.scheduled if not item.request.is_finished]
             return self.failures.fail_step(dataclasses.replace(step.scheduler_output, scheduled=live), error)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
-        launched = self.executor.launch(scheduler_output)
+    def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> InFlightStep:
+        launched = self.executor.launch(scheduler_output, defer_sampling)
         now = time.time()
         self._count_tokens(scheduler_output)
         self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)

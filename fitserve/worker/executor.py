@@ -26,9 +26,9 @@ class UniprocExecutor:
         self.runner.allocate_kv_cache(plan)
         return plan
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         """Starts the step; its result() waits for it (see ModelRunner.launch)."""
-        return self.runner.launch(scheduler_output)
+        return self.runner.launch(scheduler_output, defer_sampling)
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives and goes with this process."""

@@ -79,7 +79,11 @@ def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
     """In place: -inf for every token the grammar of a constrained row (row.grammar) does not allow
     next. The matchers fill one host bitmask (int32, a bit per token), unpacked on the logits' device
     (fitserve/structured/bitmask.py). Rows without a grammar are untouched."""
-    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    # a grammar already complete belongs to a request that ended with the last step's token (this row of
+    # a deferred sampling is dropped): left unmasked
+    constrained = [
+        i for i, row in enumerate(rows) if row.grammar is not None and not row.grammar.is_terminated
+    ]
     if not constrained:
         return
     from fitserve.structured.bitmask import apply_bitmask_rows

@@ -76,15 +76,33 @@ class RequestsFailedError(Exception):
 class LaunchedStep:
     """A step queued on the device. result() waits for it and returns its tokens.
 
-    needs_token_history: a request of this step samples with penalties, which read its exact output
-    tokens, so the next step may not be planned before this one's tokens are on the host.
+    needs_token_history: a request of this step samples with penalties, a grammar or bad words, which
+    read its exact output tokens: the next step's sampling must wait for this step's tokens (the next
+    step is then launched with `defer_sampling`: its forward queued, its sampling queued by sample() once
+    the engine has taken these tokens). must_sync: the next step may not even be planned before this
+    one's tokens are on the host (speculative drafts continue them).
     """
 
-    def __init__(self, finish: Callable[[], ModelRunnerOutput], needs_token_history: bool = False) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], ModelRunnerOutput],
+        needs_token_history: bool = False,
+        must_sync: bool = False,
+        sample: Callable[[], None] | None = None,
+    ) -> None:
         self._finish = finish
-        self.needs_token_history = needs_token_history
+        self.needs_token_history = needs_token_history or must_sync
+        self.must_sync = must_sync
+        self._sample = sample
+
+    def sample(self) -> None:
+        """Queues a deferred sampling (once); nothing for a step that sampled at launch."""
+        sample, self._sample = self._sample, None
+        if sample is not None:
+            sample()
 
     def result(self) -> ModelRunnerOutput:
+        self.sample()
         return self._finish()
 
 
@@ -235,12 +253,14 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         """Queues the step's forward and sampling on the device and returns without waiting; the
         result waits for this step alone. The engine does host work (and plans the next step) between.
 
         A token still in flight (scheduled before the last step's tokens reached the host) is read on
-        the device from the last step's sampled ids."""
+        the device from the last step's sampled ids. defer_sampling: the forward and the logits are
+        queued now, the sampling when the engine calls the step's sample() (after taking the last step's
+        tokens, which rows with penalties or a grammar read)."""
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
             self.block_table_rows.release(request_id)
@@ -265,13 +285,25 @@ class ModelRunner:
             return LaunchedStep(lambda: output)
         logits = self._sample_logits(hidden, inputs)
         rows = [sampling_rows[_row_key(item)] for item in sample_items]
-        pending = self.sampler.launch(logits, rows)
-        # every rank reads the tokens in flight from its own copy (run_host_inputs)
-        self._last_sampled = broadcast_from_first(pending.sampled)
-        self._last_sample_index = {item.request.request_id: i for i, item in enumerate(sample_items)}
+        needs_history = any(row.needs_token_history for row in rows)
+        launched: list = []
+
+        def sample() -> None:
+            if defer_sampling:  # rebuilt: the last step's tokens have reached their requests since
+                for i, item in enumerate(sample_items):
+                    if rows[i].needs_token_history:
+                        rows[i] = self._sampling_row(item)
+            pending = self.sampler.launch(logits, rows)
+            # every rank reads the tokens in flight from its own copy (run_host_inputs)
+            self._last_sampled = broadcast_from_first(pending.sampled)
+            self._last_sample_index = {item.request.request_id: i for i, item in enumerate(sample_items)}
+            launched.append(pending)
+
+        if not defer_sampling:
+            sample()
 
         def finish() -> ModelRunnerOutput:
-            result = pending.result()
+            result = launched[0].result()
             for item, token_id, token_logprobs in zip(
                 sample_items, result.sampled_token_ids, result.logprobs
             ):
@@ -291,7 +323,7 @@ class ModelRunner:
             return output
 
         # the next step's drafts continue this one's tokens: it waits for them
-        return LaunchedStep(finish, bool(drafts) or any(row.needs_token_history for row in rows))
+        return LaunchedStep(finish, needs_history, bool(drafts), sample if defer_sampling else None)
 
     @torch.inference_mode()
     def run_host_inputs(self, host: HostInputs) -> None:

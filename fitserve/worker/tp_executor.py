@@ -195,13 +195,16 @@ class MultiprocExecutor:
             self._reply(rank, tp_worker.ALLOCATED)
         return plan
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        launched = self._guarded(lambda: self.runner.launch(scheduler_output))
+    def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
+        launched = self._guarded(lambda: self.runner.launch(scheduler_output, defer_sampling))
+
+        def sample() -> None:
+            self._guarded(launched.sample)
 
         def finish() -> ModelRunnerOutput:
             return self._guarded(launched.result)
 
-        return LaunchedStep(finish, launched.needs_token_history)
+        return LaunchedStep(finish, launched.needs_token_history, launched.must_sync, sample)
 
     def _guarded(self, work: Any) -> Any:
         """work(), with an error caused by a failed rank (a collective aborted) raised as that failure."""

@@ -112,14 +112,16 @@ def llama_folder(tmp_path_factory):
     return folder
 
 
-def test_penalties_make_the_engine_wait_for_the_tokens(llama_folder):
+def test_penalties_defer_the_next_sampling_until_the_tokens_are_taken(llama_folder):
     llm = make_llm(llama_folder)
     engine = llm.engine
     engine.add_request("p", None, [5, 6, 7], SamplingParams(max_tokens=4, repetition_penalty=1.5))
     engine.step()
     assert engine._in_flight.launched.needs_token_history
-    engine.step()  # took the first token before planning the second step
-    assert engine.scheduler.requests["p"].num_output_placeholders == 1
+    engine.step()  # queued the second step's forward, took the first token, then queued its sampling
+    request = engine.scheduler.requests["p"]
+    assert request.num_output_tokens == 1 and request.num_output_placeholders == 1
+    assert engine._in_flight.launched._sample is None  # sampled already: after the token was taken
 
 
 def test_penalised_requests_get_the_same_tokens_with_other_traffic(llama_folder):
@@ -140,10 +142,10 @@ def test_a_step_out_of_memory_ends_its_requests_with_the_knob_and_the_engine_goe
     engine = llm.engine
     launch = engine.executor.launch
 
-    def launch_failing_on_long_steps(scheduler_output):
+    def launch_failing_on_long_steps(scheduler_output, *args):
         if scheduler_output.num_batched_tokens > 10:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB.")
-        return launch(scheduler_output)
+        return launch(scheduler_output, *args)
 
     engine.executor.launch = launch_failing_on_long_steps
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

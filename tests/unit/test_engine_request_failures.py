@@ -80,12 +80,12 @@ def test_a_step_failing_as_a_whole_ends_its_requests_and_the_engine_goes_on(llm,
     launch = engine.executor.launch
     calls = {"n": 0}
 
-    def launch_failing_once(scheduler_output):
+    def launch_failing_once(scheduler_output, *args):
         if not scheduler_output.is_empty:
             calls["n"] += 1
             if calls["n"] == 2:
                 raise RuntimeError("internal details /secret/path")
-        return launch(scheduler_output)
+        return launch(scheduler_output, *args)
 
     monkeypatch.setattr(engine.executor, "launch", launch_failing_once)
     engine.add_request("a", None, [5, 6, 7], GREEDY)
@@ -132,10 +132,10 @@ def test_blocks_a_failed_step_never_wrote_leave_the_prefix_cache(llm, monkeypatc
     launch = engine.executor.launch
     prompt = list(range(100, 120))  # two full blocks of 8, hashed when the step is planned
 
-    def launch_failing(scheduler_output):
+    def launch_failing(scheduler_output, *args):
         if not scheduler_output.is_empty:
             raise RuntimeError("the step never ran")
-        return launch(scheduler_output)
+        return launch(scheduler_output, *args)
 
     monkeypatch.setattr(engine.executor, "launch", launch_failing)
     engine.add_request("never-computed", None, prompt, GREEDY)
