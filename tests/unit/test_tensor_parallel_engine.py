@@ -45,6 +45,19 @@ def test_tp2_greedy_equals_tp1(tiny_folder):
                 assert abs(position_ours[token_id].logprob - entry.logprob) < 1e-4
 
 
+def test_tp2_with_penalties_equals_tp1(tiny_folder):
+    """Penalties read the exact outputs: each step's sampling is queued after the last step's tokens are
+    taken (its forward, and the LM head's gather across ranks, before)."""
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
+    expected = _greedy(make_llm(tiny_folder), **penalties)
+    two = make_llm(tiny_folder, tensor_parallel_size=2)
+    try:
+        got = _greedy(two, **penalties)
+    finally:
+        two.engine.shutdown()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+
+
 def test_a_dead_rank_stops_the_engine_naming_it(tiny_folder):
     llm = make_llm(tiny_folder, tensor_parallel_size=2)
     rank = llm.engine.executor.ranks[0]
