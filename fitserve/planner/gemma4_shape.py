@@ -14,30 +14,13 @@ serves the text model only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from fitserve.kv_layers import FULL, kv_layer_specs
+from fitserve.planner.architecture_counts import ArchitectureCounts
 
 
-@dataclass(frozen=True)
-class Gemma4Counts:
-    linear: int  # projection matrices and experts
-    other: int  # embeddings, norms, router, layer scalars
-    replicated: int  # norms, routers, scalars
-    experts: int  # the experts' parameters (all of them)
-    active_experts: int  # those a token runs
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.other
-
-    @property
-    def active(self) -> int:
-        return self.total - self.experts + self.active_experts
-
-
-def gemma4_counts(config: Any) -> Gemma4Counts:
+def gemma4_counts(config: Any) -> ArchitectureCounts:
     specs = kv_layer_specs(config)
     hidden, heads = config.hidden_size, config.num_attention_heads
     per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
@@ -66,7 +49,7 @@ def gemma4_counts(config: Any) -> Gemma4Counts:
     if per_layer:
         tables += config.vocab_size_per_layer_input * num_layers * per_layer
         replicated += hidden * num_layers * per_layer + per_layer  # the model projection, whole on every rank
-    return Gemma4Counts(
+    return ArchitectureCounts(
         linear=linear + experts,
         other=tables + replicated,
         replicated=replicated,

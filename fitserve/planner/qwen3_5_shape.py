@@ -18,25 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.models.qwen3_5_config import FULL_ATTENTION, LINEAR_ATTENTION
+from fitserve.planner.architecture_counts import ArchitectureCounts
 
 
 @dataclass(frozen=True)
-class Qwen3_5Counts:
-    linear: int  # projection matrices and experts
-    other: int  # embeddings, LM head, norms, conv weights, decay parameters, routers
-    replicated: int  # norms, conv weights, decay parameters, routers
-    experts: int
-    active_experts: int
+class Qwen3_5Counts(ArchitectureCounts):
+    """`other` also holds the LM head, the conv weights and the decay parameters; `replicated` the
+    last two."""
+
     conv_state_elements: int  # per request, over the DeltaNet layers (model dtype)
     recurrent_state_elements: int  # per request, over the DeltaNet layers (float32)
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.other
-
-    @property
-    def active(self) -> int:
-        return self.total - self.experts + self.active_experts
 
 
 def qwen3_5_counts(config: Any) -> Qwen3_5Counts:
