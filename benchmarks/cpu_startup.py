@@ -5,9 +5,11 @@ cold: an empty fitserve cache and no pip cache, as on a fresh machine: the defau
 warm: the same command again, the converted model cached (every start after the first).
 
 Before each start it waits (up to --settle-s) for the 1-minute load average to fall below 0.5. Each start
-records that load average (this machine's speed moves with its load), the phases the server logs
-(conversion, weights, engine), the peak RSS and one greedy chat answer from the default model
-(max_tokens 32), so a start that answers nonsense is seen.
+records that load average (this machine's speed moves with its load) before and after, the server
+process's CPU seconds until /health answered (all its threads: steadier than the wall time on a shared
+machine), the phases the server logs (conversion, weights, engine), the peak RSS, and one greedy chat
+answer from the default model (max_tokens 32) with the seconds it took after /health, so a start that
+answers nonsense, or that moved work from before /health onto the first request, is seen.
 
 Usage:
   python benchmarks/cpu_startup.py [--repeats 3] [--out benchmarks/results/cpu_startup.json]
@@ -61,6 +63,17 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) the process has used so far; None where /proc has no
+    stat for it (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # after the command's ")": state is field 3 of stat(5), so utime (14) and stime (15) are at 11, 12
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(
@@ -119,8 +132,12 @@ def timed_start(fitserve: list[str], env: dict[str, str], work: Path, name: str)
     log_path = work / f"{name}.log"
     load_before = os.getloadavg()[0]
     process, seconds = start_server([*fitserve, "serve", "--port", str(port)], env, port, log_path)
+    cpu_s = process_cpu_s(process.pid)  # a few ms after /health answered
     try:
+        asked = time.perf_counter()
         answer = ask(port)
+        answer_s = time.perf_counter() - asked
+        load_after = os.getloadavg()[0]
     finally:
         stop(process)
     log = log_path.read_text()
@@ -128,10 +145,13 @@ def timed_start(fitserve: list[str], env: dict[str, str], work: Path, name: str)
     rss = re.search(r"process peak RSS ([\d.]+) GiB", log)
     return {
         "start_to_health_s": round(seconds, 2),
+        "cpu_s_to_health": None if cpu_s is None else round(cpu_s, 2),
         "load_average_1min_before": round(load_before, 2),
+        "load_average_1min_after": round(load_after, 2),
         **phases,
         "peak_rss_gib": float(rss.group(1)) if rss else None,
         "answer": answer,
+        "answer_after_health_s": round(answer_s, 2),
     }
 
 
@@ -188,6 +208,12 @@ def main() -> int:
         default=60.0,
         help="most seconds to wait for a quiet machine before each start",
     )
+    parser.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="no cold start: time warm starts against this user's fitserve cache, which must already hold "
+        "the converted default model (run `fitserve serve` once first)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_startup.json"))
     args = parser.parse_args()
     if args.repeats < 1:
@@ -196,13 +222,23 @@ def main() -> int:
     if args.check:
         return check(fitserve)
     work = Path(tempfile.mkdtemp(prefix="fitserve-startup-"))
-    env = cold_env(work)
-    settle(args.settle_s)
-    cold = timed_start(fitserve, env, work, "cold")
+    env = dict(os.environ) if args.warm_only else cold_env(work)
+    cold = None
+    if not args.warm_only:
+        settle(args.settle_s)
+        cold = timed_start(fitserve, env, work, "cold")
     warm = []
     for index in range(args.repeats):
         settle(args.settle_s)
         warm.append(timed_start(fitserve, env, work, f"warm{index}"))
+        if args.warm_only and "conversion_s" in warm[-1]:
+            shutil.rmtree(work, ignore_errors=True)
+            print(
+                "--warm-only: that start converted the default model (the fitserve cache had none), so it "
+                "was not warm: run the benchmark again",
+                file=sys.stderr,
+            )
+            return 1
     shutil.rmtree(work, ignore_errors=True)
     result = {
         "benchmark": "cpu_startup",

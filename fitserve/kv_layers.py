@@ -57,10 +57,6 @@ def is_qwen3_5(config: Any) -> bool:
 def cuda_graphs_unsupported(model_type: str) -> str | None:
     """Why a model's steps cannot be captured in CUDA graphs yet (None: they can): the engine then runs
     them eagerly, and the planner reserves no graph memory for them."""
-    if model_type in GEMMA4_MODEL_TYPES:
-        return "Gemma-4's torch MoE and sliding-window paths decide on the host each step"
-    if model_type in QWEN3_5_MODEL_TYPES:
-        return "Qwen3.5's Gated DeltaNet layers run torch code that decides on the host each step"
     return None
 
 

@@ -181,9 +181,9 @@ def time_engine_phases(engine) -> dict[str, float]:
     processor.apply_tokens = timed("detokenize", processor.apply_tokens)
     launch = executor.launch
 
-    def timed_launch(scheduler_output):
+    def timed_launch(scheduler_output, *args, **kwargs):
         start = time.perf_counter()
-        launched = launch(scheduler_output)
+        launched = launch(scheduler_output, *args, **kwargs)
         phases["prepare_and_launch"] += time.perf_counter() - start
         launched.result = timed("wait_for_device", launched.result)
         return launched

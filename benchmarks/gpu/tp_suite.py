@@ -12,9 +12,13 @@ Figures:
   parameters but the input embedding rows) over one GPU's device-to-device copy bandwidth measured in
   the run (every rank streams its part at once).
 - equal<model>_tp<N>: 256 requests of 512 random prompt tokens and 512 output tokens, offline, output tok/s.
+- kv<model>_tp<N>: the KV cache at max_model_len 131072 and gpu_memory_utilization 0.9 (0.95 for Gemma-4
+  31B, as its field report runs it), with `fitserve serve`'s step budget on a GPU (1024 tokens: a sliding
+  layer holds its window plus one step's tokens per request): the tokens it holds and its max concurrency
+  at that length; nothing is generated.
 - a trailing `_ep` adds --enable-expert-parallel (Gemma-4 26B-A4B: each rank holds E/N whole experts).
-Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B, g31 = Gemma-4 31B, g26 = Gemma-4 26B-A4B shapes. Gemma-4 runs
-at max_model_len 1024 (its sliding window: the CUDA kernels have no window yet) and without CUDA graphs.
+Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B, g31 = Gemma-4 31B, g26 = Gemma-4 26B-A4B, ge4 = Gemma-4 E4B
+shapes. Single figures run at max_model_len 4096, equal ones at 1024.
 For a mixture of experts the roofline counts the experts a batch-1 token reads on average (top-k of E).
 """
 
@@ -35,12 +39,13 @@ SHAPES = {
     "70b": "llama-3.3-70b",
     "g31": "gemma-4-31b-it",
     "g26": "gemma-4-26b-a4b-it",
+    "ge4": "gemma-4-e4b-it",
 }
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
 
 
 def parse(figure: str) -> tuple[str, str, int, bool]:
-    kind = "single" if figure.startswith("single") else "equal"
+    kind = next((k for k in ("single", "equal", "kv") if figure.startswith(k)), "equal")
     expert_parallel = figure.endswith("_ep")
     model, tp = figure[len(kind) :].removesuffix("_ep").split("_tp")
     return kind, model, int(tp), expert_parallel
@@ -72,16 +77,16 @@ def run_one(figure: str) -> dict:
     from fitserve import LLM, SamplingParams
 
     kind, model, tp, expert_parallel = parse(figure)
-    gemma = model.startswith("g")
     started = time.perf_counter()
     llm = LLM(
         str(MODELS / SHAPES[model]),
         tokenizer=str(TOKENIZER),
         load_format="dummy",
-        max_model_len=4096 if kind == "single" and not gemma else 1024,
+        max_model_len={"single": 4096, "equal": 1024, "kv": 131072}[kind],
         tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel,
-        gpu_memory_utilization=0.92,
+        gpu_memory_utilization=(0.95 if model == "g31" else 0.9) if kind == "kv" else 0.92,
+        **({"max_num_batched_tokens": 1024} if kind == "kv" else {}),
     )
     ready_s = time.perf_counter() - started
     rng = random.Random(0)
@@ -92,7 +97,9 @@ def run_one(figure: str) -> dict:
         "ready_s": round(ready_s, 1),
     }
     result["kv_cache_tokens_per_rank"] = llm.engine.memory_plan.kv_cache_tokens
-    if kind == "single":
+    if kind == "kv":
+        result["max_concurrency"] = round(llm.engine.memory_plan.max_concurrency, 2)
+    elif kind == "single":
         times = batch1_decode_seconds(llm, rng)
         tok_per_s = 256 / min(times)
         step_bytes = rank_step_bytes(llm.engine.executor.runner.model, experts_read_per_token(llm))

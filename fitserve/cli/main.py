@@ -5,6 +5,9 @@ Flags and YAML keys are vLLM's (see fitserve/args.py). Each subcommand parses it
 own parser, so --config files and typo hints see exactly that subcommand's options. Every command that
 runs the engine resolves its settings the way `LLM()` does: `EngineArgs.from_cli` (which records the
 flags and --config keys the user set), then fitserve/planner/resolve.py.
+
+The modules below are imported inside the functions, after `main` has paused the garbage collector for
+`fitserve serve` (fitserve/server/startup_gc.py): torch alone is about a second of imports.
 """
 
 from __future__ import annotations
@@ -13,21 +16,29 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from fitserve.arg_parser import FlexibleArgumentParser, parse_args_with_config
-from fitserve.args import EngineArgs, add_engine_args
-from fitserve.args_explicit import EXPLICIT_FLAGS_DEST
-from fitserve.cli.common import add_model_positional
-from fitserve.cli.generate import add_generate_args, run_generate
-from fitserve.cli.plan import add_doctor_parser, add_plan_parser, run_doctor, run_plan
 from fitserve.logger import setup_logging
-from fitserve.server.args import add_server_args, server_only_keys
+from fitserve.server import startup_gc
+
+if TYPE_CHECKING:
+    from fitserve.arg_parser import FlexibleArgumentParser
 
 logger = logging.getLogger("fitserve")
 
 
-def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentParser]]:
-    """The top-level parser (for --help) and one parser per subcommand."""
+def build_parser(
+    with_bench: bool = True,
+) -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentParser]]:
+    """The top-level parser (for --help) and one parser per subcommand. `with_bench=False` leaves out
+    `bench` (its parsers import the HTTP client: a fifth of a second), for a command that is not it."""
+    from fitserve.arg_parser import FlexibleArgumentParser
+    from fitserve.args import add_engine_args
+    from fitserve.cli.common import add_model_positional
+    from fitserve.cli.generate import add_generate_args
+    from fitserve.cli.plan import add_doctor_parser, add_plan_parser
+    from fitserve.server.args import add_server_args
+
     top = FlexibleArgumentParser(prog="fitserve", description="Serve or run an LLM, fitted to this machine.")
     subparsers = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = subparsers.add_parser(
@@ -44,19 +55,39 @@ def build_parser() -> tuple[FlexibleArgumentParser, dict[str, FlexibleArgumentPa
     add_model_positional(generate)
     add_engine_args(generate)
     add_generate_args(generate)
-    from fitserve.bench.cli_bench import add_bench_parser
+    if with_bench:
+        from fitserve.bench.cli_bench import add_bench_parser
 
-    add_bench_parser(subparsers)  # listed in --help; `fitserve bench ...` runs through bench_main
+        add_bench_parser(subparsers)  # listed in --help; `fitserve bench ...` runs through bench_main
     plan = add_plan_parser(subparsers)
     doctor = add_doctor_parser(subparsers)
     return top, {"serve": serve, "generate": generate, "plan": plan, "doctor": doctor}
 
 
 def run_serve(namespace: argparse.Namespace) -> int:
+    from fitserve.args import EngineArgs
     from fitserve.server.api_server import run_server
 
     run_server(EngineArgs.from_cli(namespace), namespace)
     return 0
+
+
+def run_generate(namespace: argparse.Namespace) -> int:
+    from fitserve.cli.generate import run_generate as run
+
+    return run(namespace)
+
+
+def run_plan(namespace: argparse.Namespace) -> int:
+    from fitserve.cli.plan import run_plan as run
+
+    return run(namespace)
+
+
+def run_doctor(namespace: argparse.Namespace) -> int:
+    from fitserve.cli.plan import run_doctor as run
+
+    return run(namespace)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -69,7 +100,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def parse_command(argv: Sequence[str]) -> tuple[str, FlexibleArgumentParser, argparse.Namespace]:
     """(command, its parser, its flags): --config applied, the MODEL positional folded into --model."""
-    top, subcommands = build_parser()
+    from fitserve.arg_parser import parse_args_with_config
+    from fitserve.args_explicit import EXPLICIT_FLAGS_DEST
+    from fitserve.server.args import server_only_keys
+
+    top, subcommands = build_parser(with_bench=not argv or argv[0] not in COMMANDS)
     if not argv:
         top.print_help(sys.stderr)
         top.exit(2)
@@ -92,10 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fitserve.bench.cli_bench import bench_main
 
         return bench_main(args[1:])
-    setup_logging()
-    command, parser, namespace = parse_command(args)
+    if args[:1] == ["serve"]:
+        startup_gc.pause()  # resumed once the server is up (api_server.freeze_startup_heap)
     try:
-        return COMMANDS[command](namespace)
-    except ValueError as error:  # bad input, refused with a message that says what to change
-        logger.debug("refused", exc_info=True)
-        parser.error(str(error))
+        setup_logging()
+        command, parser, namespace = parse_command(args)
+        try:
+            return COMMANDS[command](namespace)
+        except ValueError as error:  # bad input, refused with a message that says what to change
+            logger.debug("refused", exc_info=True)
+            parser.error(str(error))
+    finally:
+        startup_gc.resume()

@@ -348,9 +348,10 @@ class StateSlotKVManager:
 
 class StepStateSlots(list):
     """The scheduled requests' live slots in step order, and the snapshot copies the step makes on the
-    device (models/qwen3_5_layers.py): `restores` row -> the snapshot slot the row's sequence starts from
-    (copied into its slot before the step), `saves` row -> the snapshot slot that receives the row's state
-    after the step."""
+    device: `restores` row -> the snapshot slot the row's sequence starts from (copied into its slot before
+    the step's forward), `saves` row -> the snapshot slot that receives the row's state after it. The
+    copies are uploaded with the step's inputs (worker/step_inputs.py) and made for every DeltaNet layer at
+    once around the forward (ModelRunner._forward -> the model's copy_states), outside any CUDA graph."""
 
     def __init__(self, slots: list[int]) -> None:
         super().__init__(slots)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fitserve.config import EngineConfig
 from fitserve.core.kv_cache_groups import make_kv_cache_manager
@@ -77,8 +77,19 @@ class InFlightStep:
     launched: LaunchedStep
 
 
+def _load_tokenizer_and_table(folder: str, trust_remote_code: bool, use_fast: bool) -> Any:
+    """The tokenizer and its token byte table (~0.1 s of Python for a 49k vocabulary, built now so the
+    first request does not), both made on the tokenizer thread while the weights load."""
+    tokenizer = load_tokenizer(folder, trust_remote_code, use_fast)
+    token_byte_table(tokenizer)
+    return tokenizer
+
+
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, preload_grammar_backend: bool = True) -> None:
+        """`preload_grammar_backend` False: xgrammar is not imported now but by the first constrained
+        request (or by whoever calls `self.structured.preload()`): `fitserve serve` imports it once the
+        server is up, not during its start."""
         configure_default_logging()
         self.config = config
         mc = config.model
@@ -92,7 +103,9 @@ class Engine:
             recurrent = sum(1 for spec in mc.kv_layers if spec.layer_type == LINEAR)
             check_speculative_model(config.speculative, len(config.kv_groups), recurrent)
             logger.info("Speculative decoding: %s", config.speculative.describe())
-        tokenizer = tokenizer_loader.submit(load_tokenizer, tokenizer_folder, mc.trust_remote_code, use_fast)
+        tokenizer = tokenizer_loader.submit(
+            _load_tokenizer_and_table, tokenizer_folder, mc.trust_remote_code, use_fast
+        )
         try:
             self.executor = create_executor(config)
             if tokenizer.done() and tokenizer.exception() is not None:
@@ -115,10 +128,11 @@ class Engine:
         self.failures = StepFailures(
             config, self.memory_plan.kv_cache_bytes, self.scheduler, self.output_processor, self.kv_manager
         )
-        token_byte_table(self.tokenizer)  # built once now, not on the first request
         self.eos_token_ids = self._eos_token_ids()
         # structured outputs: grammars compiled off the step path; constrained requests wait for theirs
-        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, preload=preload_grammar_backend
+        )
         self._generation_defaults = self._load_generation_defaults()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -138,8 +152,8 @@ class Engine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, serving: bool = False) -> Engine:
         """The engine for `args`, resolved by the planner (fitserve/planner/resolve.py); `serving`: with
-        `fitserve serve`'s defaults."""
-        return cls(create_engine_config(args, serving=serving))
+        `fitserve serve`'s defaults (and its server imports the grammar backend once it is up)."""
+        return cls(create_engine_config(args, serving=serving), preload_grammar_backend=not serving)
 
     # ---- configuration views ------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:

@@ -9,12 +9,15 @@ machine):
 | module | kernel | reference |
 | --- | --- | --- |
 | `cache_write` | `reshape_and_cache` | `reshape_and_cache_reference` |
-| `decode_attention` | `paged_decode_attention` (split-K, a merge kernel) | `paged_attention_reference` |
-| `prefill_attention` | `paged_prefill_attention` (varlen, causal) | `paged_attention_reference` |
+| `decode_attention` | `paged_decode_attention` (split-K, merged; windows) | `paged_attention_reference` |
+| `prefill_attention` | `paged_prefill_attention` (varlen, causal; windows) | `paged_attention_reference` |
 | `norm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_reference`, `fused_add_rms_norm_reference` |
+| `norm` | `gemma_rms_norm`, `gemma_norm_add` (Gemma-4) | `GemmaRMSNorm` and the layer's torch path |
 | `rotary` | `rotary_embedding` (neox, in place) | `rotary_embedding_reference` |
 | `rotary_cache_write` | `rotary_cache_write` (+ q/k RMSNorm) | `rotary_embedding_reference`, then the write |
 | `activation` | `silu_and_mul` | `silu_and_mul_reference` |
+| `activation` | `gelu_tanh_and_mul`, `gelu_tanh_mul` (Gemma-4) | torch's gelu (tanh) |
+| `fused_moe` | `fused_moe` (routing, gate_up + act, down x weight, sum) | `FusedExperts.reference` |
 | `skinny_gemm` | `skinny_gemm` (1 to 16 rows; `l2_prefetch` asks for its weight rows early) | `F.linear` |
 | `swapped_gemm` | `swapped_gemm` (17 to 32 rows: y.T = W x.T) | `F.linear` |
 | `argmax` | `argmax_rows` (greedy sampling) | `torch.argmax` |

@@ -8,8 +8,14 @@ context is cut into up to `num_partitions` pieces (flash-decoding), each piece s
 output) triple, and a second kernel merges them, one program per (sequence, query head).
 
 CUDA-graph safety: seq_lens and block_tables are read on the device only, and the grid depends only
-on (batch size, num_kv_heads, block_tables.shape[1]). Each sequence's partition size is derived on
-the device from its own seq_len, so short contexts still spread over the partitions.
+on (batch size, num_kv_heads, block_tables.shape[1], the window). Each sequence's partition size is
+derived on the device from its own seq_len, so short contexts still spread over the partitions.
+
+A sliding window (Gemma-4's sliding layers; `window`): the token at position seq_len - 1 sees the keys at
+seq_len - window .. seq_len - 1. The partitions then split only that span (from its first TILE_N-aligned
+key), so a 100k-token context with a 1,024 window reads ~1k keys; the keys before the window are never
+loaded (their block-table entries may be the null block 0, whose memory another request reuses).
+Without a window (HAS_WINDOW False) the kernels compile to the code they had before windows existed.
 
 A float8 cache: keys and values are converted to the query dtype (exact for e4m3 and e5m2); k_scale
 is folded into the score scale and v_scale multiplies the output, both runtime float arguments.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,9 @@ from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_s
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
+
+# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
+_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 MAX_PARTITIONS = 64
 SMALL_PARTITION_BLOCK = 8
@@ -52,10 +62,13 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
-# Heads wider than 128 take the default tile (WHOLE_CONTEXT_CONFIG's five stages of 128 keys would not fit
-# shared memory), and wider than 256 (Gemma-4's 512) 16-key tiles: key and value tiles of 16 x 512 over
-# two stages take 64 KB.
-WIDE_HEAD_DECODE_CONFIG = DecodeLaunchConfig(tile_tokens=16, num_warps=4, num_stages=2)
+# Heads wider than 128 (Gemma-4's 256 and 512; WHOLE_CONTEXT_CONFIG's 128-key tiles would not fit) keep
+# about the default's bytes per tile: 32 keys x 256 and 16 keys x 512 (key and value tiles of 16 KB each),
+# three stages. Gemma-4's full layers run 8 query heads per KV head over 512 dims: 8 warps hold the
+# [16, 512] float32 accumulator in 32 registers a thread. ptxas -v for sm_90a, window variant: 154 and 118
+# registers, 41 and 48 KB of shared memory, no spills.
+HEAD_256_DECODE_CONFIG = DecodeLaunchConfig(tile_tokens=32, num_warps=4, num_stages=3)
+WIDE_HEAD_DECODE_CONFIG = DecodeLaunchConfig(tile_tokens=16, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -66,10 +79,17 @@ def _partition_size(seq_len, num_partitions, TILE_N: tl.constexpr):
     return tl.maximum(per_partition, TILE_N)
 
 
+@triton.jit
+def _window_span_start(seq_len, window, TILE_N: tl.constexpr):
+    """With a window, the first key the partitions cover: the TILE_N-aligned start of the tile holding
+    the oldest key the window reaches (seq_len - window)."""
+    return tl.maximum(seq_len - window, 0) // TILE_N * TILE_N
+
+
 # Values that change with the batch size are not specialized on (Triton would compile one variant per
 # divisibility class): each compile costs ~0.5 s at startup, and the block-table stride varies per step.
-@fast_launch
-@triton.jit(do_not_specialize=["num_partitions", "stride_bt_seq"])
+@_host_launched
+@triton.jit(do_not_specialize=["num_partitions", "stride_bt_seq", "window"])
 def _decode_partition_kernel(
     q_ptr,
     cache_ptr,
@@ -82,6 +102,7 @@ def _decode_partition_kernel(
     qk_scale_log2,
     v_scale,
     num_partitions,
+    window,
     head_dim,
     stride_q_tok,
     stride_q_head,
@@ -98,6 +119,7 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     WRITE_DIRECT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -111,8 +133,13 @@ def _decode_partition_kernel(
     num_q_heads = num_kv_heads * QUERIES_PER_KV
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_size = _partition_size(seq_len, num_partitions, TILE_N)
-    start = partition * part_size
+    if HAS_WINDOW:
+        span_start = _window_span_start(seq_len, window, TILE_N)
+        part_size = _partition_size(seq_len - span_start, num_partitions, TILE_N)
+        start = span_start + partition * part_size
+    else:
+        part_size = _partition_size(seq_len, num_partitions, TILE_N)
+        start = partition * part_size
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * QUERIES_PER_KV + group
     group_mask = group < QUERIES_PER_KV
@@ -140,6 +167,8 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, TILE_N):
         tokens = tile_start + tl.arange(0, TILE_N)
         token_mask = tokens < end
+        if HAS_WINDOW:  # the first tile may start before the window: those keys are not loaded
+            token_mask = token_mask & (tokens >= seq_len - window)
         block = tl.load(block_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
         rows = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot
         kv_mask = token_mask[:, None] & dim_mask[None, :]
@@ -171,8 +200,8 @@ def _decode_partition_kernel(
         )
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["num_partitions"])
+@_host_launched
+@triton.jit(do_not_specialize=["num_partitions", "window"])
 def _decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -180,12 +209,14 @@ def _decode_reduce_kernel(
     part_sum_ptr,
     seq_lens_ptr,
     num_partitions,
+    window,
     head_dim,
     stride_out_tok,
     stride_out_head,
     BLOCK_D: tl.constexpr,
     PARTITION_BLOCK: tl.constexpr,
     TILE_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -195,7 +226,10 @@ def _decode_reduce_kernel(
     # before the wait. Only those partitions are loaded: a 1,536-token context in a 4,096-token block
     # table uses 24 of 64, and the rest (stale or uninitialised, NaN included) stay masked out.
     seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
-    num_used = tl.cdiv(seq_len, _partition_size(seq_len, num_partitions, TILE_N))
+    span = seq_len
+    if HAS_WINDOW:
+        span = seq_len - _window_span_start(seq_len, window, TILE_N)
+    num_used = tl.cdiv(span, _partition_size(span, num_partitions, TILE_N))
     wait_for_previous_kernel(USE_PDL)
     parts = tl.arange(0, PARTITION_BLOCK)
     used = parts < num_used
@@ -223,27 +257,50 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_num_partitions(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int, tile_tokens: int
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    sm_count: int,
+    tile_tokens: int,
+    window: int | None = None,
 ) -> int:
-    """Partitions per sequence: 1 when batch x KV heads already covers every SM, else ~4 programs per SM.
+    """Partitions per sequence: 1 when batch x KV heads already covers every SM, else ~4 programs per SM,
+    no more than the tiles of the span a sequence reads (its context, or with a window the window's keys
+    from their first tile on).
 
     A function of shapes only (never of seq_lens' values), so the grid is fixed for a CUDA graph.
     """
     programs = num_seqs * num_kv_heads
     if programs >= sm_count:
         return 1
+    span = max_context_len if window is None else min(max_context_len, window + tile_tokens - 1)
     wanted = cdiv(4 * sm_count, programs)
-    useful = max(1, cdiv(max_context_len, tile_tokens))
+    useful = max(1, cdiv(span, tile_tokens))
     return max(1, min(wanted, useful, MAX_PARTITIONS))
 
 
-def choose_config(num_seqs: int, num_kv_heads: int, num_partitions: int, sm_count: int) -> DecodeLaunchConfig:
-    """WHOLE_CONTEXT_CONFIG for one partition of at most WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM,
-    else DEFAULT_DECODE_CONFIG. Shapes only, so a CUDA graph's launch is fixed."""
+def choose_config(
+    num_seqs: int, num_kv_heads: int, num_partitions: int, sm_count: int, head_dim: int = 128
+) -> DecodeLaunchConfig:
+    """Heads of up to 128: WHOLE_CONTEXT_CONFIG for one partition of at most
+    WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM, else DEFAULT_DECODE_CONFIG. Wider heads:
+    HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above. Shapes only, so a CUDA graph's launch
+    is fixed."""
+    block_d = next_power_of_2(head_dim)
+    if block_d > 256:
+        return WIDE_HEAD_DECODE_CONFIG
+    if block_d > 128:
+        return HEAD_256_DECODE_CONFIG
     programs = num_seqs * num_kv_heads
     if num_partitions == 1 and programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count:
         return WHOLE_CONTEXT_CONFIG
     return DEFAULT_DECODE_CONFIG
+
+
+def split_tile_tokens(head_dim: int) -> int:
+    """The tile the partition count is chosen for, before the config is: that of choose_config's split-K
+    config (num_partitions > 1) for this head dim (the default's 64 up to 128, as before wide heads)."""
+    return choose_config(1, 1, 2, 1, head_dim).tile_tokens
 
 
 def partition_block_size(num_partitions: int) -> int:
@@ -263,6 +320,7 @@ def paged_decode_attention(
     config: DecodeLaunchConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (row i is sequence i's one new token) -> out [B, Hq, D].
 
@@ -270,6 +328,8 @@ def paged_decode_attention(
     seq_len 0 (batch padding) gets zeros. num_partitions=None picks by choose_num_partitions; config=None
     picks by choose_config.
     k_scale, v_scale (host floats): a float8 cache's scales; other caches ignore them.
+    window: the layer's sliding window (None: none): the token sees only the last `window` keys, and the
+    keys before them are never read (their block-table entries may be 0).
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -279,16 +339,18 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1 (None for no window)")
     max_context_len = block_tables.shape[1] * block_size
     sm_count = _sm_count(q.device.index or 0)
     block_d = next_power_of_2(head_dim)
-    if config is None and block_d > 128:
-        config = WIDE_HEAD_DECODE_CONFIG if block_d > 256 else DEFAULT_DECODE_CONFIG
     if num_partitions is None:
-        tile_tokens = (config or DEFAULT_DECODE_CONFIG).tile_tokens
-        num_partitions = choose_num_partitions(num_seqs, num_kv_heads, max_context_len, sm_count, tile_tokens)
+        tile_tokens = config.tile_tokens if config is not None else split_tile_tokens(head_dim)
+        num_partitions = choose_num_partitions(
+            num_seqs, num_kv_heads, max_context_len, sm_count, tile_tokens, window
+        )
     if config is None:
-        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count)
+        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count, head_dim)
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1
@@ -313,6 +375,7 @@ def paged_decode_attention(
         scale * k_scale * math.log2(math.e),
         v_scale,
         num_partitions,
+        window or 0,
         head_dim,
         q.stride(0),
         q.stride(1),
@@ -329,6 +392,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=config.tile_tokens,
         WRITE_DIRECT=write_direct,
+        HAS_WINDOW=window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q.device),
@@ -341,13 +405,16 @@ def paged_decode_attention(
             part_sum,
             seq_lens,
             num_partitions,
+            window or 0,
             head_dim,
             out.stride(0),
             out.stride(1),
             BLOCK_D=block_d,
             PARTITION_BLOCK=partition_block,
             TILE_N=config.tile_tokens,
-            num_warps=4,
+            HAS_WINDOW=window is not None,
+            # [PARTITION_BLOCK, BLOCK_D] float32 partials: 4 warps spill 4 KB a thread at 512 (ptxas -v)
+            num_warps=4 if block_d <= 256 else 8,
             **pdl_kwargs(q.device),
         )
     return out

@@ -12,12 +12,19 @@ That read is exact (every e4m3/e5m2 value is a bf16/fp16 value), so the only rou
 cache has too: p rounded to the query dtype for the P @ V dot, which moves an output element by at most
 2**-8 * max|V| for bf16 (tests/gpu/test_kernels_fp8.py sets its tolerance from that).
 
+A sliding window (Gemma-4's sliding layers; `window`): query position p sees keys p - window + 1 .. p.
+A tile's key loop starts at the tile holding the oldest key its earliest query sees; the keys before
+that are never loaded (their block-table entries may be the null block 0, whose memory another request
+reuses), and each element is masked by its own row's window. The tiles every row sees whole still run
+unmasked. Without a window (HAS_WINDOW False) the kernel compiles to the code it had before windows.
+
 Reference: fitserve.kernels.reference.paged_attention_reference.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +34,9 @@ import triton.language as tl
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
+
+# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
+_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 
 @dataclass(frozen=True)
@@ -47,22 +57,49 @@ DEFAULT_PREFILL_CONFIG = PrefillLaunchConfig()
 # default is faster anyway (one-token queries fill a tenth of a tall tile): 207 against 176 TFLOP/s for a
 # 1k chunk beside 32 decodes.
 LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
-# Heads wider than 256 (Gemma-4's 512 on its full-attention layers): a [64, 512] query tile, [16, 512] key
-# and value tiles over two stages (64 + 64 KB of shared memory; the long-query config's 128-row tile and
-# three stages need 256 KB, more than the H100's 227), and 8 warps for the [64, 512] float32 accumulator.
-WIDE_HEAD_CONFIG = PrefillLaunchConfig(block_m=64, block_n=16, num_warps=8, num_stages=2)
+# Wider heads (Gemma-4's 256 on its sliding layers, 512 on its full ones), chosen so that no variant spills
+# registers (ptxas -v for sm_90a, the window variant too: it holds the most): the [BLOCK_M, D] float32
+# accumulator takes BLOCK_M * D / (32 * num_warps) registers a thread. At 256, 8 warps: 64 rows on
+# warpgroup MMA take 172-190 registers, and long queries 128 rows (two warpgroups of 64, as
+# FlashAttention-3 tiles head dim 256) 240-254, where the 128-dim long-query config's 4 warps and three
+# stages spill 3.6 KB a thread. At 512 a 64-row tile spills at any warp count (8: 96-160 bytes; 16 warps
+# cap a thread at 128 registers), so 32 rows (4 query tokens of a group of 8 heads) over 8 warps,
+# 206-218 registers, with 32-key tiles (98 KB of shared memory).
+HEAD_256_CONFIG = PrefillLaunchConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+HEAD_256_LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
+WIDE_HEAD_CONFIG = PrefillLaunchConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
 LONG_QUERY_MIN_MEAN = 512  # mean query tokens per sequence from which the long-query config runs
 
 
-def choose_prefill_config(num_tokens: int, num_seqs: int) -> PrefillLaunchConfig:
-    """The launch config for a step of `num_tokens` query tokens over `num_seqs` sequences."""
-    if num_tokens >= LONG_QUERY_MIN_MEAN * num_seqs:
-        return LONG_QUERY_CONFIG
-    return DEFAULT_PREFILL_CONFIG
+def choose_prefill_config(num_tokens: int, num_seqs: int, head_dim: int = 128) -> PrefillLaunchConfig:
+    """The launch config for a step of `num_tokens` query tokens over `num_seqs` sequences, of heads of
+    `head_dim` (up to 128: the tuned 128 configs; up to 256: HEAD_256_*; above: WIDE_HEAD_CONFIG)."""
+    block_d = next_power_of_2(head_dim)
+    if block_d > 256:
+        return WIDE_HEAD_CONFIG
+    long_queries = num_tokens >= LONG_QUERY_MIN_MEAN * num_seqs
+    if block_d > 128:
+        return HEAD_256_LONG_QUERY_CONFIG if long_queries else HEAD_256_CONFIG
+    return LONG_QUERY_CONFIG if long_queries else DEFAULT_PREFILL_CONFIG
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["stride_bt_seq"])  # the step's widest block table: any value, one compile
+@triton.jit
+def _online_softmax_update(scores, v, m_i, l_i, acc):
+    """One key tile of the online softmax where a row may see none of the tile's keys (a window's edge,
+    or a row whose window starts past the tile): such a row's max stays -inf, so it is subtracted as 0
+    (exp2(-inf - 0) = 0) instead of giving exp2(-inf - -inf) = NaN."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(scores - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@_host_launched
+# stride_bt_seq: the step's widest block table, any value: one compile (and the window, fixed per layer)
+@triton.jit(do_not_specialize=["stride_bt_seq", "window"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -72,6 +109,7 @@ def _prefill_kernel(
     out_ptr,
     qk_scale_log2,
     v_scale,
+    window,
     head_dim,
     stride_q_tok,
     stride_q_head,
@@ -89,6 +127,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     EVEN_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,7 +166,26 @@ def _prefill_kernel(
     # Keys before the tile's first query are visible to every row: those tiles need no causal mask
     # and no bounds checks. Only the last few tiles, up to the diagonal, are masked.
     full_end = (context_start + first_query) // BLOCK_N * BLOCK_N
-    for key_start in range(0, full_end, BLOCK_N):
+    unmasked_start = 0
+    if HAS_WINDOW:
+        # The oldest key any row sees (the tile's first query's window) and the first tile every row's
+        # window holds whole (the last query's); the tiles between are masked by each row's window.
+        window_lo = context_start + first_query - window + 1
+        loop_start = tl.maximum(window_lo, 0) // BLOCK_N * BLOCK_N
+        unmasked_start = tl.cdiv(tl.maximum(context_start + last_query - window + 1, 0), BLOCK_N) * BLOCK_N
+        unmasked_start = tl.minimum(unmasked_start, full_end)
+        for key_start in range(loop_start, unmasked_start, BLOCK_N):
+            keys = key_start + tl.arange(0, BLOCK_N)
+            key_mask = keys >= window_lo
+            block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+            key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
+            kv_mask = key_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            scores = tl.where(keys[None, :] > query_pos[:, None] - window, scores, float("-inf"))
+            m_i, l_i, acc = _online_softmax_update(scores, v, m_i, l_i, acc)
+    for key_start in range(unmasked_start, full_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         block = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
@@ -149,6 +207,8 @@ def _prefill_kernel(
     for key_start in range(full_end, key_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
         key_mask = keys < key_end
+        if HAS_WINDOW:  # with a window shorter than the tile, even these may start before it
+            key_mask = key_mask & (keys >= context_start + first_query - window + 1)
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         kv_mask = key_mask[:, None] & dim_mask[None, :]
@@ -156,13 +216,18 @@ def _prefill_kernel(
         v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         visible = (keys[None, :] <= query_pos[:, None]) & key_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_i, l_i, acc = _online_softmax_update(scores, v, m_i, l_i, acc)
+        else:
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
     out = acc * (v_scale / l_i)[:, None]
     out_offsets = (q_start + query_local).to(tl.int64) * stride_out_tok + heads * stride_out_head
@@ -185,6 +250,7 @@ def paged_prefill_attention(
     config: PrefillLaunchConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] in the token layout of AttentionMetadata -> out [T, Hq, D].
 
@@ -192,7 +258,9 @@ def paged_prefill_attention(
     max_query_len (host int) only sizes the grid. Sequence i's queries are the last q_len_i tokens of
     its seq_lens[i]-token context, whose keys/values must already be in kv_cache. k_scale, v_scale
     (host floats): a float8 cache's scales; other caches ignore them. config: None chooses one by the
-    step's mean query length (choose_prefill_config).
+    step's mean query length and the head dim (choose_prefill_config). window: the layer's sliding
+    window (None: none): query position p sees keys p - window + 1 .. p, and older keys are never read
+    (their block-table entries may be 0).
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -204,15 +272,15 @@ def paged_prefill_attention(
             f"query_start_loc has {query_start_loc.shape[0]} entries for {num_seqs} sequences: it needs "
             f"num_seqs + 1 = {num_seqs + 1}"
         )
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1 (None for no window)")
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_d = next_power_of_2(head_dim)
     if config is None:
-        config = choose_prefill_config(num_tokens, num_seqs)
-        if block_d > 256:
-            config = WIDE_HEAD_CONFIG
+        config = choose_prefill_config(num_tokens, num_seqs, head_dim)
     block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)
@@ -227,6 +295,7 @@ def paged_prefill_attention(
         out,
         scale * k_scale * math.log2(math.e),
         v_scale,
+        window or 0,
         head_dim,
         q.stride(0),
         q.stride(1),
@@ -244,6 +313,7 @@ def paged_prefill_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         EVEN_D=block_d == head_dim,
+        HAS_WINDOW=window is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -10,11 +10,19 @@ With the q/k norm weights, each head is normalised first, rounded as kernels/nor
 those norms were one program per (token, head) of 128 values: 2 launches a layer in decode, and in an
 8192-token prefill step of the Qwen3-0.6B shape 7.7 of its 24.6 ms of GPU time (H100).
 
+Heads wider than 128 (Gemma-4's 256 and 512) are split over a second grid axis, at most
+HEAD_TILE_ELEMENTS values of a half per program: one program holding all 32 of Gemma-4-31B's 512-wide q
+heads would keep 16k float32 values live (spilled registers) on one SM. Heads of 128 or less keep one
+program per token. `norm_rotate_q` runs the same kernel on q alone (Gemma-4's KV-shared layers, which
+write no cache).
+
 Reference: fitserve.kernels.reference.rms_norm_reference on q and k, then rotary_embedding_reference,
 then reshape_and_cache_reference.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -23,8 +31,14 @@ import triton.language as tl
 from fitserve.kernels.attention_inputs import kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
-from fitserve.kernels.grid_math import next_power_of_2
+from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.kv_format import is_fp8_kv_cache
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
+_host_launched = (lambda function: function) if INTERPRETING else fast_launch
+# Heads wider than this are split over grid axis 1 (see the module docstring)
+UNSPLIT_HEAD_DIM = 128
+HEAD_TILE_ELEMENTS = 2048  # heads x half-head values per program when split
 
 
 @triton.jit
@@ -55,7 +69,7 @@ def _load_heads(
     return x1, x2
 
 
-@fast_launch
+@_host_launched
 @triton.jit
 def _rotary_cache_write_kernel(
     positions_ptr,
@@ -92,11 +106,15 @@ def _rotary_cache_write_kernel(
     FP8_MAX: tl.constexpr,  # 0.0: the cache is in the model dtype, stored as is
     QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr = False,  # program_id(1) picks BLOCK_HQ q heads and BLOCK_HK kv heads
+    WRITE_KV: tl.constexpr = True,  # False: q alone (k, v, the cache and slot_mapping are not read)
 ):
     # the step's inputs and the cos/sin table before the wait (dependent_launch.py): q, k and v after it
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token, cache_modifier=".cg").to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token, cache_modifier=".cg").to(tl.int64)
+    slot = -1
+    if WRITE_KV:
+        slot = tl.load(slot_mapping_ptr + token, cache_modifier=".cg").to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HALF
     cos_row = cos_sin_ptr + position * stride_cos_sin
@@ -104,6 +122,8 @@ def _rotary_cache_write_kernel(
     sin = tl.load(cos_row + HALF + half_cols, mask=half_mask, other=0.0).to(tl.float32)
     wait_for_previous_kernel(USE_PDL)
     q_heads = tl.arange(0, BLOCK_HQ)
+    if SPLIT_HEADS:
+        q_heads += tl.program_id(1) * BLOCK_HQ
     q_mask = (q_heads[:, None] < num_q_heads) & half_mask[None, :]
     q_first = q_ptr + token * stride_q_tok + q_heads[:, None] * stride_q_head + half_cols[None, :]
     q1, q2 = _load_heads(q_first, q_mask, q_ptr, q_norm_ptr, q_norm_eps, half_cols, half_mask, HALF, QK_NORM)
@@ -111,6 +131,8 @@ def _rotary_cache_write_kernel(
     tl.store(q_first + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=q_mask)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_HK)
+        if SPLIT_HEADS:
+            heads += tl.program_id(1) * BLOCK_HK
         mask = (heads[:, None] < num_kv_heads) & half_mask[None, :]
         first = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + half_cols[None, :]
         k1, k2 = _load_heads(first, mask, k_ptr, k_norm_ptr, k_norm_eps, half_cols, half_mask, HALF, QK_NORM)
@@ -129,8 +151,20 @@ def _rotary_cache_write_kernel(
 
 
 def can_fuse(head_dim: int, cos_sin_cache: torch.Tensor) -> bool:
-    """True when the rotary dims cover the whole head (the fused kernel writes no pass-through dims)."""
+    """True when the rotary dims cover the whole head (the fused kernel writes no pass-through dims).
+    A partial rotation of the Gemma-4 kind (the first pairs (i, i + head_dim / 2) rotate, the rest keep
+    angle 0) is a whole-head table whose unrotated columns hold cos 1 and sin 0."""
     return cos_sin_cache.shape[1] == head_dim
+
+
+def _head_blocks(half: int, num_q_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
+    """(BLOCK_HQ, BLOCK_HK, programs per token) for heads of 2 * half dims (see the module docstring)."""
+    block_hq, block_hk = next_power_of_2(num_q_heads), next_power_of_2(num_kv_heads)
+    if 2 * half <= UNSPLIT_HEAD_DIM:
+        return block_hq, block_hk, 1
+    most = max(1, HEAD_TILE_ELEMENTS // next_power_of_2(half))
+    block_hq, block_hk = min(block_hq, most), min(block_hk, most)
+    return block_hq, block_hk, max(cdiv(num_q_heads, block_hq), cdiv(num_kv_heads, block_hk))
 
 
 def rotary_cache_write(
@@ -180,7 +214,9 @@ def rotary_cache_write(
         return q
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     half = head_dim // 2
-    _rotary_cache_write_kernel[(num_tokens,)](
+    block_hq, block_hk, head_programs = _head_blocks(half, q.shape[1], num_kv_heads)
+    grid = (num_tokens,) if head_programs == 1 else (num_tokens, head_programs)
+    _rotary_cache_write_kernel[grid](
         positions,
         q,
         k,
@@ -209,12 +245,83 @@ def rotary_cache_write(
         kv_cache.stride(3),
         HALF=half,
         BLOCK_HALF=next_power_of_2(half),
-        BLOCK_HQ=next_power_of_2(q.shape[1]),
-        BLOCK_HK=next_power_of_2(num_kv_heads),
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
         BLOCK_SIZE=kv_cache.shape[2],
         FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if is_fp8_kv_cache(kv_cache.dtype) else 0.0,
         QK_NORM=qk_norm is not None,
         num_warps=4,
         **pdl_kwargs(q.device),
+        **({} if head_programs == 1 else {"SPLIT_HEADS": True}),
+    )
+    return q
+
+
+def norm_rotate_q(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Rotates q [T, Hq, D] in place (a strided view is fine), each head RMS-normalised first with
+    q_norm's (weight [D], eps) when given, as rotary_cache_write does q; writes no cache (a layer that
+    reads another layer's keys and values). Returns q. Reads no host data: CUDA-graph safe."""
+    if q.dim() != 3 or q.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError(
+            f"norm_rotate_q takes q [T, Hq, D] and a cos_sin_cache with contiguous last dims; got q "
+            f"{tuple(q.shape)} (strides {q.stride()})"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    if not can_fuse(head_dim, cos_sin_cache):
+        raise ValueError(
+            f"rotary dims {cos_sin_cache.shape[1]} do not cover head_dim {head_dim}: build the cos/sin "
+            "table over the whole head (cos 1, sin 0 on the dims that do not rotate)"
+        )
+    if q_norm is not None and q_norm[0].shape != (head_dim,):
+        raise ValueError(f"q norm weight {tuple(q_norm[0].shape)} must be [head_dim] = [{head_dim}]")
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    block_hq, _, head_programs = _head_blocks(half, num_heads, 1)
+    norm_weight, norm_eps = q_norm or (q, 0.0)
+    grid = (num_tokens,) if head_programs == 1 else (num_tokens, head_programs)
+    _rotary_cache_write_kernel[grid](
+        positions,
+        q,
+        q,
+        q,
+        cos_sin_cache,
+        q,
+        positions,
+        norm_weight,
+        norm_weight,
+        norm_eps,
+        norm_eps,
+        1.0,
+        1.0,
+        num_heads,
+        0,
+        q.stride(0),
+        q.stride(1),
+        0,
+        0,
+        0,
+        0,
+        cos_sin_cache.stride(0),
+        0,
+        0,
+        0,
+        0,
+        HALF=half,
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=1,
+        BLOCK_SIZE=1,
+        FP8_MAX=0.0,
+        QK_NORM=q_norm is not None,
+        num_warps=4,
+        **pdl_kwargs(q.device),
+        SPLIT_HEADS=head_programs > 1,
+        WRITE_KV=False,
     )
     return q

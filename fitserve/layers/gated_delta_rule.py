@@ -36,7 +36,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -334,6 +336,109 @@ def gated_delta_net_decode(
     return fused_recurrent_gated_delta_rule_update(
         q, k, v, a, b, a_log, dt_bias, recurrent_states, slots, scale=k_dim**-0.5
     )
+
+
+# --- A step's rows and slots -------------------------------------------------------------------------------
+# Built once per step where the step's inputs are uploaded (worker/step_inputs.py), read by every DeltaNet
+# layer (models/qwen3_5_layers.py): no layer builds an index tensor or copies anything to the device.
+
+
+@dataclass
+class StateRowsHost:
+    """A step's sequences split for the DeltaNet layers, on the host: decode rows (one token after earlier
+    ones: the recurrent update) and prompt pieces (the chunked rule). The arrays are uploaded with the
+    step's other inputs; the lists stay on the host (the prefill kernels' launch tables)."""
+
+    decode_slots: np.ndarray  # int32 [D]: each decode row's slot
+    decode_rows: np.ndarray  # int64 [D]: their token rows (empty unless the step also has prompt pieces)
+    prefill_rows: np.ndarray  # int64 [P]: the prompt pieces' token rows (empty unless decode rows too)
+    prefill_query_lens: list[int]
+    prefill_slots: list[int]
+    prefill_initial: list[bool]  # False: a fresh sequence (first token at position 0), from zeros
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.decode_slots, self.decode_rows, self.prefill_rows]
+
+
+def split_state_rows(
+    query_lens: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int]
+) -> StateRowsHost:
+    """Each sequence of a step by its kind. A one-token sequence at position 0 is a prompt piece (it starts
+    from zeros, not from whatever its slot holds)."""
+    decode_rows: list[int] = []
+    decode_slots: list[int] = []
+    prefill_rows: list[int] = []
+    lens: list[int] = []
+    prefill_slots: list[int] = []
+    initial: list[bool] = []
+    start = 0
+    for query_len, seq_len, slot in zip(query_lens, seq_lens, slots, strict=True):
+        if query_len == 1 and seq_len > 1:
+            decode_rows.append(start)
+            decode_slots.append(slot)
+        elif query_len > 0:
+            prefill_rows.extend(range(start, start + query_len))
+            lens.append(query_len)
+            prefill_slots.append(slot)
+            initial.append(seq_len > query_len)
+        start += query_len
+    mixed = bool(decode_rows) and bool(lens)
+    return StateRowsHost(
+        decode_slots=np.array(decode_slots, dtype=np.int32),
+        decode_rows=np.array(decode_rows if mixed else [], dtype=np.int64),
+        prefill_rows=np.array(prefill_rows if mixed else [], dtype=np.int64),
+        prefill_query_lens=lens,
+        prefill_slots=prefill_slots,
+        prefill_initial=initial,
+    )
+
+
+@dataclass
+class DeltaNetStepSlots:
+    """A step's state slots on the device, as the DeltaNet layers read them (AttentionMetadata.state_slots).
+
+    decode_slots: int32 [D], each decode row's slot (negative: a padded row of a captured batch, which
+    touches no state); None without decode rows. decode_rows / prefill_rows: int64 token rows of each kind,
+    given only when the step has both kinds (else the kind present owns every row, in order). The prompt
+    pieces' lengths, slots and has-initial-state flags stay host lists (the prefill kernels' launch grids)."""
+
+    decode_slots: torch.Tensor | None
+    decode_rows: torch.Tensor | None = None
+    prefill_rows: torch.Tensor | None = None
+    prefill_query_lens: tuple[int, ...] = ()
+    prefill_slots: tuple[int, ...] = ()
+    prefill_initial: tuple[bool, ...] = ()
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every row decodes: the step a CUDA graph can replay (worker/cuda_graphs.py)."""
+        return not self.prefill_query_lens
+
+    @classmethod
+    def decode_only(cls, slots: torch.Tensor) -> DeltaNetStepSlots:
+        return cls(decode_slots=slots)
+
+    @classmethod
+    def from_host(cls, host: StateRowsHost, uploaded: Sequence[torch.Tensor]) -> DeltaNetStepSlots:
+        """host's split with its arrays as uploaded (in `host.arrays()` order)."""
+        decode_slots, decode_rows, prefill_rows = uploaded
+        mixed = decode_rows.numel() > 0
+        return cls(
+            decode_slots=decode_slots if decode_slots.numel() else None,
+            decode_rows=decode_rows if mixed else None,
+            prefill_rows=prefill_rows if mixed else None,
+            prefill_query_lens=tuple(host.prefill_query_lens),
+            prefill_slots=tuple(host.prefill_slots),
+            prefill_initial=tuple(host.prefill_initial),
+        )
+
+    @classmethod
+    def build(
+        cls, query_lens: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int], device: torch.device
+    ) -> DeltaNetStepSlots:
+        """Split and copied to the device here (callers that do not go through the step's upload)."""
+        host = split_state_rows(query_lens, seq_lens, slots)
+        return cls.from_host(host, [torch.from_numpy(a).to(device) for a in host.arrays()])
 
 
 def _split_heads(

@@ -6,8 +6,11 @@ weighted sum over its k experts of down_e(act(gate_e(x)) * up_e(x)). The weights
 checkpoints store them, all experts in one tensor each:
   gate_up_proj [E, 2 * intermediate, hidden]  (gate rows, then up rows)
   down_proj    [E, hidden, intermediate]
-This implementation is plain torch (the CPU path and the GPU reference): tokens are grouped by expert
-with one sort, each expert that has tokens runs two matmuls over its rows, and each token's k weighted
+On CUDA `forward` runs fitserve/kernels/fused_moe.py: routing on the GPU, two grouped GEMMs (act(gate) * up
+fused into the first) and a sum of each token's k weighted rows, with no host sync, so decode steps are
+captured in CUDA graphs; at batch 1 only the k chosen experts' weights are read. `reference` is plain torch
+(the CPU path and the kernel's reference): tokens are grouped by expert with one sort, each expert that has
+tokens runs two matmuls over its rows (a host sync: the per-expert counts), and each token's k weighted
 rows are summed. Only the experts some token chose are read.
 
 Tensor parallel (distributed/parallel_state.py), rank r of n; the weight loaders take the whole
@@ -34,6 +37,25 @@ from fitserve.distributed.collectives import all_reduce
 from fitserve.distributed.parallel_state import tp
 from fitserve.layers.linear import default_weight_loader
 from fitserve.layers.tp_shards import split_evenly
+
+
+def kernel_activation(activation: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """The fused kernel's name for `activation` ("silu", "gelu_tanh", "gelu"), found by evaluating it on a
+    few points (the models pass lambdas as well as torch functions); None when it is none of them."""
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64, device="cpu")
+    try:
+        values = activation(probe)
+    except (RuntimeError, TypeError):
+        return None
+    candidates = {
+        "silu": torch.nn.functional.silu(probe),
+        "gelu_tanh": torch.nn.functional.gelu(probe, approximate="tanh"),
+        "gelu": torch.nn.functional.gelu(probe),
+    }
+    for name, expected in candidates.items():
+        if isinstance(values, torch.Tensor) and torch.allclose(values, expected, rtol=1e-9, atol=1e-12):
+            return name
+    return None
 
 
 def experts_per_rank(num_experts: int, size: int) -> int:
@@ -65,6 +87,7 @@ class FusedExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
+        self.kernel_activation = kernel_activation(activation)
         self.expert_parallel = expert_parallel and state.size > 1
         if self.expert_parallel:
             self.local_experts = experts_per_rank(num_experts, state.size)
@@ -113,6 +136,30 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True
     ) -> torch.Tensor:
         """[T, hidden]: the whole MoE output (reduce=True), or this rank's partial sum (reduce=False)."""
+        if x.is_cuda and self.kernel_activation is not None:
+            from fitserve.kernels.fused_moe import fused_moe
+
+            out = fused_moe(
+                x,
+                self.gate_up_proj,
+                self.down_proj,
+                topk_ids,
+                topk_weights,
+                self.kernel_activation,
+                first_expert=self.first_expert,
+            )
+        else:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"FusedExperts: the activation {self.activation!r} has no fused CUDA kernel (it takes "
+                    "silu, gelu with the tanh approximation and gelu), and the torch path syncs with the "
+                    "host, so it cannot be captured in a CUDA graph: run with --enforce-eager"
+                )
+            out = self.reference(x, topk_ids, topk_weights)
+        return all_reduce(out) if reduce else out
+
+    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output [T, hidden] in plain torch (the CPU path and the kernel's reference)."""
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         if self.expert_parallel:  # only the (token, slot) pairs routed to this rank's experts
@@ -142,8 +189,7 @@ class FusedExperts(nn.Module):
             num_tokens * top_k, x.shape[-1], dtype=routed.dtype, device=routed.device
         )
         unsorted[order] = routed
-        out = unsorted.view(num_tokens, top_k, -1).sum(dim=1)
-        return all_reduce(out) if reduce else out
+        return unsorted.view(num_tokens, top_k, -1).sum(dim=1)
 
     def extra_repr(self) -> str:
         split = ""

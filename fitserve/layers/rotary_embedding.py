@@ -128,10 +128,16 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def rope_for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+    def rope_for_step(
+        self, positions: torch.Tensor, dtype: torch.dtype, table_dtype: torch.dtype = torch.float32
+    ) -> StepRope:
         """What a decoder layer applies to q and k this step: a fused in-place kernel over a cached
-        cos/sin table on CUDA, the torch reference elsewhere."""
+        cos/sin table on CUDA (in table_dtype: Gemma-4 takes the model dtype, as HF rounds its cos and
+        sin, at half the memory of a 262k-position float32 table), the torch reference elsewhere."""
         if positions.is_cuda:
+            if table_dtype != torch.float32:
+                table = self.cos_sin_table(positions.device, table_dtype)
+                return StepRope(positions=positions, cos_sin_cache=table)
             return StepRope(positions=positions, cos_sin_cache=self._cos_sin_cache(positions.device))
         cos, sin = self(positions, dtype)
         half = self.head_dim // 2
@@ -148,6 +154,26 @@ class RotaryEmbedding(nn.Module):
             cache = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
             self._cached_cos_sin = cache
         return cache
+
+    def cos_sin_table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, head_dim] in `dtype`, built once per device and dtype: cos of each angle
+        pair, then sin, each computed in float32 and rounded once. Built in slices of positions, so a
+        long table costs no float32 copy of itself on the way."""
+        tables = self.__dict__.setdefault("_cos_sin_tables", {})
+        key = (device, dtype)
+        if key not in tables:
+            half = self.head_dim // 2
+            table = torch.empty((self.max_positions, 2 * half), dtype=dtype, device=device)
+            inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
+            step = 16384
+            for start in range(0, self.max_positions, step):
+                stop = min(start + step, self.max_positions)
+                positions = torch.arange(start, stop, dtype=torch.float32, device=device)
+                angles = positions[:, None] * inv_freq[None, :]
+                table[start:stop, :half] = angles.cos()
+                table[start:stop, half:] = angles.sin()
+            tables[key] = table
+        return tables[key]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, {self.settings}"

@@ -7,6 +7,11 @@ embeddings); the decoder layers, each with its layer type's RoPE (rope_parameter
 layers, "proportional" with partial_rotary_factor on full ones) and its own cache geometry (kv_layers.py);
 a final RMSNorm; the tied LM head; logits softcapped by final_logit_softcapping (cap * tanh(x / cap)).
 
+On CUDA the layers run Triton kernels (gemma4_layers.py) and each layer type's RoPE is a cos/sin table
+over the whole head in the model dtype (HF rounds its tables so), read by the kernels at the step's
+positions: "proportional" layers' unrotated pairs hold cos 1 and sin 0. Nothing in the forward reads a
+host value, so a CUDA graph can hold it (the MoE experts are layers/moe.py's).
+
 Tensor parallel: the vocabulary of both embedding tables is split across ranks and each lookup is
 all-reduced (every rank needs the whole embeddings, and the per-layer table is too large to replicate);
 the per-layer model projection is replicated (its output is normed per layer, so every rank needs it
@@ -26,14 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitserve.kv_layers import cuda_graphs_unsupported as graphs_unsupported_reason
 from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.linear import ReplicatedLinear, ShardId
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
-from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm
+from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm, use_kernels
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.unquantized import refuse_quantization
 
@@ -121,11 +125,19 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + own) * 2.0**-0.5
 
+    @staticmethod
+    def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """The kernels' form on CUDA (positions and a whole-head cos/sin table in the model dtype, as HF
+        rounds its tables; "proportional" layers' unrotated pairs hold cos 1, sin 0), else the tables."""
+        if use_kernels(positions):
+            return rotary.rope_for_step(positions, dtype, table_dtype=dtype)
+        return _table_rope(rotary, positions, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         embeds = embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
         per_layer = self.per_layer_inputs(input_ids, embeds) if self.per_layer_size else None
-        ropes = {kind: _table_rope(rotary, positions, embeds.dtype) for kind, rotary in self.rotary.items()}
+        ropes = {kind: self._rope(rotary, positions, embeds.dtype) for kind, rotary in self.rotary.items()}
         hidden = embeds
         for index, layer in enumerate(self.layers):
             layer_input = per_layer[:, index] if per_layer is not None else None
@@ -136,10 +148,6 @@ class Gemma4Model(nn.Module):
 class Gemma4ForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
     `compute_logits(hidden) -> [N, vocab]` softcapped; `load_weights(...)` -> the parameters loaded."""
-
-    # Read by the CUDA platform: the torch MoE reads its expert counts on the host and the window decides
-    # its path from the step's lengths, neither of which a captured graph can replay.
-    cuda_graphs_unsupported = graphs_unsupported_reason("gemma4")
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -162,6 +170,12 @@ class Gemma4ForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def fit_positions(self, max_model_len: int) -> None:
+        """The RoPE tables cover positions up to the engine's max_model_len, not the model's whole
+        max_position_embeddings (262,144 for the large models: 384 MiB of bf16 tables on CUDA)."""
+        for rotary in self.model.rotary.values():
+            rotary.max_positions = min(rotary.max_positions, max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

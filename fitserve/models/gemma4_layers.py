@@ -23,6 +23,15 @@ reduced side by side, not summed). The router and the per-layer-input gate and p
 replicated: every rank needs their whole output (the softmax over all experts; the gate's product with
 the whole per-layer input), and the per-layer pair is small enough that computing it on every rank is
 cheaper than a collective per layer. Norms are replicated.
+
+On CUDA the same values come from Triton kernels (imported there only; the CPU path is the torch above):
+the norms as kernels/norm.py's gemma_rms_norm, each "residual + post-norm(x)" with the multiply by
+layer_scalar and the next sublayer's input norm as one gemma_norm_add, gelu-and-multiply as one kernel,
+and q/k norm + RoPE + cache write in the attention backend's fused kernel (rotary_cache_write.py; KV-shared
+layers normalise and rotate q alone). No step reads a host value, so a CUDA graph can hold the forward
+(the MoE experts aside: layers/moe.py). Roundings differ from torch's only where a kernel keeps float32
+longer: the fused q/k norm rounds the normalised head before the weight (kernels/norm.py's Llama order),
+and sums and products are taken in float32 and rounded once, as torch rounds each op.
 """
 
 from __future__ import annotations
@@ -49,6 +58,15 @@ from fitserve.layers.linear import (
 from fitserve.layers.moe import FusedExperts
 from fitserve.layers.rotary_embedding import StepRope
 from fitserve.models.gemma4_config import expert_parallel_of
+
+# Off switch for comparisons (tests/gpu/test_gemma4_kernels_gpu.py): False runs the torch path on CUDA too.
+USE_KERNELS = True
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether x's ops take the Triton kernels (CUDA only: they import triton)."""
+    return x.is_cuda and USE_KERNELS
+
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -79,6 +97,10 @@ class GemmaRMSNorm(nn.Module):
         self.weight = _parameter((dim,)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
+            from fitserve.kernels.norm import gemma_rms_norm
+
+            return gemma_rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -119,6 +141,8 @@ class Gemma4Attention(nn.Module):
         self.kv_consumers: list[Attention] = []
 
     def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        if rope.cos_sin_cache is not None:
+            return self._forward_kernels(hidden, rope)
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         q = self.q_norm.forward(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
@@ -136,6 +160,31 @@ class Gemma4Attention(nn.Module):
                 consumer.shared_kv = (k, v)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
+    def _forward_kernels(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+        """forward on CUDA (rope: positions and a whole-head cos/sin table): q and k go to the attention
+        layer unnormalised and unrotated with their norms, for the backend's fused kernel (q rotates in
+        place inside the qkv output; k is normalised and rotated on its way into the cache)."""
+        from fitserve.kernels.rotary_cache_write import norm_rotate_q
+
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        q = qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim)
+        if self.shared:
+            norm_rotate_q(rope.positions, q, rope.cos_sin_cache, (self.q_norm.weight, self.q_norm.eps))
+            return self.o_proj.forward(self.attn.forward(q, q, q))  # k and v: read from the shared cache
+        assert self.k_norm is not None and self.v_norm is not None
+        shape = (num_tokens, self.num_kv_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(shape)
+        v = self.v_norm.forward(k if self.k_eq_v else qkv[:, self.q_size + self.kv_size :].reshape(shape))
+        if self.kv_consumers and get_forward_context().attn_metadata is None:
+            # without a cache the KV-shared layers take this layer's keys as tensors: rotate them here
+            q, k = rope.apply(self.q_norm.forward(q), self.k_norm.forward(k))
+            for consumer in self.kv_consumers:
+                consumer.shared_kv = (k, v)
+            return self.o_proj.forward(self.attn.forward(q, k, v))
+        qk_norm = (self.q_norm, self.k_norm)
+        return self.o_proj.forward(self.attn.forward(q, k, v, rope, qk_norm))  # type: ignore[arg-type]
+
 
 class Gemma4MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: Callable) -> None:
@@ -143,12 +192,19 @@ class Gemma4MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
         self.activation = activation
+        self.gelu_tanh = activation is ACTIVATIONS["gelu_pytorch_tanh"]  # one kernel on CUDA
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, hidden]: the MLP's output (reduce=True), or this rank's partial sum of it (reduce=False:
         the caller all-reduces it)."""
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        hidden = self.activation(gate) * up
+        gate_up = self.gate_up_proj.forward(x)
+        if use_kernels(gate_up) and self.gelu_tanh:
+            from fitserve.kernels.activation import gelu_tanh_and_mul
+
+            hidden = gelu_tanh_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.activation(gate) * up
         if reduce:
             return self.down_proj.forward(hidden)
         return self.down_proj.linear_method.apply(self.down_proj, hidden)
@@ -212,6 +268,8 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, rope: StepRope, per_layer_input: torch.Tensor | None
     ) -> torch.Tensor:
+        if use_kernels(hidden):
+            return self._forward_kernels(hidden, rope, per_layer_input)
         residual = hidden
         hidden = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), rope))
         hidden = residual + hidden
@@ -230,6 +288,49 @@ class Gemma4DecoderLayer(nn.Module):
             gated = self.activation(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return hidden * self.layer_scalar
+
+    def _forward_kernels(
+        self, hidden: torch.Tensor, rope: StepRope, per_layer_input: torch.Tensor | None
+    ) -> torch.Tensor:
+        """forward on CUDA: each residual add with the post-norm before it (and layer_scalar, and the
+        next sublayer's input norm) in one gemma_norm_add; the same roundings as forward's torch ops."""
+        from fitserve.kernels.activation import gelu_tanh_mul
+        from fitserve.kernels.norm import gemma_norm_add
+
+        eps = self.input_layernorm.eps
+        attention = self.self_attn.forward(self.input_layernorm.forward(hidden), rope)
+        normed, residual = gemma_norm_add(
+            attention,
+            hidden,
+            self.post_attention_layernorm.weight,
+            eps,
+            next_weight=self.pre_feedforward_layernorm.weight,
+        )
+        assert normed is not None
+        if self.moe:
+            weights, ids = self.router.forward(residual)
+            dense = self.mlp.forward(normed, reduce=False)
+            routed_input = self.pre_feedforward_layernorm_2.forward(residual)
+            routed = self.experts(routed_input, ids, weights, reduce=False)
+            dense, routed = self._reduce_pair(dense, routed)
+            dense = self.post_feedforward_layernorm_1.forward(dense)
+            out = dense + self.post_feedforward_layernorm_2.forward(routed)
+        else:
+            out = self.mlp.forward(normed)
+        scalar = None if self.per_layer_size else self.layer_scalar
+        _, hidden = gemma_norm_add(out, residual, self.post_feedforward_layernorm.weight, eps, scalar)
+        if self.per_layer_size:
+            assert per_layer_input is not None
+            gate = self.per_layer_input_gate.forward(hidden)
+            if self.mlp.gelu_tanh:
+                gated = gelu_tanh_mul(gate, per_layer_input)
+            else:
+                gated = self.activation(gate) * per_layer_input
+            projected = self.per_layer_projection.forward(gated)
+            _, hidden = gemma_norm_add(
+                projected, hidden, self.post_per_layer_input_norm.weight, eps, self.layer_scalar
+            )
+        return hidden
 
     @staticmethod
     def _reduce_pair(dense: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ gives a new key, so a stale conversion is never served.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -144,8 +145,26 @@ def convert_gguf_to_folder(
     when it is a temporary copy) goes into the cache entry's record.
     """
     check_gguf_file(gguf_path)
-    with gguf_parsed_once(gguf_path) as reader:
+    with collector_on(), gguf_parsed_once(gguf_path) as reader:
         _convert_parsed(gguf_path, reader, target, dtype, origin)
+
+
+@contextmanager
+def collector_on() -> Iterator[None]:
+    """Python's cyclic garbage collector enabled inside the block, as it was after it.
+
+    `fitserve serve` pauses the collector while it starts (fitserve/server/startup_gc.py); a conversion
+    makes garbage cycles (the parsed GGUF's fields, tensors) that, left to the end of the start, raised a
+    first start's peak RSS from 1.74 to 2.05 GiB. When it was paused, one collection at the end frees
+    what the block left before the weights load."""
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            gc.collect()
+            gc.disable()
 
 
 @contextmanager

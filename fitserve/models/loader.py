@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -191,9 +192,12 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     with default_dtype(model_config.dtype), device, offloading(offload):
         hf_config = with_quantization_flag(model_config.hf_config, model_config.quantization)
         model = model_class(with_expert_parallel(hf_config, model_config.enable_expert_parallel))
+    fit_positions = getattr(model, "fit_positions", None)
+    if fit_positions is not None:  # tables sized by position (Gemma-4's RoPE) need no more than this
+        fit_positions(model_config.max_model_len)
 
     started = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), loading_threads(device):
         if load_format == "dummy":
             initialize_dummy_weights(model, model_config.seed, device)
         else:
@@ -210,6 +214,28 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     if offload is not None:
         offload.attach(model)
     return model.eval()
+
+
+@contextmanager
+def loading_threads(device: torch.device) -> Iterator[None]:
+    """torch's intra-op threads while weights load on the CPU: one core fewer than the machine has (at
+    least one), given back after.
+
+    The engine loads its tokenizer (and `fitserve serve` its web app's modules) on threads beside the
+    weights. With an intra-op thread on every core, each of the load's many small parallel ops waits for
+    the thread those took the core from: on 2 cores (1-minute load 2.2-3.3) a warm start of the default
+    model loaded its weights in 3.4-5.7 s with 2 threads against 1.4-2.6 s with 1, and answered /health
+    1.2-2.6 s sooner."""
+    before = torch.get_num_threads()
+    during = max(1, min(before, (os.cpu_count() or 1) - 1))
+    if device.type != "cpu" or during == before:
+        yield
+        return
+    torch.set_num_threads(during)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager

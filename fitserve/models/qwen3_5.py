@@ -7,12 +7,21 @@ embed -> layers -> RMSNorm (1 + weight) -> LM head (untied unless tie_word_embed
 
 The DeltaNet states live in a RecurrentStatePool (worker/recurrent_state.py) that the model runner
 allocates beside the KV cache (`allocate_recurrent_state`); the scheduler hands each running request a slot
-(core/state_slots.py) that reaches the layers through the step's metadata (`state_slots_cpu`).
+(core/state_slots.py) that reaches the layers through the step's metadata: `state_slots`, the slots as a
+device tensor split into decode rows and prompt pieces (built once per step, worker/step_inputs.py), which
+the layers hand to the batched kernels (layers/gated_delta_rule.py). Prefix-cache snapshot copies run
+outside the forward (`copy_states`, called by the model runner), so decode steps are captured in CUDA
+graphs (worker/cuda_graphs.py: a static slots buffer, padded rows -1).
 
 Weights: a ConditionalGeneration checkpoint keeps the text model under `model.language_model.`, read as
 `model.`; the vision tower (`model.visual.`) and the multi-token-prediction layers (`mtp.`) are skipped,
 each with one log line (MTP speculative decoding is not served yet). MoE experts load from either the
 per-expert form (`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`).
+
+Tensor parallel: every layer splits across the ranks (qwen3_5_layers.py says how); each rank reads the
+whole checkpoint and keeps its part, and its state pool holds its heads' states only. A
+--tensor-parallel-size that does not divide the attention heads or the DeltaNet key and value heads is
+refused naming them.
 """
 
 from __future__ import annotations
@@ -27,10 +36,11 @@ from torch import nn
 from fitserve.distributed.parallel_state import tp
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.linear import ShardId
+from fitserve.layers.tp_shards import rank_rows
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_5_config import linear_layer_indices
+from fitserve.models.qwen3_5_config import delta_net_heads_per_rank, linear_layer_indices
 from fitserve.models.qwen3_5_layers import (
     GatedDeltaNet,
     PartialRope,
@@ -71,9 +81,6 @@ class Qwen3_5ForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
     `compute_logits(hidden) -> [N, vocab]`; `load_weights(...)` -> the parameters loaded."""
 
-    cuda_graphs_unsupported = (
-        "Qwen3.5's Gated DeltaNet layers run torch code that decides on the host each step"
-    )
     # read by the engine: its DeltaNet layers keep per-request state (core/state_slots.py)
     has_recurrent_state = True
 
@@ -105,6 +112,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer, (conv, recurrent) in zip(self.delta_net_layers, pool.layer_states(), strict=True):
             layer.conv_states, layer.recurrent_states = conv, recurrent
 
+    def copy_states(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Every DeltaNet layer's states of slots `sources` into slots `targets` (int64 device tensors,
+        pairwise): the prefix-cache snapshot restores before a step's forward and saves after it, made by
+        the model runner outside the forward (so a decode step's forward is capturable)."""
+        if self.state_pool is not None and sources.numel():
+            self.state_pool.copy_slots(sources, targets)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
@@ -131,7 +145,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             target, shard_id = _map_name(name)
             param = loads.param(name, target)
             if target.endswith(".conv_weight"):
-                tensor = tensor.reshape(param.shape)  # conv1d.weight [C, 1, K] -> [C, K]
+                tensor = tensor.reshape(tensor.shape[0], -1)  # conv1d.weight [C, 1, K] -> [C, K]
             loads.load(name, target, tensor, shard_id, (0, 1), param)
         if skipped["vision"]:
             logger.info(
@@ -149,7 +163,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         self, name: str, tensor: torch.Tensor, loads: ParameterLoads, experts: dict[str, set[tuple[int, str]]]
     ) -> bool:
         """A per-expert checkpoint tensor (`...mlp.experts.<e>.<gate|up|down>_proj.weight`) copied into
-        its rows of the fused parameters; False for the fused form, which loads by name."""
+        its rows of the fused parameters, this rank's part of it (layers/moe.py: under expert parallel
+        only the rank's experts, whole; else every expert's slice of the intermediate dim); False for the
+        fused form, which loads by name."""
         prefix, _, rest = name.partition(".mlp.experts.")
         parts = rest.split(".")
         if len(parts) != 3 or not parts[0].isdigit():
@@ -157,22 +173,25 @@ class Qwen3_5ForCausalLM(nn.Module):
         expert, projection = int(parts[0]), parts[1]
         base = f"{prefix}.mlp.experts."
         gate_up, down = loads.param(name, base + "gate_up_proj"), loads.param(name, base + "down_proj")
+        module = self.get_submodule(base.removesuffix("."))
+        local = expert - module.first_expert
         width = down.shape[-1]
+        # the intermediate rows this rank holds (all of them under expert parallel or on one rank)
+        start = 0 if module.expert_parallel else module.tp_rank * width
+        if projection not in ("gate_proj", "up_proj", "down_proj"):
+            raise ValueError(f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj")
         with torch.no_grad():
-            if projection == "gate_proj":
-                gate_up[expert, :width].copy_(tensor)
+            if not 0 <= local < module.local_experts:
+                pass  # another rank's expert (expert parallel): counted as loaded, not kept
+            elif projection == "gate_proj":
+                gate_up[local, :width].copy_(rank_rows(tensor, 0, start, width))
             elif projection == "up_proj":
-                gate_up[expert, width:].copy_(tensor)
-            elif projection == "down_proj":
-                down[expert].copy_(tensor)
+                gate_up[local, width:].copy_(rank_rows(tensor, 0, start, width))
             else:
-                raise ValueError(
-                    f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj"
-                )
+                down[local].copy_(rank_rows(tensor, 1, start, width))
         seen = experts.setdefault(base, set())
         seen.add((expert, projection))
-        num_experts = gate_up.shape[0]
-        if len(seen) == 3 * num_experts:
+        if len(seen) == 3 * module.num_experts:
             loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
         return True
 
@@ -188,12 +207,7 @@ def _map_name(name: str) -> tuple[str, ShardId | None]:
 
 
 def _refuse_unsupported(config: Any) -> None:
-    size = tp().size
-    if size > 1:
-        raise ValueError(
-            f"Qwen3.5 runs with --tensor-parallel-size 1 in fitserve for now, not {size}: its Gated DeltaNet "
-            "layers do not split across ranks yet (serve it with --tensor-parallel-size 1)"
-        )
+    delta_net_heads_per_rank(config, tp().size)  # both DeltaNet head counts must divide (names the sizes)
     refuse_quantization(config, "Qwen3.5")
 
 

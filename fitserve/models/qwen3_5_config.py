@@ -127,3 +127,19 @@ def qwen3_5_layer_types(values: dict[str, Any]) -> list[str]:
 def linear_layer_indices(config: Any) -> list[int]:
     """The decoder layers that are Gated DeltaNet layers (and keep recurrent state, not KV)."""
     return [i for i, kind in enumerate(config.layer_types) if kind == LINEAR_ATTENTION]
+
+
+def delta_net_heads_per_rank(config: Any, tensor_parallel_size: int) -> tuple[int, int]:
+    """(key heads, value heads) of one rank's Gated DeltaNet layers: both counts split evenly across the
+    ranks (each rank keeps whole key heads with the value heads they serve); ValueError naming both counts
+    and the sizes that divide them otherwise."""
+    key_heads, value_heads = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    size = tensor_parallel_size
+    if key_heads % size or value_heads % size:
+        working = [n for n in range(1, key_heads + 1) if key_heads % n == 0 and value_heads % n == 0]
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the Gated DeltaNet heads "
+            f"(linear_num_key_heads={key_heads}, linear_num_value_heads={value_heads}): each rank holds an "
+            f"equal share of both; choose --tensor-parallel-size among {working}"
+        )
+    return key_heads // size, value_heads // size

@@ -14,14 +14,33 @@
   a gated RMSNorm per value head (weight as stored, times silu(in_proj_z)); out_proj.
   Per request it keeps a conv state (the last K - 1 conv inputs) and a recurrent state (value heads x k_dim
   x v_dim, float32) in a slot of the model's RecurrentStatePool (worker/recurrent_state.py): the step's
-  metadata names each sequence's slot; a sequence whose first token is at position 0 starts from zeros.
-  With prefix caching the metadata's slots also name snapshot copies (core/state_slots.py): a sequence
-  resuming from a prefix-cache hit has its slot filled from a snapshot first, and a sequence whose step
-  ends on a block boundary has its final state copied into a snapshot slot.
+  metadata carries the slots as a device tensor, split into decode rows (one token after earlier ones)
+  and prompt pieces once per step (`state_slots`, layers/gated_delta_rule.py DeltaNetStepSlots); the
+  decode rows go through one batched update (CUDA-graph safe: slots read on the device, -1 a padded row),
+  the prompt pieces through one varlen prefill; a sequence whose first token is at position 0 starts from
+  zeros. With prefix caching a sequence resuming from a hit has its slot filled from a snapshot before the
+  step, and one whose step ends on a block boundary has its final state copied to a snapshot after it
+  (core/state_slots.py): the model runner makes those copies around the forward (`copy_states`); a caller
+  passing only host slots (`state_slots_cpu`) gets them made here, per layer.
 - MLP: down(silu(gate(x)) * up(x)); the MoE block: softmax router over all experts, top-k renormalised,
   the experts (layers/moe.py) plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
-Tensor parallel is not supported yet (the model refuses it); the linears are whole on one rank.
+Tensor parallel (rank r of n, as vLLM splits these layers; layers/tp_shards.py):
+- Gated DeltaNet: key and value heads split evenly (both counts divisible by n, else refused naming them),
+  so a rank keeps whole key heads with the value heads they serve. in_proj_qkv is column-parallel with its
+  q, k and v parts each split by heads (a rank's rows are [its q | its k | its v]), and the conv1d weight's
+  channels the same way (they are in_proj_qkv's outputs); in_proj_z, in_proj_b, in_proj_a, A_log and
+  dt_bias split by value heads; the gated norm is per head (replicated weight); out_proj row-parallel. The
+  rank's state pools hold only its heads (worker/recurrent_state.py), so the kernels run unchanged on
+  fewer heads.
+- full_attention: q_proj (query and gate, packed per head) column-parallel by heads; k_proj and v_proj by
+  KV heads, replicated when there are fewer than ranks; q/k norms replicated; o_proj row-parallel.
+- MLP: gate_up column-parallel, down row-parallel. MoE: the router and the shared expert's one-output gate
+  replicated (every rank needs the softmax over all experts, and the gate is one row); the experts split
+  their intermediate dim, or the experts themselves with --enable-expert-parallel (layers/moe.py); the
+  shared expert splits like the dense MLP. The routed and the shared partial outputs are summed on each
+  rank and all-reduced once per layer.
+Embedding and LM head are vocab-parallel (models/qwen3_5.py).
 """
 
 from __future__ import annotations
@@ -32,24 +51,80 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitserve.distributed.collectives import all_reduce
+from fitserve.distributed.parallel_state import tp
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import get_forward_context
 from fitserve.layers.gated_delta_rule import (
+    DeltaNetStepSlots,
     causal_conv1d,
-    causal_conv1d_step,
     chunk_gated_delta_rule,
+    gated_delta_net_decode,
+    gated_delta_net_prefill,
     l2_normalize,
-    recurrent_gated_delta_rule,
 )
-from fitserve.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, default_weight_loader
+from fitserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    PackedColumnLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_loaded_shape,
+    default_weight_loader,
+)
 from fitserve.layers.moe import FusedExperts
-from fitserve.models.qwen3_5_config import LINEAR_ATTENTION
+from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, rank_rows, split_evenly
+from fitserve.models.gemma4_config import expert_parallel_of
+from fitserve.models.qwen3_5_config import LINEAR_ATTENTION, delta_net_heads_per_rank
 
 
-def _parameter(shape: tuple[int, ...], fill: float) -> nn.Parameter:
+def _parameter(shape: tuple[int, ...], fill: float, loader: Any = default_weight_loader) -> nn.Parameter:
     param = nn.Parameter(torch.full(shape, fill), requires_grad=False)
-    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def rank_parts_loader(parts: tuple[int, ...]) -> Any:
+    """A weight loader for a parameter whose rows are `parts` (their whole sizes) stacked, each split
+    evenly across the ranks: it copies in this rank's rows of each part, stacked in the same order (the
+    DeltaNet conv1d weight's q, k and v channels; A_log's and dt_bias's value heads)."""
+
+    def load(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        state = tp()
+        if state.size == 1:
+            default_weight_loader(param, loaded_weight)
+            return
+        whole = sum(parts)
+        if loaded_weight.shape[0] != whole:
+            check_loaded_shape(torch.Size((whole, *param.shape[1:])), loaded_weight)
+        pieces, start = [], 0
+        for size in parts:
+            per_rank = size // state.size
+            pieces.append(rank_rows(loaded_weight, 0, start + state.rank * per_rank, per_rank))
+            start += size
+        default_weight_loader(param, torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+
+    return load
+
+
+class KvHeadsLinear(ColumnParallelLinear):
+    """k_proj or v_proj of the full layers: `num_kv_heads` heads of head_dim rows, split across the ranks,
+    or each replicated on n / heads ranks when there are fewer heads than ranks (layers/tp_shards.py)."""
+
+    def __init__(self, input_size: int, head_dim: int, num_kv_heads: int, bias: bool) -> None:
+        state = tp()
+        self.head_dim = head_dim
+        self.num_heads = kv_heads_per_rank(num_kv_heads, state.size)
+        self.first_head = first_kv_head(num_kv_heads, state.rank, state.size)
+        super().__init__(input_size, num_kv_heads * head_dim, bias)
+
+    def _rank_sizes(self) -> tuple[int, int]:
+        return self.input_size, self.num_heads * self.head_dim
+
+    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return loaded_weight
+        return rank_rows(loaded_weight, 0, self.first_head * self.head_dim, self.num_heads * self.head_dim)
 
 
 def _silu(name: str) -> None:
@@ -123,12 +198,15 @@ class Qwen3_5Attention(nn.Module):
         super().__init__()
         hidden, bias = config.hidden_size, bool(config.attention_bias)
         self.head_dim = int(config.head_dim)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
-        self.q_proj = ReplicatedLinear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = ReplicatedLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = ReplicatedLinear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, hidden, bias=bias)
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        # this rank's heads (all of them at tensor_parallel_size 1)
+        self.num_heads = split_evenly(heads, tp().size, "the number of attention heads")
+        # rows [query | gate] per head, so a split by heads keeps each head's pair on one rank
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim * 2, bias=bias)
+        self.k_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias)
+        self.v_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias)
+        self.num_kv_heads = self.k_proj.num_heads
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=bias)
         self.q_norm = Qwen3_5RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Qwen3_5RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
@@ -151,31 +229,38 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_k_heads = int(config.linear_num_key_heads)
-        self.num_v_heads = int(config.linear_num_value_heads)
+        key_heads, value_heads = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
         self.k_dim = int(config.linear_key_head_dim)
         self.v_dim = int(config.linear_value_head_dim)
-        if self.num_v_heads % self.num_k_heads:
+        if value_heads % key_heads:
             raise ValueError(
-                f"linear_num_value_heads={self.num_v_heads} is not a multiple of linear_num_key_heads="
-                f"{self.num_k_heads}: each key head must serve a whole number of value heads"
+                f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads="
+                f"{key_heads}: each key head must serve a whole number of value heads"
             )
+        # this rank's heads and sizes (all of them at tensor_parallel_size 1)
+        self.num_k_heads, self.num_v_heads = delta_net_heads_per_rank(config, tp().size)
         self.key_size = self.num_k_heads * self.k_dim
         self.value_size = self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.conv_width = int(config.linear_conv_kernel_dim)
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_size, bias=False)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, bias=False)
+        whole_key, whole_value = key_heads * self.k_dim, value_heads * self.v_dim
+        qkv_parts = (whole_key, whole_key, whole_value)
+        # the checkpoint's one [q | k | v] matrix: each part split by heads (PackedColumnLinear's shard
+        # None path), so a rank's rows are [its q | its k | its v]
+        offsets = {"q": (0, whole_key), "k": (whole_key, whole_key), "v": (2 * whole_key, whole_value)}
+        self.in_proj_qkv = PackedColumnLinear(hidden, offsets, bias=False)
+        self.in_proj_z = ColumnParallelLinear(hidden, whole_value, bias=False)
+        self.in_proj_b = ColumnParallelLinear(hidden, value_heads, bias=False)
+        self.in_proj_a = ColumnParallelLinear(hidden, value_heads, bias=False)
         # the checkpoint's conv1d.weight [conv_dim, 1, K] is kept as [conv_dim, K] (load_weights squeezes it)
-        self.conv_weight = _parameter((self.conv_dim, self.conv_width), 0.0)
-        self.A_log = _parameter((self.num_v_heads,), 0.0)
-        self.dt_bias = _parameter((self.num_v_heads,), 1.0)
+        self.conv_weight = _parameter((self.conv_dim, self.conv_width), 0.0, rank_parts_loader(qkv_parts))
+        self.A_log = _parameter((self.num_v_heads,), 0.0, rank_parts_loader((value_heads,)))
+        self.dt_bias = _parameter((self.num_v_heads,), 1.0, rank_parts_loader((value_heads,)))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = ReplicatedLinear(self.value_size, hidden, bias=False)
-        # set by the model once the pool exists (worker/recurrent_state.py): this layer's state tensors,
-        # conv [slots, conv_dim, K - 1] and recurrent [slots, value heads, k_dim, v_dim] float32
+        self.out_proj = RowParallelLinear(whole_value, hidden, bias=False)
+        # set by the model once the pool exists (worker/recurrent_state.py): this layer's state tensors of
+        # this rank's heads, conv [slots, conv_dim, K - 1] and recurrent [slots, value heads, k_dim, v_dim]
+        # float32
         self.conv_states: torch.Tensor | None = None
         self.recurrent_states: torch.Tensor | None = None
 
@@ -183,16 +268,22 @@ class GatedDeltaNet(nn.Module):
         tokens = hidden.shape[0]
         qkv = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden)
-        beta = torch.sigmoid(self.in_proj_b(hidden))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
+        a, b = self.in_proj_a(hidden), self.in_proj_b(hidden)
         metadata = get_forward_context().attn_metadata if self.conv_states is not None else None
-        slots = getattr(metadata, "state_slots_cpu", None) if metadata is not None else None
-        if slots is None:  # no cache (a profiling run, a test's whole-sequence forward): one fresh sequence
-            core = self._sequence(qkv, beta, g, None)
+        if metadata is None or (metadata.state_slots is None and metadata.state_slots_cpu is None):
+            # no cache (a profiling run, a test's whole-sequence forward): one fresh sequence
+            core = self._fresh_sequence(qkv, *self._gates(a, b))
+        elif metadata.state_slots is not None:  # the step's slots, uploaded with its inputs
+            core = self._batch(qkv, a, b, metadata.state_slots)
         else:
-            core = self._batch(qkv, beta, g, metadata.query_lens_cpu, metadata.seq_lens_cpu, slots)
+            core = self._batch_with_copies(qkv, a, b, metadata)
         core = self.norm(core.to(hidden.dtype), z.view(tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(core.reshape(tokens, self.value_size))
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_a's and in_proj_b's outputs -> the decay g (float32) and beta."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv output [N, conv_dim] -> q (normalised, scaled), k (normalised) [N, value heads, k_dim] in
@@ -206,63 +297,76 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         return q, k, v.reshape(n, self.num_v_heads, self.v_dim)
 
-    def _sequence(
-        self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: int | None, fresh: bool = True
-    ) -> torch.Tensor:
-        """One sequence's tokens, from zeros (fresh: its first token is at position 0) or from its slot's
-        states; the states it ends with are stored in the slot (slot None: nothing stored)."""
-        conv_state = recurrent = None
-        if slot is not None and not fresh:
-            assert self.conv_states is not None and self.recurrent_states is not None
-            conv_state, recurrent = self.conv_states[slot], self.recurrent_states[slot]
-        mixed, new_conv = causal_conv1d(qkv, self.conv_weight, conv_state)
+    def _fresh_sequence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """One sequence's tokens from zeros, its final state not kept (no state pool in use)."""
+        mixed, _ = causal_conv1d(qkv, self.conv_weight, None)
         q, k, v = self._heads(mixed)
-        out, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent)
-        if slot is not None:
-            assert self.conv_states is not None and self.recurrent_states is not None
-            self.conv_states[slot] = new_conv
-            self.recurrent_states[slot] = new_state
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, None)
         return out
 
     def _batch(
-        self,
-        qkv: torch.Tensor,
-        beta: torch.Tensor,
-        g: torch.Tensor,
-        query_lens: list[int],
-        seq_lens: list[int],
-        slots: list[int],
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, step: DeltaNetStepSlots
     ) -> torch.Tensor:
-        """The step's sequences: decode tokens (one token after earlier ones) in one batched recurrent
-        update, every other sequence (a prompt or its next chunk) by the chunked rule from its state."""
+        """The step's sequences: all decode rows in one batched update (gated_delta_net_decode, slots by a
+        device tensor: CUDA-graph safe), all prompt pieces in one varlen prefill from their states; each
+        kind's outputs written into its rows. States are read from and written to the slots in place."""
         assert self.conv_states is not None and self.recurrent_states is not None
-        # prefix-cache hits start from a snapshot of the state (core/state_slots.py): copied in first
+        decode_out = prefill_out = None
+        if step.decode_slots is not None:
+            rows = step.decode_rows
+            qkv_d, a_d, b_d = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])
+            decode_out = gated_delta_net_decode(
+                qkv_d,
+                a_d,
+                b_d,
+                self.A_log,
+                self.dt_bias,
+                self.conv_weight,
+                self.conv_states,
+                self.recurrent_states,
+                step.decode_slots,
+                self.num_k_heads,
+                self.k_dim,
+            )
+        if step.prefill_query_lens:
+            rows = step.prefill_rows
+            qkv_p, a_p, b_p = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])
+            g, beta = self._gates(a_p, b_p)
+            prefill_out = gated_delta_net_prefill(
+                qkv_p,
+                g,
+                beta,
+                self.conv_weight,
+                self.conv_states,
+                self.recurrent_states,
+                step.prefill_query_lens,
+                step.prefill_slots,
+                step.prefill_initial,
+                self.num_k_heads,
+                self.k_dim,
+            )
+        if prefill_out is None:
+            assert decode_out is not None, "a step with no rows reached a DeltaNet layer"
+            return decode_out
+        if decode_out is None:
+            return prefill_out
+        assert step.decode_rows is not None and step.prefill_rows is not None
+        out = torch.empty(qkv.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=qkv.device)
+        out.index_copy_(0, step.decode_rows, decode_out)
+        out.index_copy_(0, step.prefill_rows, prefill_out)
+        return out
+
+    def _batch_with_copies(
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """A caller that passed only host slots (`state_slots_cpu`, not through the step's upload): the
+        split made and copied here, and the prefix-cache snapshot copies made by this layer (the model
+        runner makes them for all layers at once, worker side, when it uploads the slots)."""
+        slots = metadata.state_slots_cpu
+        step = DeltaNetStepSlots.build(metadata.query_lens_cpu, metadata.seq_lens_cpu, slots, qkv.device)
         for row, snapshot in getattr(slots, "restores", {}).items():
             self._copy_state(snapshot, slots[row])
-        out = torch.empty(qkv.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=qkv.device)
-        decode_rows: list[int] = []
-        decode_slots: list[int] = []
-        start = 0
-        for query_len, seq_len, slot in zip(query_lens, seq_lens, slots):
-            if query_len == 1 and seq_len > 1:
-                decode_rows.append(start)
-                decode_slots.append(slot)
-            else:
-                rows = slice(start, start + query_len)
-                out[rows] = self._sequence(qkv[rows], beta[rows], g[rows], slot, fresh=seq_len == query_len)
-            start += query_len
-        if decode_rows:
-            rows_t = torch.tensor(decode_rows, dtype=torch.long, device=qkv.device)
-            slots_t = torch.tensor(decode_slots, dtype=torch.long, device=qkv.device)
-            mixed, new_conv = causal_conv1d_step(qkv[rows_t], self.conv_weight, self.conv_states[slots_t])
-            self.conv_states[slots_t] = new_conv.to(self.conv_states.dtype)
-            q, k, v = self._heads(mixed)
-            o, new_state = recurrent_gated_delta_rule(
-                q, k, v, g[rows_t], beta[rows_t], self.recurrent_states[slots_t]
-            )
-            self.recurrent_states[slots_t] = new_state
-            out[rows_t] = o
-        # steps ending on a block boundary keep the state there for later prefix-cache hits
+        out = self._batch(qkv, a, b, step)
         for row, snapshot in getattr(slots, "saves", {}).items():
             self._copy_state(slots[row], snapshot)
         return out
@@ -278,11 +382,16 @@ class Qwen3_5MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """[T, hidden]: the MLP's output (reduce=True), or this rank's partial sum of it (reduce=False:
+        the caller all-reduces it)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if reduce:
+            return self.down_proj(hidden)
+        return self.down_proj.linear_method.apply(self.down_proj, hidden)
 
 
 class Qwen3_5SparseMoeBlock(nn.Module):
@@ -292,7 +401,11 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.gate = ReplicatedLinear(hidden, int(config.num_experts), bias=False)
         self.experts = FusedExperts(
-            int(config.num_experts), hidden, int(config.moe_intermediate_size), F.silu
+            int(config.num_experts),
+            hidden,
+            int(config.moe_intermediate_size),
+            F.silu,
+            expert_parallel=expert_parallel_of(config),
         )
         self.shared_expert = Qwen3_5MLP(hidden, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
@@ -301,9 +414,11 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         probabilities = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probabilities, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).float()
-        routed = self.experts(x, ids, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        # each rank's partial sums of both branches (the gate is per token, so it scales a partial sum
+        # as it scales the whole), added and all-reduced once
+        routed = self.experts(x, ids, weights, reduce=False)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        return all_reduce(routed + shared)
 
 
 class Qwen3_5DecoderLayer(nn.Module):

@@ -41,6 +41,9 @@ def size_problem(shape: ModelShape, size: int) -> str | None:
     for kv_heads in kv_head_counts(shape):
         if kv_heads % size and size % kv_heads:
             return f"is neither a divisor nor a multiple of the model's {kv_heads} KV heads"
+    for linear_heads in shape.linear_head_counts:  # Gated DeltaNet heads are split, never replicated
+        if linear_heads % size:
+            return f"does not divide the model's {linear_heads} linear-attention (Gated DeltaNet) heads"
     return None
 
 

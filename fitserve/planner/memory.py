@@ -212,8 +212,15 @@ def recurrent_state_bytes(inputs: MemoryInputs) -> int:
     """A hybrid model's state pool on one rank: max_num_seqs + 1 live slots and the snapshot slots of
     prefix caching (worker/recurrent_state.py, core/state_slots.py), each every DeltaNet layer's conv state
     (model dtype) and recurrent state (float32); 0 for attention-only models."""
-    per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
+    per_seq = state_bytes_per_seq_on_rank(inputs)
     return (inputs.max_num_seqs + 1) * per_seq + state_snapshot_bytes(inputs) if per_seq else 0
+
+
+def state_bytes_per_seq_on_rank(inputs: MemoryInputs) -> int:
+    """One request's recurrent state on one rank: tensor parallel splits the DeltaNet key and value heads
+    evenly (models/qwen3_5_layers.py), so each rank's slots hold 1/tensor_parallel_size of the whole."""
+    per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
+    return -(-per_seq // inputs.tensor_parallel_size)
 
 
 def state_snapshot_bytes(inputs: MemoryInputs) -> int:
@@ -221,7 +228,7 @@ def state_snapshot_bytes(inputs: MemoryInputs) -> int:
     at most 16; core/state_slots.py num_snapshot_slots)."""
     from fitserve.core.state_slots import num_snapshot_slots
 
-    per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
+    per_seq = state_bytes_per_seq_on_rank(inputs)
     return num_snapshot_slots(inputs.mamba_cache_mode, True, inputs.max_num_seqs) * per_seq
 
 
@@ -401,7 +408,16 @@ def activation_peak_bytes(inputs: MemoryInputs) -> int:
     tokens = inputs.max_num_batched_tokens
     rows = min(inputs.max_num_seqs, tokens)
     peak = max(forward_activation_bytes(inputs, tokens), sampling_activation_bytes(inputs, tokens, rows))
-    return peak + dequant_scratch_bytes(inputs)
+    return peak + dequant_scratch_bytes(inputs) + rope_table_bytes(inputs)
+
+
+def rope_table_bytes(inputs: MemoryInputs) -> int:
+    """Gemma-4 on a GPU: a cos/sin table per layer type, [max_model_len, that type's head_dim] in the
+    model dtype (models/gemma4.py), built by the profiling run and kept."""
+    if not inputs.on_gpu or inputs.shape.model_type != "gemma4_text":
+        return 0
+    head_dims = {spec.layer_type: spec.head_dim for spec in inputs.shape.kv_layers}
+    return sum(head_dims.values()) * inputs.max_model_len * DTYPE_BYTES[inputs.dtype]
 
 
 # kernels/int4_dequant.py's SCRATCH_BYTES: on a GPU, quantized layers multiply the rows of a long step

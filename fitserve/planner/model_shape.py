@@ -62,6 +62,8 @@ class ModelShape:
     # Hybrid models (Qwen3.5's DeltaNet layers): state elements per request, model dtype and float32
     conv_state_elements: int = 0
     recurrent_state_elements: int = 0
+    # and their key and value head counts, which tensor parallel splits too ((): none)
+    linear_head_counts: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelShape:
@@ -157,6 +159,7 @@ class ModelShape:
             towers=tuple(getattr(config, "towers", ()) or ()),
             conv_state_elements=counts.conv_state_elements,
             recurrent_state_elements=counts.recurrent_state_elements,
+            linear_head_counts=(int(config.linear_num_key_heads), int(config.linear_num_value_heads)),
         )
 
     def state_bytes_per_seq(self, dtype_bytes: int) -> int:

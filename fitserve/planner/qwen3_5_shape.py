@@ -9,7 +9,10 @@ shared expert with its one-output gate (MoE). Outside the layers: the embedding,
 final norm. The vision tower and the MTP layers are not counted (not loaded).
 
 The per-request state (worker/recurrent_state.py counts the same): per DeltaNet layer conv_dim x (K - 1)
-elements in the model dtype and value heads x k_dim x v_dim in float32.
+elements in the model dtype and value heads x k_dim x v_dim in float32, the whole model's; under tensor
+parallel each rank holds 1/n of it (the heads split evenly: planner/memory.py state_bytes_per_seq_on_rank).
+Every DeltaNet parameter splits by heads with its layer (conv1d, A_log, dt_bias included), though `replicated`
+counts them whole: a few KB per layer, counted on every rank.
 """
 
 from __future__ import annotations

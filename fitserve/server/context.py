@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -18,7 +17,6 @@ from fitserve.server.args import ServerSettings
 from fitserve.server.chat import ChatRenderer
 from fitserve.server.errors import APIError
 from fitserve.server.protocol import ChatCompletionRequest, OpenAIBaseModel, SamplingRequest, TokenizeRequest
-from fitserve.structured.backend import preload as preload_grammar_backend
 from fitserve.structured.backend import validate as validate_structured
 from fitserve.structured.params import StructuredOutputsParams, check_backend
 
@@ -55,9 +53,6 @@ class ServingContext:
         renderer = ChatRenderer(
             engine.tokenizer, settings.chat_template, settings.chat_template_content_format
         )
-        # xgrammar (~0.3 s to import) loads beside the server's start, not on the event loop when the
-        # first structured-output request is checked
-        threading.Thread(target=preload_grammar_backend, name="fitserve-xgrammar-import", daemon=True).start()
         return cls(
             engine=engine,
             settings=settings,

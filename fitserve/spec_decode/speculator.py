@@ -87,17 +87,20 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> int:
         """Sets each decoding request's `spec_token_ids`; returns how many requests got drafts. A request
-        still computing its prompt, with a token in flight, or with a grammar gets none."""
+        still computing its prompt or with a token in flight gets none; one with a grammar (structured
+        outputs) only the drafts its grammar accepts in a row (the verify rows are masked by the grammar
+        after the drafts before each: worker/model_runner.py)."""
         drafted = 0
         for request in running:
             request.spec_token_ids = []
-            if (
-                request.num_output_placeholders
-                or request.grammar is not None
-                or request.num_computed_tokens != request.num_tokens - 1
-            ):
+            if request.num_output_placeholders or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            grammar = request.grammar
+            if grammar is not None and grammar.is_terminated:
                 continue
             drafts = self.proposer.propose(request)
+            if drafts and grammar is not None:
+                drafts = drafts[: grammar.valid_prefix_len(drafts)]
             if drafts:
                 request.spec_token_ids = drafts
                 drafted += 1

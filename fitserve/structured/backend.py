@@ -121,6 +121,11 @@ class GrammarState:
         """int32 words per bitmask row: ceil(vocab_size / 32)."""
         return (self.vocab_size + 31) // 32
 
+    @property
+    def matcher(self) -> Any:
+        """The xgrammar GrammarMatcher (batch_fill.py hands many of them to xgrammar at once)."""
+        return self._matcher
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask[row] (a CPU int32 tensor [rows, bitmask_width];
         bit b of word w = token 32 * w + b)."""
@@ -131,6 +136,19 @@ class GrammarState:
         accepted = bool(self._matcher.accept_token(token_id))
         self.num_accepted += accepted
         return accepted
+
+    def after(self, token_ids: list[int]) -> GrammarState:
+        """A new state: this one's place, then these tokens taken (a verify row of speculative decoding
+        is masked by the grammar after the drafts before it). This state does not move. ValueError if the
+        grammar refuses one (drafts are cut to valid_prefix_len first)."""
+        state = GrammarState.__new__(GrammarState)
+        state._matcher = self._matcher.fork()
+        state.vocab_size = self.vocab_size
+        state.num_accepted = self.num_accepted
+        for token_id in token_ids:
+            if not state.accept(token_id):
+                raise ValueError(f"the grammar refuses token {token_id} after {state.num_accepted} tokens")
+        return state
 
     def valid_prefix_len(self, token_ids: list[int]) -> int:
         """How many of these tokens (speculative drafts, say) the grammar accepts in a row from here;

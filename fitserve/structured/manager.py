@@ -45,7 +45,9 @@ class Rejection:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], preload: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         # the logits' width; a tokenizer with more tokens than the model's vocabulary (a tiny test model)
         # widens the bitmask, and the sampler reads only the logits' columns of it
@@ -55,15 +57,23 @@ class StructuredOutputManager:
             tokenizer_size = 0
         self.vocab_size = max(vocab_size, tokenizer_size)
         self._stop_token_ids = sorted(stop_token_ids)
-        # the compile thread; its first job imports xgrammar (~0.3 s), so the first constrained request
-        # does not pay for it on the engine's thread
+        # the compile thread; with `preload`, its first job imports xgrammar (~0.3 s), so the first
+        # constrained request does not pay for it on the engine's thread (see preload())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fitserve-grammar")
-        self._pool.submit(preload)
+        self._preloading: Future | None = None
+        if preload:
+            self.preload()
         self._compiler: GrammarCompiler | None = None  # made in the pool's thread on first use
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._held: dict[str, _Held] = {}
         self.cache_hits = 0
         self.cache_misses = 0
+
+    def preload(self) -> Future:
+        """Imports xgrammar on the compile thread (once; later calls return the same job)."""
+        if self._preloading is None:
+            self._preloading = self._pool.submit(preload)
+        return self._preloading
 
     # ---- compiling ----------------------------------------------------------------------------------
     def submit(self, params: StructuredOutputsParams) -> Future:

@@ -86,12 +86,15 @@ def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
     ]
     if not constrained:
         return
+    from fitserve.structured.batch_fill import fill_bitmasks
     from fitserve.structured.bitmask import apply_bitmask_rows
 
     width = max(rows[i].grammar.bitmask_width for i in constrained)
-    bitmask = torch.zeros((len(constrained), width), dtype=torch.int32)
-    for j, i in enumerate(constrained):
-        rows[i].grammar.fill_bitmask(bitmask, j)
+    # filled whole by the matchers; pinned for a GPU, so the upload is one asynchronous copy (the pinned
+    # allocator keeps the buffer until that copy has run)
+    pinned = logits.device.type == "cuda"
+    bitmask = torch.empty((len(constrained), width), dtype=torch.int32, pin_memory=pinned)
+    fill_bitmasks([rows[i].grammar for i in constrained], bitmask)
     apply_bitmask_rows(logits, bitmask, constrained)
 
 

@@ -163,12 +163,8 @@ class ModelRunner:
         self.kv_caches = self._layer_caches(self.group_num_blocks)
         allocate_recurrent_state(self.model, self.config, self.device)  # hybrid models only
         log_kv_cache(plan, self.kv_groups, self.group_num_blocks, self.kv_caches, self.kv_cache_dtype)
-        if self.group_tables is not None and self.device.type == "cuda":
-            # the graphs hold one metadata for every layer; groups have tables of their own
-            logger.info("CUDA graphs off: the sliding-window KV cache groups run eagerly for now")
-        else:
-            self.graph_runner = self.platform.make_graph_runner(self)
-            self.piecewise_runner = self.platform.make_piecewise_runner(self)
+        self.graph_runner = self.platform.make_graph_runner(self)
+        self.piecewise_runner = self.platform.make_piecewise_runner(self)
         if self.device.type == "cuda":
             self._warm_up_decode_tail()
 
@@ -242,6 +238,8 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with forward_context(metadata, scratch):
             hidden = self.model(input_ids, positions)
+        if self.device.type == "cuda" and num_tokens > 1:
+            self._decode_sized_forward(scratch)
         rows = min(sc.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -250,6 +248,25 @@ class ModelRunner:
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         del scratch, hidden, logits
         return scratch_bytes
+
+    def _decode_sized_forward(self, scratch: list[torch.Tensor]) -> None:
+        """One token's forward over the scratch cache: kernels with a decode-sized variant (the decode
+        attention, the skinny GEMMs, the fused MoE's small-batch tiles) compile here, at startup, also
+        when no CUDA graph is captured (--enforce-eager), not at the first request."""
+        table = torch.ones((1, 1), dtype=torch.int32, device=self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((1,), self.block_size, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device),
+            block_tables=table,
+            max_query_len=1,
+            max_seq_len=1,
+            query_lens_cpu=[1],
+            seq_lens_cpu=[1],
+        )
+        one = torch.zeros(1, dtype=torch.long, device=self.device)
+        with forward_context(metadata, scratch):
+            self.model(one, one)
 
     # ---- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -340,12 +357,30 @@ class ModelRunner:
             self._last_sampled = broadcast_from_first(sampled)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's forward over the step, and a hybrid model's prefix-cache snapshot copies around it
+        (restores before, saves after: outside any captured graph)."""
+        if inputs.state_restores is not None:
+            self.model.copy_states(*inputs.state_restores)
+        hidden = self._model_forward(inputs)
+        if inputs.state_saves is not None:
+            self.model.copy_states(*inputs.state_saves)
+        return hidden
+
+    def _model_forward(self, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.metadata
         fill = None
         if inputs.fill is not None:
             fill = (*inputs.fill, self._last_sampled)
-        if self.graph_runner is not None and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len):
-            return self.graph_runner.run(inputs.input_ids, inputs.positions, meta, fill)
+        # a hybrid's step with a one-token prompt (from zeros) runs eagerly: the graphs only decode
+        graphable = meta.state_slots is None or meta.state_slots.is_decode_only
+        if (
+            self.graph_runner is not None
+            and graphable
+            and self.graph_runner.can_run(meta.num_seqs, meta.max_query_len)
+        ):
+            return self.graph_runner.run(
+                inputs.input_ids, inputs.positions, meta, fill, inputs.layer_metadata
+            )
         if fill is not None:
             rows, indices, last_sampled = fill
             inputs.input_ids[rows] = last_sampled[indices]
@@ -397,8 +432,11 @@ class ModelRunner:
                 generator.manual_seed(params.seed)  # before it is kept: a seed torch refuses leaves none
                 self.generators[request.request_id] = generator
         outputs = request.output_token_ids
+        grammar = request.grammar  # structured outputs (fitserve/structured); None = unconstrained
         if item.draft_token_ids:  # a verify row: the drafts before it count as output (penalties)
             outputs = outputs + list(item.draft_token_ids)
+            if grammar is not None:  # and its grammar has taken them (the speculator kept valid ones)
+                grammar = grammar.after(list(item.draft_token_ids))
         return SamplingRow(
             params=params,
             prompt_token_ids=request.prompt_token_ids,
@@ -406,7 +444,7 @@ class ModelRunner:
             generator=generator,
             eos_token_ids=request.eos_token_ids,
             num_pending_outputs=request.num_output_placeholders - 1,
-            grammar=request.grammar,  # structured outputs (fitserve/structured); None = unconstrained
+            grammar=grammar,
         )
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:

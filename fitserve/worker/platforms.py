@@ -194,6 +194,7 @@ class CudaPlatform:
             hidden_size=mc.hf_config.hidden_size,
             dtype=mc.dtype,
             device=runner.device,
+            layer_group=runner.layer_group,
         )
         seconds, used = graph_runner.capture()
         logger.info("Graph capturing finished in %.0f secs, took %.2f GiB", seconds, used / GiB)

@@ -3,11 +3,15 @@
 Each DeltaNet layer keeps, per running request, a conv state (the last K - 1 inputs of its causal conv1d:
 conv_dim x (K - 1) in the model dtype) and a recurrent state (value heads x k_dim x v_dim, float32 as the
 checkpoints' `mamba_ssm_dtype` asks). The pool holds `slots` of each, preallocated once: max_num_seqs
-running requests at most, plus slot 0, a spare no request gets (a padded row's target when decode steps
-are captured later). The scheduler side hands out the slots (core/state_slots.py); the state is
+running requests at most, plus slot 0, a spare no request gets (a captured decode step's padded rows
+carry slot -1 and touch no state). The scheduler side hands out the slots (core/state_slots.py); the state is
 not zeroed between owners: a sequence whose first token is at position 0 starts from zeros in the layers.
 With prefix caching (--mamba-cache-mode align) the pool has as many snapshot slots again after the live
 ones: states kept at block boundaries, which a later request with the same prefix starts from.
+
+Under tensor parallel each rank's pool holds its own heads' states only (the DeltaNet heads split evenly,
+models/qwen3_5_layers.py): conv_dim and the value heads are the rank's, so a rank's pool is 1/n of one
+rank's pool at tensor_parallel_size 1.
 
 `state_bytes_per_slot` is what the memory planner counts per slot, so that the slots (live and snapshot)
 come out of the KV cache's budget.
@@ -22,8 +26,9 @@ from typing import Any
 import torch
 
 from fitserve.core.state_slots import SPARE_STATE_SLOTS, num_snapshot_slots, num_state_slots
+from fitserve.distributed.parallel_state import tp
 from fitserve.kv_layers import is_qwen3_5
-from fitserve.models.qwen3_5_config import linear_layer_indices
+from fitserve.models.qwen3_5_config import delta_net_heads_per_rank, linear_layer_indices
 
 logger = logging.getLogger("fitserve")
 
@@ -45,14 +50,16 @@ class RecurrentStateShape:
         return conv + c * k * v * RECURRENT_STATE_DTYPE.itemsize
 
 
-def recurrent_state_layers(config: Any) -> tuple[RecurrentStateShape, ...]:
-    """The state shape of each layer that keeps one (empty for a model without recurrent layers)."""
+def recurrent_state_layers(config: Any, tensor_parallel_size: int = 1) -> tuple[RecurrentStateShape, ...]:
+    """The state shape, on one rank, of each layer that keeps one (empty for a model without recurrent
+    layers)."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     if not is_qwen3_5(config):
         return ()
-    key_size = int(config.linear_num_key_heads) * int(config.linear_key_head_dim)
-    value_heads, v_dim = int(config.linear_num_value_heads), int(config.linear_value_head_dim)
+    key_heads, value_heads = delta_net_heads_per_rank(config, tensor_parallel_size)
+    key_size = key_heads * int(config.linear_key_head_dim)
+    v_dim = int(config.linear_value_head_dim)
     conv_dim = 2 * key_size + value_heads * v_dim
     shape = RecurrentStateShape(
         (conv_dim, int(config.linear_conv_kernel_dim) - 1),
@@ -61,9 +68,9 @@ def recurrent_state_layers(config: Any) -> tuple[RecurrentStateShape, ...]:
     return (shape,) * len(linear_layer_indices(config))
 
 
-def state_bytes_per_slot(config: Any, dtype_bytes: int) -> int:
-    """Bytes one request's state takes over all recurrent layers (0 without any)."""
-    return sum(layer.bytes(dtype_bytes) for layer in recurrent_state_layers(config))
+def state_bytes_per_slot(config: Any, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one request's state takes over all recurrent layers on one rank (0 without any)."""
+    return sum(layer.bytes(dtype_bytes) for layer in recurrent_state_layers(config, tensor_parallel_size))
 
 
 class RecurrentStatePool:
@@ -80,6 +87,12 @@ class RecurrentStatePool:
             for layer in layers
         ]
 
+    def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Both states of slots `sources` into slots `targets` in every layer (index tensors on the pool's
+        device; the gather copies first, so a slot may be both a source and a target)."""
+        for tensor in (*self.conv, *self.recurrent):
+            tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+
     def layer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.conv, self.recurrent, strict=True))
 
@@ -90,9 +103,9 @@ class RecurrentStatePool:
 
 def allocate_recurrent_state(model: torch.nn.Module, config: Any, device: torch.device) -> int:
     """Gives a hybrid model its state pool (max_num_seqs + 1 live slots, then the snapshot slots of
-    prefix caching); returns its bytes (0: not hybrid). config: the EngineConfig."""
+    prefix caching), of this rank's heads; returns its bytes (0: not hybrid). config: the EngineConfig."""
     attach = getattr(model, "attach_state_pool", None)
-    layers = recurrent_state_layers(config.model.hf_config)
+    layers = recurrent_state_layers(config.model.hf_config, tp().size)
     if attach is None or not layers:
         return 0
     max_num_seqs = config.scheduler.max_num_seqs

@@ -16,15 +16,19 @@ import numpy as np
 import torch
 
 from fitserve.core.scheduler import ScheduledRequest
-from fitserve.core.state_slots import state_slots_of
+from fitserve.core.state_slots import StepStateSlots, state_slots_of
 from fitserve.layers.attention.metadata import AttentionMetadata
+from fitserve.layers.gated_delta_rule import DeltaNetStepSlots, StateRowsHost, split_state_rows
 from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
 from fitserve.worker.group_tables import GroupTables
 from fitserve.worker.transfer import PinnedStagingRing
 
 # The arrays every step uploads, in this order; a model with several KV cache groups appends two per
-# extra group (slot mapping, block table).
+# extra group (slot mapping, block table), and a hybrid model NUM_STATE_ARRAYS after those.
 NUM_STEP_ARRAYS = 9
+# Hybrid models: the DeltaNet split (decode slots, decode rows, prompt rows: StateRowsHost.arrays) and the
+# prefix-cache snapshot copies before and after the forward (each [sources..., targets...]).
+NUM_STATE_ARRAYS = 5
 
 # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
 PromptLogprobRows = dict[str, tuple[list[int], list[int], int]]
@@ -42,6 +46,8 @@ class HostInputs:
     has_fill: bool
     # Hybrid models: each sequence's recurrent state slot (core/state_slots.py); None otherwise
     state_slots: list[int] | None = None
+    # ... and their split into decode rows and prompt pieces (its arrays are among `arrays`)
+    state_rows: StateRowsHost | None = None
 
 
 @dataclass
@@ -57,6 +63,10 @@ class StepInputs:
     fill: tuple[torch.Tensor, torch.Tensor] | None = None
     # With several KV cache groups: each layer's metadata (ForwardContext.layer_metadata)
     layer_metadata: list[AttentionMetadata] | None = None
+    # Hybrid models' prefix-cache snapshot copies, (source slots, target slots) int64 on the device: the
+    # restores made before the forward, the saves after it (ModelRunner._forward); None: no copy
+    state_restores: tuple[torch.Tensor, torch.Tensor] | None = None
+    state_saves: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_host_inputs(
@@ -134,6 +144,12 @@ def build_host_inputs(
     ]
     if group_tables is not None:
         arrays.extend(group_tables.arrays(scheduled))
+    state_slots = state_slots_of(scheduled)
+    state_rows = None
+    if state_slots is not None:
+        state_rows = split_state_rows(query_lens, seq_lens, state_slots)
+        arrays.extend(state_rows.arrays())
+        arrays.extend(_state_copies(state_slots))
     host = HostInputs(
         arrays=arrays,
         query_lens=query_lens,
@@ -142,15 +158,36 @@ def build_host_inputs(
         samples_all_rows=all_rows,
         prompt_logprob_rows=prompt_rows,
         has_fill=bool(placeholder_rows),
-        state_slots=state_slots_of(scheduled),
+        state_slots=state_slots,
+        state_rows=state_rows,
     )
     return host, sample_items
+
+
+def _state_copies(slots: StepStateSlots) -> list[np.ndarray]:
+    """The step's snapshot restores (snapshot -> the row's slot) and saves (the row's slot -> snapshot),
+    each as one int64 array [sources..., targets...]."""
+    restores = [*slots.restores.values(), *(slots[row] for row in slots.restores)]
+    saves = [*(slots[row] for row in slots.saves), *slots.saves.values()]
+    return [np.array(restores, dtype=np.int64), np.array(saves, dtype=np.int64)]
+
+
+def _copy_pairs(array: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An uploaded [sources..., targets...] array as (sources, targets) views; None when empty."""
+    half = array.shape[0] // 2
+    return (array[:half], array[half:]) if half else None
 
 
 def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: list[int]) -> StepInputs:
     """One host-to-device copy of the host inputs, and the attention metadata over them."""
     uploaded = staging.upload(host.arrays)
     (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = uploaded[:NUM_STEP_ARRAYS]
+    state_slots = restores = saves = None
+    if host.state_rows is not None:
+        state_arrays = uploaded[len(uploaded) - NUM_STATE_ARRAYS :]
+        uploaded = uploaded[: len(uploaded) - NUM_STATE_ARRAYS]
+        state_slots = DeltaNetStepSlots.from_host(host.state_rows, state_arrays[:3])
+        restores, saves = _copy_pairs(state_arrays[3]), _copy_pairs(state_arrays[4])
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=starts,
@@ -161,6 +198,7 @@ def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: lis
         query_lens_cpu=host.query_lens,
         seq_lens_cpu=host.seq_lens,
         state_slots_cpu=host.state_slots,
+        state_slots=state_slots,
     )
     layer_metadata = None
     if len(uploaded) > NUM_STEP_ARRAYS:
@@ -179,4 +217,6 @@ def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: lis
         num_samples=host.num_samples,
         prompt_logprob_rows=host.prompt_logprob_rows,
         fill=(fill_rows, fill_sources) if host.has_fill else None,
+        state_restores=restores,
+        state_saves=saves,
     )

@@ -132,6 +132,39 @@ def test_greedy_with_grammars_equals_the_reference(tiny_model, references, varia
             json.loads(choice.text)
 
 
+@pytest.mark.parametrize("drafts", ["answers", "misses", "ngram"])
+def test_speculative_decoding_under_grammars_equals_the_reference(tiny_model, references, drafts) -> None:
+    """Drafts for constrained requests: cut to what the grammar accepts, each verify row masked by the
+    grammar after the drafts before it. The oracle drafting the reference answers has every draft
+    accepted (a verify row masked by the wrong state would sample another token); drafting tokens that
+    are never the answer's, and prompt lookup, leave the output exact too."""
+    folder, _ = tiny_model
+    requests = [(name, PROMPTS[0]) for name in CONSTRAINTS] + [("json", PROMPTS[1])]
+    method = "ngram" if drafts == "ngram" else "oracle"
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = LLM(
+        str(folder), dtype="float32", num_gpu_blocks_override=128, block_size=8, speculative_config=config
+    )
+    expected = [references(name, tuple(prompt)) for name, prompt in requests]
+    if method == "oracle":  # one request per prompt: the oracle keys its answers by prompt
+        requests, expected = [requests[0], requests[-1]], [expected[0], expected[-1]]
+        prompts = [prompt for _, prompt in requests]
+        llm.engine.speculator.proposer.load(prompts, expected, VOCAB, miss=drafts == "misses")
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[name])
+        for name, _ in requests
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for _, p in requests], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    stats = llm.engine.speculator.stats
+    if drafts == "answers":
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    if drafts == "misses":
+        assert stats.num_accepted_tokens == 0
+
+
 def test_n_samples_each_follow_their_own_matcher(tiny_model) -> None:
     folder, _ = tiny_model
     llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=128, block_size=8)

@@ -186,6 +186,35 @@ def test_mask_allows_exactly_the_tokens_the_grammar_accepts(manager: StructuredO
     assert tokenizer.encode("o", add_special_tokens=False)[0] not in masked
 
 
+def test_batch_fill_equals_each_row_filled_alone(manager: StructuredOutputManager) -> None:
+    """batch_fill.fill_bitmasks (xgrammar's threads from MIN_BATCH_ROWS rows on) writes every row as the
+    state's own fill does, for states of different grammars at different places (none complete: the
+    sampler masks only unfinished ones)."""
+    from fitserve.structured.batch_fill import MIN_BATCH_ROWS, fill_bitmasks
+
+    schema = manager.compile_now(StructuredOutputsParams(json=SCHEMA))
+    choice = manager.compile_now(StructuredOutputsParams(choice=["yes", "no"]))
+    rng = random.Random(0)
+    states = []
+    for index in range(2 * MIN_BATCH_ROWS + 1):
+        state = manager.new_state(schema if index % 3 else choice)
+        for _ in range(rng.randrange(12)):
+            allowed = [t for t in allowed_tokens(state) if t != EOS]
+            if not allowed:
+                break
+            assert state.accept(rng.choice(allowed))
+        states.append(state)
+    width = states[0].bitmask_width
+    for count in (MIN_BATCH_ROWS - 1, len(states)):
+        alone = torch.zeros((count, width), dtype=torch.int32)
+        for row, state in enumerate(states[:count]):
+            state.fill_bitmask(alone, row)
+        batched = torch.full((count, width), -1, dtype=torch.int32)
+        fill_bitmasks(states[:count], batched)
+        assert torch.equal(batched, alone)
+    assert len({tuple(allowed_tokens(s)) for s in states}) > 2  # the rows differ: a mixed-up row would show
+
+
 def test_valid_prefix_of_drafts_leaves_the_state(manager: StructuredOutputManager) -> None:
     tokenizer = smollm2_tokenizer()
     compiled = manager.compile_now(StructuredOutputsParams(regex=r"[0-9]{2}-[a-z]{2}"))

@@ -32,6 +32,12 @@ class AttentionBackend(Protocol):
     rotary inputs, given only when `fuses_rotary` said yes: q and k arrive unrotated and the backend
     rotates them (q in place, k as it is written to the cache). qk_norm: the layer's (q_norm, k_norm),
     given only with rope: q and k arrive unnormalised too, and the backend normalises each head first.
+
+    A backend with `supports_sliding_window` takes `window` (the layer's sliding window: query position p
+    sees keys p - window + 1 .. p); one with `supports_kv_sharing` takes `write=False` with k = v = None
+    (a KV-shared layer reads the cache another layer filled, writing nothing), and then `window` too
+    (None unless it supports windows). A backend without either need not accept them: the layer refuses
+    what they would be needed for.
     """
 
     name: str
@@ -41,8 +47,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
@@ -50,4 +56,6 @@ class AttentionBackend(Protocol):
         v_scale: float = 1.0,
         rope: StepRope | None = None,
         qk_norm: QKNorm | None = None,
+        window: int | None = None,
+        write: bool = True,
     ) -> torch.Tensor: ...

@@ -25,9 +25,9 @@ class Attention(nn.Module):
     sequence and nothing is stored.
 
     sliding_window: the layer's window, if it has one: query position p sees keys at positions
-    p - sliding_window + 1 .. p (as transformers masks it). The CPU backend masks older keys; the CUDA
-    backend attends over the full context, which equals windowed attention while every context fits in the
-    window, so there a longer one is refused (its kernels have no window yet).
+    p - sliding_window + 1 .. p (as transformers masks it). It is passed to the backend on every path; a
+    backend without `supports_sliding_window` attends over the full context, which equals windowed
+    attention only while every context fits in the window, so there a longer one is refused.
 
     kv_cache_layer: the layer whose cache this one reads (Gemma-4's KV-shared layers); it then computes no
     keys or values, writes nothing and `forward` takes k = v = None. None: its own cache (`layer_idx`).
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         else:
             assert backend is not None
             kv_cache = context.kv_caches[self.layer_idx]
-            if self.sliding_window is not None and getattr(backend, "supports_sliding_window", False):
+            if self.sliding_window is not None and _masks_window(backend):
                 out = backend.forward(
                     q,
                     k,
@@ -132,10 +132,13 @@ class Attention(nn.Module):
         if not getattr(backend, "supports_kv_sharing", False):
             raise ValueError(
                 f"layer {self.layer_idx} reads layer {self.kv_cache_layer}'s KV cache "
-                f"(num_kv_shared_layers), which the {backend.name} attention backend cannot do yet: "
-                "run this model with --device cpu "
-                "until the CUDA kernels read a shared cache"
+                f"(num_kv_shared_layers), which the {backend.name} attention backend cannot do: "
+                "run this model with --device cpu"
             )
+        window = self.sliding_window
+        if window is not None and not _masks_window(backend):
+            self._check_window(metadata.max_seq_len)
+            window = None
         out = backend.forward(
             q,
             None,
@@ -145,7 +148,7 @@ class Attention(nn.Module):
             self.scale,
             self.k_scale,
             self.v_scale,
-            window=self.sliding_window,
+            window=window,
             write=False,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
@@ -175,10 +178,15 @@ class Attention(nn.Module):
         out: [T, heads, head_dim] to write into. Returns [T, heads * head_dim]."""
         context = get_forward_context()
         metadata = context.metadata_for(self.layer_idx)
-        self._check_window(metadata.max_seq_len)
         backend = get_attention_backend(q.device)
         kv_cache = context.kv_caches[self.layer_idx]
-        result = backend.attend(q, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, out)
+        if self.sliding_window is not None and _masks_window(backend):
+            result = backend.attend(
+                q, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, out, window=self.sliding_window
+            )
+        else:
+            self._check_window(metadata.max_seq_len)
+            result = backend.attend(q, kv_cache, metadata, self.scale, self.k_scale, self.v_scale, out)
         return result.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _by_head(
@@ -215,10 +223,11 @@ class Attention(nn.Module):
         return q, k, rope, qk_norm
 
     def _check_window(self, max_seq_len: int) -> None:
+        """For a backend without window support: a context longer than the window is refused."""
         if self.sliding_window is not None and max_seq_len > self.sliding_window:
             raise ValueError(
                 f"a context of {max_seq_len} tokens exceeds layer {self.layer_idx}'s sliding window of "
-                f"{self.sliding_window}, which the CUDA attention kernels do not mask yet: set max_model_len "
+                f"{self.sliding_window}, which this attention backend does not mask: set max_model_len "
                 f"to {self.sliding_window} or less, or run with --device cpu (its backend masks the window)"
             )
 
@@ -228,6 +237,10 @@ class Attention(nn.Module):
             f"scale={self.scale:.4g}, layer_idx={self.layer_idx}, sliding_window={self.sliding_window}, "
             f"k_scale={self.k_scale:g}, v_scale={self.v_scale:g}"
         )
+
+
+def _masks_window(backend: AttentionBackend) -> bool:
+    return getattr(backend, "supports_sliding_window", False)
 
 
 def _causal_attention_no_cache(

@@ -19,8 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from fitserve.layers.gated_delta_rule import DeltaNetStepSlots
 
 
 @dataclass
@@ -36,6 +40,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Hybrid models (core/state_slots.py): each sequence's row of the recurrent state pool; None otherwise
     state_slots_cpu: list[int] | None = None
+    # Hybrid models: the step's slots on the device, split into decode rows and prompt pieces (built once
+    # per step with its inputs, worker/step_inputs.py; the static buffer of a CUDA graph); None otherwise
+    state_slots: DeltaNetStepSlots | None = None
 
     @property
     def num_seqs(self) -> int:

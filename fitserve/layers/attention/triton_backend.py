@@ -31,9 +31,16 @@ class TritonAttentionBackend:
     Given the step's rotary inputs (`rope`), it rotates q and k itself, in the same kernel as the cache
     write (rotary_cache_write.py): one launch instead of two per layer; Qwen3's q and k norms (`qk_norm`)
     run in that kernel too, instead of two more.
+
+    A layer with a sliding window passes `window`: both kernels mask the keys older than it and skip the
+    blocks wholly behind it (a sliding KV cache group's table holds the null block 0 there). A KV-shared
+    layer passes `write=False` and k = v = None: it attends over the cache an earlier layer of the same
+    step filled.
     """
 
     name = "triton"
+    supports_sliding_window = True  # forward/attend(window=...) mask and skip the keys older than it
+    supports_kv_sharing = True  # forward(write=False) reads another layer's cache, writing nothing
 
     def fuses_rotary(self, head_dim: int, rope: StepRope) -> bool:
         return rope.cos_sin_cache is not None and can_fuse(head_dim, rope.cos_sin_cache)
@@ -41,8 +48,8 @@ class TritonAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
@@ -50,9 +57,17 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         rope: StepRope | None = None,
         qk_norm: QKNorm | None = None,
+        window: int | None = None,
+        write: bool = True,
     ) -> torch.Tensor:
-        q = self.write(q, k, v, kv_cache, metadata, k_scale, v_scale, rope, qk_norm)
-        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale)
+        """window: the layer's sliding window (None: none). write False: k and v are None and nothing
+        is written (a KV-shared layer; q comes rotated, so rope and qk_norm are None)."""
+        if write:
+            assert k is not None and v is not None
+            q = self.write(q, k, v, kv_cache, metadata, k_scale, v_scale, rope, qk_norm)
+        else:
+            assert rope is None and qk_norm is None, "a layer that writes no keys gets q rotated already"
+        return self.attend(q, kv_cache, metadata, scale, k_scale, v_scale, window=window)
 
     def write(
         self,
@@ -101,9 +116,15 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         out: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """forward's second half: q [T, Hq, D] attends over the cache, which holds the step's keys and
-        values already. out: where to write [T, Hq, D] (a new tensor when None)."""
+        values already. out: where to write [T, Hq, D] (a new tensor when None). window: the layer's
+        sliding window (None: none).
+
+        The window is passed on whatever the step's lengths, even when every context fits in it: a CUDA
+        graph replays a decode with other seq_lens, and a sliding layer's kernels then compile one variant
+        each (the windowed one), at startup (profile run, graph capture) rather than mid-serving."""
         if metadata.max_query_len == 1:
             return paged_decode_attention(
                 q,
@@ -114,6 +135,7 @@ class TritonAttentionBackend:
                 out=out,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                window=window,
             )
         return paged_prefill_attention(
             q,
@@ -126,4 +148,5 @@ class TritonAttentionBackend:
             out=out,
             k_scale=k_scale,
             v_scale=v_scale,
+            window=window,
         )

@@ -1,0 +1,78 @@
+"""Qwen3.6 hybrids under tensor parallel (dummy weights, the GPUs of one machine): tp_suite.py's figures
+for the Qwen3.6-27B and 35B-A3B shapes, at TP 1 and TP N on the same machine.
+
+Each figure runs in its own process (`one`), so one engine's GPU memory is gone before the next starts;
+`all` runs them in turn and writes one results file (benchmarks/results/h100x2_qwen36_tp.json by default).
+
+  python benchmarks/gpu/qwen36_tp_suite.py all [--figures singleq27_tp1,singleq27_tp2,...] [--out FILE]
+  python benchmarks/gpu/qwen36_tp_suite.py one --figure singleq27_tp2
+
+Figures (tp_suite.py says what each measures): single<model>_tp<N> (batch-1 decode tok/s and its fraction of
+the weight-streaming roofline of one rank's parameters), equal<model>_tp<N> (256 x 512 in / 512 out,
+offline), kv<model>_tp<N> (the KV cache at max_model_len 131072); a trailing `_ep` adds
+--enable-expert-parallel. Models: q27 = Qwen3.6-27B, q35 = Qwen3.6-35B-A3B (shared/models/). The
+roofline leaves out the recurrent state a decode step reads and writes (~150 MB / ~63 MB per request over
+all DeltaNet layers at TP 1, 1/N per rank), a few % of the weights at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import tp_suite
+from common import machine, save
+
+tp_suite.SHAPES.update({"q27": "qwen3.6-27b", "q35": "qwen3.6-35b-a3b"})
+DEFAULT_FIGURES = "singleq27_tp1,singleq27_tp2,singleq35_tp1,singleq35_tp2,singleq35_tp2_ep,equalq27_tp2"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["all", "one"])
+    parser.add_argument("--figure", default="singleq27_tp2")
+    parser.add_argument("--figures", default=DEFAULT_FIGURES)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--figure-timeout-s", type=float, default=900)
+    args = parser.parse_args()
+    if args.mode == "one":
+        tp_suite.run_one(args.figure)
+        return
+    figures: dict[str, object] = {}
+    for figure in args.figures.split(","):
+        try:
+            completed = subprocess.run(
+                [sys.executable, __file__, "one", "--figure", figure],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=args.figure_timeout_s,
+            )
+        except subprocess.TimeoutExpired as expired:
+            figures[figure] = {
+                "error": f"timed out after {args.figure_timeout_s} s",
+                "tail": str(expired.stderr)[-2000:],
+            }
+            print(figure, json.dumps(figures[figure]), flush=True)
+            continue
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if lines:
+            figures[figure] = json.loads(lines[-1][len("RESULT ") :])
+        else:
+            figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
+        print(figure, json.dumps(figures[figure]), flush=True)
+    single = {k: v for k, v in figures.items() if isinstance(v, dict) and "tok_per_s" in v}
+    for name in list(single):
+        _, model, size, expert_parallel = tp_suite.parse(name)
+        base = single.get(f"single{model}_tp1")
+        if size > 1 and base:
+            figures[f"{name}_speedup_over_tp1"] = round(single[name]["tok_per_s"] / base["tok_per_s"], 3)
+    out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_qwen36_tp.json")
+    save("qwen36_tp_suite", {"machine_detail": machine(), **figures}, out)
+
+
+if __name__ == "__main__":
+    main()
