@@ -116,3 +116,25 @@ def graph_call_ms(call, calls: int = 1, repeats: int = 20) -> float:
         for _ in range(calls):
             call()
     return replay_ms(graph, repeats) / calls
+
+
+def run_figure_process(script: str, figure_args: list[str], timeout_s: float) -> dict:
+    """Runs `python script *figure_args` (a suite's `one` mode, which prints its figure as one
+    `RESULT {json}` line) in its own process, so one engine's GPU memory is gone before the next starts;
+    returns that figure, or {"error": ...} with the process's last output when it failed or timed out."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [sys.executable, script, *figure_args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as expired:
+        return {"error": f"timed out after {timeout_s} s", "tail": str(expired.stderr)[-2000:]}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        return {"error": (done.stderr or done.stdout)[-3000:]}
+    return json.loads(lines[-1][len("RESULT ") :])

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from common import RESULTS, machine, save  # noqa: I001
+from common import RESULTS, machine, run_figure_process, save  # noqa: I001
 
 FIGURES = {
     "26b_single": "singleg26_tp1",
@@ -31,24 +29,6 @@ FIGURES = {
 }
 
 
-def run_figure(figure: str, timeout_s: float) -> dict:
-    script = Path(__file__).resolve().parent / "tp_suite.py"
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script), "one", "--figure", figure],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired as expired:
-        return {"error": f"timed out after {timeout_s} s", "tail": str(expired.stderr)[-2000:]}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        return {"error": (done.stderr or done.stdout)[-3000:]}
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(RESULTS / "h100_gemma4.json"))
@@ -57,7 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     figures: dict = {"machine_detail": machine()}
     for name in args.figures.split(","):
-        raw = run_figure(FIGURES[name], args.figure_timeout_s)
+        script = str(Path(__file__).resolve().parent / "tp_suite.py")
+        raw = run_figure_process(script, ["one", "--figure", FIGURES[name]], args.figure_timeout_s)
         model, kind = name.split("_")
         figures[f"gemma4_{name}_run"] = raw
         if "error" in raw:

@@ -32,13 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
-from tp_suite import experts_read_per_token, rank_step_bytes
+from common import (  # noqa: I001
+    MODELS,
+    TOKENIZER,
+    machine,
+    run_figure_process,
+    save,
+)
+from tp_suite import equal_figures, experts_read_per_token, rank_step_bytes, single_figures
 
 SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b"}
 DEFAULT_FIGURES = "single27b,single35b,equal27b,equal35b"
@@ -68,7 +72,7 @@ def state_bytes_per_request(model) -> int:
 
 
 def run_one(figure: str, equal_max_num_seqs: int) -> dict:
-    from fitserve import LLM, SamplingParams
+    from fitserve import LLM
 
     kind, model, eager = parse(figure)
     started = time.perf_counter()
@@ -96,34 +100,12 @@ def run_one(figure: str, equal_max_num_seqs: int) -> dict:
         "kv_cache_tokens": llm.engine.memory_plan.kv_cache_tokens,
     }
     if kind == "single":
-        times = batch1_decode_seconds(llm, rng)
-        tok_per_s = 256 / min(times)
         weight_bytes = rank_step_bytes(runner.model, experts_read_per_token(llm))
         state_bytes = 2 * state_bytes_per_request(runner.model)  # read and written once per step
-        step_bytes = weight_bytes + state_bytes
-        bandwidth = copy_bandwidth_bytes_per_s()
-        roofline = bandwidth / step_bytes
-        result.update(
-            tok_per_s=round(tok_per_s, 1),
-            seconds_per_request=[round(t, 3) for t in times],
-            step_weight_bytes=weight_bytes,
-            step_state_bytes=state_bytes,
-            copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
-            roofline_tok_per_s=round(roofline, 1),
-            roofline_frac=round(tok_per_s / roofline, 3),
-        )
+        result.update(single_figures(llm, rng, weight_bytes + state_bytes))
+        result.update(step_weight_bytes=weight_bytes, step_state_bytes=state_bytes)
     else:
-        prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(256)]
-        params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
-        llm.generate(prompts[:8], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-        llm.engine.kv_manager.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result.update(
-            out_tok_per_s=round(tokens / elapsed, 1), seconds=round(elapsed, 1), output_tokens=tokens
-        )
+        result.update(equal_figures(llm, rng))
     print("RESULT " + json.dumps(result), flush=True)
     llm.engine.shutdown()
     return result
@@ -150,27 +132,8 @@ def main() -> None:
     for figure in args.figures.split(","):
         parse(figure)  # a misspelt figure fails before any engine starts
     for figure in args.figures.split(","):
-        try:
-            completed = subprocess.run(
-                [sys.executable, __file__, "one", "--figure", figure]
-                + ["--equal-max-num-seqs", str(args.equal_max_num_seqs)],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=args.figure_timeout_s,
-            )
-        except subprocess.TimeoutExpired as expired:
-            figures[figure] = {
-                "error": f"timed out after {args.figure_timeout_s} s",
-                "tail": str(expired.stderr)[-2000:],
-            }
-            print(figure, json.dumps(figures[figure]), flush=True)
-            continue
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            figures[figure] = json.loads(lines[-1][len("RESULT ") :])
-        else:
-            figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
+        figure_args = ["one", "--figure", figure, "--equal-max-num-seqs", str(args.equal_max_num_seqs)]
+        figures[figure] = run_figure_process(__file__, figure_args, args.figure_timeout_s)
         print(figure, json.dumps(figures[figure]), flush=True)
     for name, figure in list(figures.items()):
         if name.endswith("_graph_speedup"):

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import tp_suite
-from common import machine, save
+from common import machine, run_figure_process, save
 
 tp_suite.SHAPES.update({"q27": "qwen3.6-27b", "q35": "qwen3.6-35b-a3b"})
 DEFAULT_FIGURES = "singleq27_tp1,singleq27_tp2,singleq35_tp1,singleq35_tp2,singleq35_tp2_ep,equalq27_tp2"
@@ -43,33 +41,9 @@ def main() -> None:
         return
     figures: dict[str, object] = {}
     for figure in args.figures.split(","):
-        try:
-            completed = subprocess.run(
-                [sys.executable, __file__, "one", "--figure", figure],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=args.figure_timeout_s,
-            )
-        except subprocess.TimeoutExpired as expired:
-            figures[figure] = {
-                "error": f"timed out after {args.figure_timeout_s} s",
-                "tail": str(expired.stderr)[-2000:],
-            }
-            print(figure, json.dumps(figures[figure]), flush=True)
-            continue
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            figures[figure] = json.loads(lines[-1][len("RESULT ") :])
-        else:
-            figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
+        figures[figure] = run_figure_process(__file__, ["one", "--figure", figure], args.figure_timeout_s)
         print(figure, json.dumps(figures[figure]), flush=True)
-    single = {k: v for k, v in figures.items() if isinstance(v, dict) and "tok_per_s" in v}
-    for name in list(single):
-        _, model, size, expert_parallel = tp_suite.parse(name)
-        base = single.get(f"single{model}_tp1")
-        if size > 1 and base:
-            figures[f"{name}_speedup_over_tp1"] = round(single[name]["tok_per_s"] / base["tok_per_s"], 3)
+    figures.update(tp_suite.speedups_over_tp1(figures))
     out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_qwen36_tp.json")
     save("qwen36_tp_suite", {"machine_detail": machine(), **figures}, out)
 

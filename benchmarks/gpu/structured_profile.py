@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import random
-import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, save  # noqa: I001
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-from structured_backends import SCHEMA  # noqa: E402
+from common import save  # noqa: I001
+from structured_suite import workload
 
 
 def _host_profile(llm, prompts, params, steps: int, top: int) -> dict[str, float]:
@@ -69,25 +65,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from fitserve import LLM, SamplingParams
-    from fitserve.core.sampling_params import StructuredOutputsParams
-
-    llm = LLM(
-        str(MODELS / "llama-3.1-8b"),
-        tokenizer=str(TOKENIZER),
-        load_format="dummy",
-        max_model_len=2048,
-        gpu_memory_utilization=0.9,
-    )
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(32)]
     steps = 256
-    plain = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    constrained = SamplingParams(
-        temperature=0, max_tokens=steps, structured_outputs=StructuredOutputsParams(json=SCHEMA)
-    )
-    llm.generate(prompts[:4], constrained, use_tqdm=False)  # warm: graphs, the schema compiled once
-    llm.generate(prompts[:4], plain, use_tqdm=False)
+    llm, prompts, plain, constrained = workload(steps)
     result: dict = {}
     for name, params in (("plain", plain), ("structured_json", constrained)):
         result[f"{name}_host_us_per_step"] = _host_profile(llm, prompts, params, steps, args.top)

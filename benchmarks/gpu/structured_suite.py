@@ -34,10 +34,9 @@ def _tpot_ms(outputs) -> tuple[float, int]:
     return 1000 * sum(tpots) / len(tpots), tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def workload(steps: int = 256):
+    """(llm, prompts, plain params, constrained params): the engine over the Llama-3.1-8B shape, 32 prompts
+    of 512 random tokens, greedy for `steps` tokens unconstrained or under SCHEMA; warmed once."""
     from fitserve import LLM, SamplingParams
     from fitserve.core.sampling_params import StructuredOutputsParams
 
@@ -50,11 +49,22 @@ def main() -> None:
     )
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(32)]
-    plain = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     constrained = SamplingParams(
-        temperature=0, max_tokens=256, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        temperature=0, max_tokens=steps, structured_outputs=StructuredOutputsParams(json=SCHEMA)
     )
     llm.generate(prompts[:4], constrained, use_tqdm=False)  # warm: graphs, the schema compiled once
+    llm.generate(prompts[:4], plain, use_tqdm=False)
+    return llm, prompts, plain, constrained
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from fitserve.core.sampling_params import StructuredOutputsParams
+
+    llm, prompts, plain, constrained = workload()
     result: dict = {}
     for name, params in (("plain", plain), ("structured_json", constrained), ("plain_again", plain)):
         start = time.perf_counter()

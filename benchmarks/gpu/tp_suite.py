@@ -27,12 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
+from common import (  # noqa: I001
+    MODELS,
+    TOKENIZER,
+    batch1_decode_seconds,
+    copy_bandwidth_bytes_per_s,
+    machine,
+    run_figure_process,
+    save,
+)
 
 SHAPES = {
     "8b": "llama-3.1-8b",
@@ -73,8 +79,43 @@ def experts_read_per_token(llm) -> float:
     return top_k / experts if experts and top_k else 1.0
 
 
+def single_figures(llm, rng: random.Random, step_bytes: int) -> dict:
+    """Batch-1 decode (batch1_decode_seconds) against the weight-streaming roofline: `step_bytes` a step
+    reads over the copy bandwidth measured now."""
+    times = batch1_decode_seconds(llm, rng)
+    tok_per_s = 256 / min(times)
+    bandwidth = copy_bandwidth_bytes_per_s()
+    roofline = bandwidth / step_bytes
+    return {
+        "tok_per_s": round(tok_per_s, 1),
+        "seconds_per_request": [round(t, 3) for t in times],
+        "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
+        "roofline_tok_per_s": round(roofline, 1),
+        "roofline_frac": round(tok_per_s / roofline, 3),
+    }
+
+
+def equal_figures(llm, rng: random.Random) -> dict:
+    """The equal workload: 256 requests of 512 random prompt tokens and 512 greedy output tokens."""
+    from fitserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(256)]
+    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.engine.kv_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "out_tok_per_s": round(tokens / elapsed, 1),
+        "seconds": round(elapsed, 1),
+        "output_tokens": tokens,
+    }
+
+
 def run_one(figure: str) -> dict:
-    from fitserve import LLM, SamplingParams
+    from fitserve import LLM
 
     kind, model, tp, expert_parallel = parse(figure)
     started = time.perf_counter()
@@ -100,34 +141,25 @@ def run_one(figure: str) -> dict:
     if kind == "kv":
         result["max_concurrency"] = round(llm.engine.memory_plan.max_concurrency, 2)
     elif kind == "single":
-        times = batch1_decode_seconds(llm, rng)
-        tok_per_s = 256 / min(times)
         step_bytes = rank_step_bytes(llm.engine.executor.runner.model, experts_read_per_token(llm))
-        bandwidth = copy_bandwidth_bytes_per_s()
-        roofline = bandwidth / step_bytes
-        result.update(
-            tok_per_s=round(tok_per_s, 1),
-            seconds_per_request=[round(t, 3) for t in times],
-            rank_step_bytes=step_bytes,
-            copy_bandwidth_gb_per_s=round(bandwidth / 1e9, 1),
-            roofline_tok_per_s=round(roofline, 1),
-            roofline_frac=round(tok_per_s / roofline, 3),
-        )
+        result.update(single_figures(llm, rng, step_bytes), rank_step_bytes=step_bytes)
     else:
-        prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(512)]} for _ in range(256)]
-        params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
-        llm.generate(prompts[:8], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-        llm.engine.kv_manager.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result.update(
-            out_tok_per_s=round(tokens / elapsed, 1), seconds=round(elapsed, 1), output_tokens=tokens
-        )
+        result.update(equal_figures(llm, rng))
     print("RESULT " + json.dumps(result), flush=True)
     llm.engine.shutdown()
     return result
+
+
+def speedups_over_tp1(figures: dict) -> dict[str, float]:
+    """`<single figure>_speedup_over_tp1` for each single figure at TP > 1 whose TP 1 figure ran."""
+    single = {k: v for k, v in figures.items() if isinstance(v, dict) and "tok_per_s" in v}
+    speedups = {}
+    for name, figure in single.items():
+        _, model, tp, _ = parse(name)
+        base = single.get(f"single{model}_tp1")
+        if tp > 1 and base:
+            speedups[f"{name}_speedup_over_tp1"] = round(figure["tok_per_s"] / base["tok_per_s"], 3)
+    return speedups
 
 
 def main() -> None:
@@ -143,33 +175,9 @@ def main() -> None:
         return
     figures = {}
     for figure in args.figures.split(","):
-        try:
-            completed = subprocess.run(
-                [sys.executable, __file__, "one", "--figure", figure],
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=args.figure_timeout_s,
-            )
-        except subprocess.TimeoutExpired as expired:
-            figures[figure] = {
-                "error": f"timed out after {args.figure_timeout_s} s",
-                "tail": str(expired.stderr)[-2000:],
-            }
-            print(figure, json.dumps(figures[figure]), flush=True)
-            continue
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if lines:
-            figures[figure] = json.loads(lines[-1][len("RESULT ") :])
-        else:
-            figures[figure] = {"error": (completed.stderr or completed.stdout)[-3000:]}
+        figures[figure] = run_figure_process(__file__, ["one", "--figure", figure], args.figure_timeout_s)
         print(figure, json.dumps(figures[figure]), flush=True)
-    single = {k: v for k, v in figures.items() if "tok_per_s" in v}
-    for name in list(single):
-        kind, model, tp, _ = parse(name)
-        base = single.get(f"single{model}_tp1")
-        if tp > 1 and base:
-            figures[f"{name}_speedup_over_tp1"] = round(single[name]["tok_per_s"] / base["tok_per_s"], 3)
+    figures.update(speedups_over_tp1(figures))
     out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_tp.json")
     save("tp_suite", {"machine_detail": machine(), **figures}, out)
 

@@ -1,5 +1,5 @@
 """Structured outputs (constrained decoding): JSON schema, JSON object, regex, choice and EBNF grammar,
-with xgrammar. See docs/structured_outputs.md."""
+with xgrammar; Lark grammars with llguidance. See docs/structured_outputs.md."""
 
 from fitserve.structured.params import (
     BACKENDS,

@@ -1,6 +1,7 @@
 """The xgrammar backend: a request's spec to a grammar (checked: a bad schema, regex or grammar is a
 ValueError naming it), compiled against the model's tokenizer off the step path, and a matcher per
-sequence that accepts tokens and fills a token bitmask.
+sequence that accepts tokens and fills a token bitmask. Lark grammars (spec kind "lark") go to
+llguidance instead (lark.py), behind the same functions.
 
 Why xgrammar: on the SmolLM2 tokenizer it fills a mask in ~1 us per token (median) against
 llguidance's ~12 us, and compiles a 10-field schema in ~7 ms, off the step path and cached
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fitserve.structured import lark
 from fitserve.structured.params import GrammarSpec, StructuredOutputsParams
 
 # JSON may hold this many whitespace characters between two tokens of its syntax (indentation up to
@@ -23,13 +25,27 @@ from fitserve.structured.params import GrammarSpec, StructuredOutputsParams
 MAX_JSON_WHITESPACE = 24
 # xgrammar's messages start with a timestamp and a C++ source position; the rest is the reason.
 _SOURCE_PREFIX = re.compile(r"\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "grammar": "grammar"}
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "grammar": "grammar",
+    "lark": "Lark grammar",
+}
 _FIX = {
     "json": "fix the schema (a JSON Schema object: type, properties, required, items, enum, anyOf, $ref)",
     "json_object": "leave json_object out",
     "regex": "fix the regex (lookaround and backreferences are not supported)",
     "grammar": 'fix the grammar (EBNF with a root rule, e.g. root ::= "yes" | "no")',
+    "lark": lark.LARK_FIX,
 }
+# The Lark reading of a grammar read as EBNF that llguidance takes: only `::=` (in a literal) can do that.
+_VALID_LARK = 'valid, but it holds `::=`, which makes it EBNF (split that literal, e.g. "::" "=")'
+# A grammar neither xgrammar's EBNF nor llguidance's Lark takes: both reasons, then this.
+_EITHER_FIX = (
+    'write EBNF with a root rule (root ::= "yes" | "no") or Lark with a start rule (start: "yes" | "no"); '
+    "a grammar is read as Lark when a line starts with a rule definition `name:` and it holds no `::=`"
+)
 
 
 def _xgrammar() -> Any:
@@ -57,7 +73,11 @@ def reason(error: BaseException) -> str:
 
 
 def build_grammar(spec: GrammarSpec) -> Any:
-    """The xgrammar Grammar for a spec; ValueError (naming the kind, the reason and the fix) if bad."""
+    """The xgrammar Grammar for a spec (for a Lark one, llguidance's checked grammar text); ValueError
+    (naming the kind, the reason and the fix) if bad. An EBNF grammar xgrammar refuses is tried as Lark
+    too, so the error names both readings."""
+    if spec.kind == "lark":
+        return lark.build_lark(spec.spec)
     xgr = _xgrammar()
     try:
         if spec.kind == "json":
@@ -68,6 +88,11 @@ def build_grammar(spec: GrammarSpec) -> Any:
             return xgr.Grammar.from_regex(spec.spec)
         return xgr.Grammar.from_ebnf(spec.spec)
     except (RuntimeError, ValueError, TypeError) as error:
+        if spec.kind == "grammar":
+            raise ValueError(
+                f"invalid grammar: as EBNF, {reason(error)}; as Lark, "
+                f"{lark.lark_reason(spec.spec) or _VALID_LARK}; {_EITHER_FIX}"
+            ) from None
         raise ValueError(f"invalid {_WHAT[spec.kind]}: {reason(error)}; {_FIX[spec.kind]}") from None
 
 
@@ -95,15 +120,27 @@ class GrammarCompiler:
         )
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # Lark grammars' compiler: llguidance's view of the tokenizer is built by the first one
+        self._lark = lark.LarkCompiler(tokenizer, vocab_size, stop_token_ids)
 
     def compile(self, spec: GrammarSpec, grammar: Any = None) -> Any:
-        """The compiled grammar of `spec` (`grammar`: its already built Grammar, if at hand)."""
+        """The compiled grammar of `spec` (`grammar`: its already built Grammar, if at hand): an xgrammar
+        CompiledGrammar, or a lark.LarkGrammar for a Lark spec."""
         if grammar is None:
             grammar = build_grammar(spec)
+        if spec.kind == "lark":
+            return self._lark.compile(grammar)
         try:
             return self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as error:
             raise ValueError(f"the {_WHAT[spec.kind]} could not be compiled: {reason(error)}") from None
+
+
+def new_state(compiled: Any, vocab_size: int) -> GrammarState | lark.LarkGrammarState:
+    """A sequence's state at the start of a compiled grammar (GrammarCompiler.compile's result)."""
+    if isinstance(compiled, lark.LarkGrammar):
+        return lark.LarkGrammarState(compiled, vocab_size)
+    return GrammarState(compiled, vocab_size)
 
 
 class GrammarState:

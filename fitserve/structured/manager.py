@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fitserve.structured.backend import GrammarCompiler, GrammarState, build_grammar, preload
+from fitserve.structured.backend import GrammarCompiler, GrammarState, build_grammar, new_state, preload
+from fitserve.structured.lark import LarkGrammarState
 from fitserve.structured.params import GrammarSpec, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -110,8 +111,8 @@ class StructuredOutputManager:
         """The compiled grammar, waiting for it (tests and tools; the engine never waits)."""
         return self.submit(params).result()
 
-    def new_state(self, compiled: Any) -> GrammarState:
-        return GrammarState(compiled, self.vocab_size)
+    def new_state(self, compiled: Any) -> GrammarState | LarkGrammarState:
+        return new_state(compiled, self.vocab_size)
 
     # ---- requests waiting for their grammar ---------------------------------------------------------
     def hold(self, parent_id: str, children: list[Request], future: Future) -> None:
@@ -154,7 +155,7 @@ class StructuredOutputManager:
         terminated: list[Request] = []
         rejected: list[Rejection] = []
         for request in progressed:
-            state: GrammarState | None = getattr(request, "grammar", None)
+            state: GrammarState | LarkGrammarState | None = getattr(request, "grammar", None)
             if state is None or not request.output_token_ids:
                 continue
             if state.is_terminated:

@@ -9,6 +9,7 @@ naming the field, the value and the fix; the server answers it with a 400 before
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,15 +18,17 @@ from typing import Any
 VLLM_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 BACKENDS = ("auto", "xgrammar")
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# A Lark rule or terminal definition at a line's start: `name:`, `?name:`, `!name:`, `name.2:` (not `::`).
+_LARK_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?[0-9]+)?[ \t]*:(?!:)", re.MULTILINE)
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     """One compiled grammar's identity: the cache key. spec is text: a JSON schema dumped in its own
     key order (properties are written in that order, so it is part of the identity), the regex, the
-    EBNF grammar, or the EBNF built from the choices."""
+    EBNF grammar, the EBNF built from the choices, or the Lark grammar."""
 
-    kind: str  # "json", "json_object", "regex", "grammar" (choices become a grammar)
+    kind: str  # "json", "json_object", "regex", "grammar" (EBNF; choices become one), "lark"
     spec: str
     any_whitespace: bool = True
 
@@ -37,7 +40,8 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text); the output is a JSON value that validates.
     regex: the output fully matches this regular expression.
     choice: the output is exactly one of these strings.
-    grammar: an EBNF grammar (xgrammar's GBNF dialect, with a `root` rule).
+    grammar: an EBNF grammar (xgrammar's GBNF dialect, with a `root` rule), or a Lark grammar (a `start`
+        rule; run by llguidance), told apart by looks_like_lark.
     json_object: true = any JSON object.
     disable_any_whitespace: JSON without whitespace between tokens (", " and ": " separators).
     whitespace_pattern: vLLM's outlines-only option; refused (xgrammar has no such setting).
@@ -105,11 +109,18 @@ class StructuredOutputsParams:
         if kind == "grammar":
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise ValueError(
-                    f"grammar={self.grammar!r} must be a non-empty EBNF grammar with a root rule, e.g. "
-                    'root ::= "yes" | "no"'
+                    f"grammar={self.grammar!r} must be a non-empty grammar: EBNF with a root rule, e.g. "
+                    'root ::= "yes" | "no", or Lark with a start rule, e.g. start: "yes" | "no"'
                 )
-            return GrammarSpec("grammar", self.grammar)
+            return GrammarSpec("lark" if looks_like_lark(self.grammar) else "grammar", self.grammar)
         return GrammarSpec("grammar", choice_grammar(self.choice))
+
+
+def looks_like_lark(grammar: str) -> bool:
+    """The rule that sends a grammar to llguidance's Lark front end instead of xgrammar's EBNF: some line
+    starts with a Lark definition (`name:`, `?name:`, `!name:` or `name.2:`, spaces before it allowed)
+    and `::=`, EBNF's definition sign, appears nowhere in the text."""
+    return "::=" not in grammar and _LARK_DEFINITION.search(grammar) is not None
 
 
 # vLLM's older name for the same parameters (vllm.sampling_params.GuidedDecodingParams).

@@ -8,55 +8,18 @@ skip the blocks behind it), and KV-shared layers reading an earlier layer's cach
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.gemma4_cut_models import CLEAR_MARGIN, hf_logprobs, save_cut_model
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
-TOKENIZER = SHARED / "tokenizers" / "smollm2"
-CLEAR_MARGIN = 0.5  # as tests/gpu/test_engine_gpu.py: bf16 noise breaks closer top-2 logits either way
-
-
-def _save_cut_model(shape: str, num_layers: int, tmp: Path, **changes: object) -> Path:
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Gemma4ForCausalLM"):
-        pytest.skip("this transformers has no Gemma-4")
-    text = json.loads((SHARED / "models" / shape / "config.json").read_text())["text_config"]
-    text.update(num_hidden_layers=num_layers, layer_types=text["layer_types"][:num_layers], **changes)
-    text["layer_types"][-1] = "full_attention"
-    config = transformers.Gemma4TextConfig(**text)
-    config.architectures = ["Gemma4ForCausalLM"]
-    config.initializer_range = 0.05
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.Gemma4ForCausalLM(config).to(torch.bfloat16)
-    folder = tmp / shape
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
-    del model
-    torch.cuda.empty_cache()
-    return folder
-
-
-def _hf_logprobs(folder: Path, token_ids: list[int]) -> torch.Tensor:
-    from transformers import Gemma4ForCausalLM
-
-    model = Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([token_ids], device="cuda")).logits[0].float()
-    del model
-    torch.cuda.empty_cache()
-    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 def _llm(folder: Path, **kwargs):
@@ -78,7 +41,7 @@ def _greedy_agreement(folder: Path, prompt_len: int, **llm_kwargs) -> tuple[floa
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     del llm
     torch.cuda.empty_cache()
-    reference = _hf_logprobs(folder, prompt + out.token_ids)[len(prompt) - 1 : -1]
+    reference = hf_logprobs(folder, prompt + out.token_ids)[len(prompt) - 1 : -1]
     top2 = reference.topk(2, dim=-1)
     clear = (top2.values[:, 0] - top2.values[:, 1]) > CLEAR_MARGIN
     agree = (torch.tensor(out.token_ids) == top2.indices[:, 0])[clear].float().mean().item()
@@ -93,7 +56,7 @@ def _greedy_agreement(folder: Path, prompt_len: int, **llm_kwargs) -> tuple[floa
 def test_greedy_matches_hf(shape, agreement, prompt_len, max_model_len, tmp_path):
     """Past the window, steps of at most 512 tokens: the prompt runs in 3 chunks, and the sliding layers
     get a KV cache group of their own (kv_groups.py), whose tables hold the null block behind the window."""
-    folder = _save_cut_model(shape, 6, tmp_path)
+    folder = save_cut_model(shape, 6, tmp_path)
     kwargs = {"max_model_len": max_model_len}
     if max_model_len > 1024:
         kwargs["max_num_batched_tokens"] = 512
@@ -106,7 +69,7 @@ def test_kv_shared_layers_match_hf_past_the_window(tmp_path):
     """E2B-like: the last 5 of 10 layers read layers 3's (sliding, window 512) and 4's (full) caches; a
     700-token prompt (2 chunks of at most 512: the sliding layers get a KV cache group of their own) and
     200 tokens take every context past the window."""
-    folder = _save_cut_model("gemma-4-e2b-it", 10, tmp_path, num_kv_shared_layers=5)
+    folder = save_cut_model("gemma-4-e2b-it", 10, tmp_path, num_kv_shared_layers=5)
     agree, clear = _greedy_agreement(folder, 700, max_model_len=2048, max_num_batched_tokens=512)
     assert clear >= 40, "too few clear positions to judge"
     assert agree >= 0.95, f"greedy agreement {agree:.3f} < 0.95 on {clear} positions"

@@ -10,56 +10,24 @@ run's do, and the graphs must really have been captured (not skipped for the mod
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.gemma4_cut_models import CLEAR_MARGIN, hf_logprobs, save_cut_model
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
-TOKENIZER = SHARED / "tokenizers" / "smollm2"
-CLEAR_MARGIN = 0.5
 WINDOW = 64
 
 
-def _cut_model(shape: str, num_layers: int, tmp: Path, **changes: object) -> Path:
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Gemma4ForCausalLM"):
-        pytest.skip("this transformers has no Gemma-4")
-    text = json.loads((SHARED / "models" / shape / "config.json").read_text())["text_config"]
-    text.update(num_hidden_layers=num_layers, layer_types=text["layer_types"][:num_layers], **changes)
-    text["layer_types"][-1] = "full_attention"
-    config = transformers.Gemma4TextConfig(**text)
-    config.architectures = ["Gemma4ForCausalLM"]
-    config.initializer_range = 0.05
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.Gemma4ForCausalLM(config).to(torch.bfloat16)
-    folder = tmp / shape
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
-    del model
-    torch.cuda.empty_cache()
-    return folder
-
-
 def _hf_top2(folder: Path, token_ids: list[int]) -> torch.return_types.topk:
-    from transformers import Gemma4ForCausalLM
-
-    model = Gemma4ForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([token_ids], device="cuda")).logits[0].float()
-    del model
-    torch.cuda.empty_cache()
-    return torch.log_softmax(logits, dim=-1).cpu().topk(2, dim=-1)
+    return hf_logprobs(folder, token_ids).topk(2, dim=-1)
 
 
 def _generate(folder: Path, prompts: list[list[int]], enforce_eager: bool) -> tuple[list[list[int]], bool]:
@@ -89,7 +57,7 @@ def _generate(folder: Path, prompts: list[list[int]], enforce_eager: bool) -> tu
     ],
 )
 def test_graph_decode_past_the_window_follows_hf(shape, changes, tmp_path):
-    folder = _cut_model(shape, 8, tmp_path, sliding_window=WINDOW, **changes)
+    folder = save_cut_model(shape, 8, tmp_path, sliding_window=WINDOW, **changes)
     rng = random.Random(0)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (20, 70, 150, 300, 41)]
     graph_tokens, captured = _generate(folder, prompts, enforce_eager=False)

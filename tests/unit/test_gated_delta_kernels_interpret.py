@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.triton_interpreter import run_in_interpreter
+from tests.unit.triton_interpreter import check_errors, run_in_interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -46,48 +46,41 @@ def errors() -> dict[str, float]:
     return run_in_interpreter(__file__, "all")
 
 
-def _check(errors: dict[str, float], prefix: str, tolerance: float) -> None:
-    checked = {name: value for name, value in errors.items() if name.startswith(prefix)}
-    assert checked, prefix
-    failed = {name: value for name, value in checked.items() if not value <= tolerance}
-    assert not failed, failed
-
-
 @needs_triton
 def test_chunked_rule_matches_float64_loop_and_torch_op(errors: dict[str, float]) -> None:
-    _check(errors, "chunk/", TOLERANCE)
+    check_errors(errors, "chunk/", TOLERANCE)
 
 
 @needs_triton
 def test_recurrent_step_fused_with_gating_matches(errors: dict[str, float]) -> None:
-    _check(errors, "recurrent/", TOLERANCE)
+    check_errors(errors, "recurrent/", TOLERANCE)
 
 
 @needs_triton
 def test_causal_conv1d_prefill_and_update_match(errors: dict[str, float]) -> None:
-    _check(errors, "conv32/", TOLERANCE)
-    _check(errors, "conv16/", BF16_OUTPUT)
+    check_errors(errors, "conv32/", TOLERANCE)
+    check_errors(errors, "conv16/", BF16_OUTPUT)
 
 
 @needs_triton
 def test_per_sequence_cuda_branches_match_torch_ops(errors: dict[str, float]) -> None:
-    _check(errors, "branch/", TOLERANCE)
+    check_errors(errors, "branch/", TOLERANCE)
 
 
 @needs_triton
 def test_prefill_then_decode_continues_the_sequence(errors: dict[str, float]) -> None:
-    _check(errors, "chain/", TOLERANCE)
+    check_errors(errors, "chain/", TOLERANCE)
 
 
 @needs_triton
 def test_layer_level_prefill_and_decode_match_the_torch_path(errors: dict[str, float]) -> None:
-    _check(errors, "layer32/", TOLERANCE)
-    _check(errors, "layer16/", LAYER_BF16)
+    check_errors(errors, "layer32/", TOLERANCE)
+    check_errors(errors, "layer16/", LAYER_BF16)
 
 
 @needs_triton
 def test_untouched_slots_keep_their_state(errors: dict[str, float]) -> None:
-    _check(errors, "untouched/", 0.0)
+    check_errors(errors, "untouched/", 0.0)
 
 
 # --- references (float64, token by token) ------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.models.gemma4 import _table_rope, gemma4_inv_freq
-from tests.unit.triton_interpreter import run_in_interpreter
+from tests.unit.triton_interpreter import check_errors, run_in_interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -47,45 +47,38 @@ def errors() -> dict[str, float]:
     return run_in_interpreter(__file__, "all")
 
 
-def _check(errors: dict[str, float], prefix: str, tolerance: float) -> None:
-    checked = {name: value for name, value in errors.items() if name.startswith(prefix)}
-    assert checked, prefix
-    failed = {name: value for name, value in checked.items() if not value <= tolerance}
-    assert not failed, failed
-
-
 @needs_triton
 def test_gemma_rms_norm(errors: dict[str, float]) -> None:
-    _check(errors, "norm/float32", FLOAT32)
-    _check(errors, "norm/bfloat16", BF16)
+    check_errors(errors, "norm/float32", FLOAT32)
+    check_errors(errors, "norm/bfloat16", BF16)
 
 
 @needs_triton
 def test_norm_add_with_layer_scalar_and_next_norm(errors: dict[str, float]) -> None:
-    _check(errors, "norm_add/float32", FLOAT32)
-    _check(errors, "norm_add/bfloat16", BF16)
+    check_errors(errors, "norm_add/float32", FLOAT32)
+    check_errors(errors, "norm_add/bfloat16", BF16)
 
 
 @needs_triton
 def test_gelu_tanh_and_mul(errors: dict[str, float]) -> None:
-    _check(errors, "gelu/float32", FLOAT32)
-    _check(errors, "gelu/bfloat16", BF16)
+    check_errors(errors, "gelu/float32", FLOAT32)
+    check_errors(errors, "gelu/bfloat16", BF16)
 
 
 @needs_triton
 def test_rotary_cache_write_at_gemma_head_dims(errors: dict[str, float]) -> None:
-    _check(errors, "rotary/float32", FLOAT32)
-    _check(errors, "rotary/bfloat16", FUSED_NORM_BF16)
+    check_errors(errors, "rotary/float32", FLOAT32)
+    check_errors(errors, "rotary/bfloat16", FUSED_NORM_BF16)
     assert errors["rotary/padding_untouched"] == 0.0  # a slot of -1 writes nothing
 
 
 @needs_triton
 def test_q_only_norm_and_rotation(errors: dict[str, float]) -> None:
-    _check(errors, "q_only/float32", FLOAT32)
-    _check(errors, "q_only/bfloat16/256/normed", FUSED_NORM_BF16)
-    _check(errors, "q_only/bfloat16/512/normed", FUSED_NORM_BF16)
-    _check(errors, "q_only/bfloat16/256/plain", BF16)
-    _check(errors, "q_only/bfloat16/512/plain", BF16)
+    check_errors(errors, "q_only/float32", FLOAT32)
+    check_errors(errors, "q_only/bfloat16/256/normed", FUSED_NORM_BF16)
+    check_errors(errors, "q_only/bfloat16/512/normed", FUSED_NORM_BF16)
+    check_errors(errors, "q_only/bfloat16/256/plain", BF16)
+    check_errors(errors, "q_only/bfloat16/512/plain", BF16)
 
 
 @pytest.mark.parametrize(("rope", "head_dim"), [(SLIDING_ROPE, 256), (FULL_ROPE, 512)])

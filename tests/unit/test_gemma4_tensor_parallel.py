@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from fitserve.distributed.collectives import broadcast_from_first
-from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel, tp
+from fitserve.distributed.parallel_state import tp
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.layers.moe import FusedExperts
 from fitserve.models.gemma4_config import with_expert_parallel
 from fitserve.models.registry import get_model_class
 from tests.unit.gemma4_helpers import GemmaRankRunner, build_hf, fitserve_config, random_tokens, text_config
-from tests.unit.tp_helpers import run_ranks
+from tests.unit.tp_helpers import on_rank, run_ranks
 
 TOLERANCE = 1e-4
 DECODE_STEPS = 4
@@ -136,19 +136,6 @@ def test_ranks_hold_their_share(results):
     # 6 experts of intermediate 16: [6, 2 x 8, 32] split by intermediate, [3, 2 x 16, 32] by expert
     assert results[2]["moe"]["experts"] == [(6, 16, 32)] * 4
     assert results[3]["moe_expert_parallel"]["experts"] == [(3, 32, 32)] * 4
-
-
-class on_rank:  # noqa: N801 - used as `with on_rank(r, n):`
-    """tp() as rank r of n (no group) inside the block, for building one rank's layers."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.state = TensorParallel(rank, size)
-
-    def __enter__(self) -> None:
-        set_tensor_parallel(self.state)
-
-    def __exit__(self, *exc: object) -> None:
-        set_tensor_parallel(TensorParallel())
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

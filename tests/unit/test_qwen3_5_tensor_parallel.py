@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 
 from fitserve import LLM, SamplingParams
 from fitserve.cli.plan import run_plan
-from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.gemma4_config import with_expert_parallel
 from fitserve.models.registry import get_model_class
@@ -33,6 +32,7 @@ from fitserve.worker.recurrent_state import recurrent_state_layers, state_bytes_
 from tests.unit.planner_helpers import memory_inputs
 from tests.unit.qwen3_5_helpers import TEXT, build_hf, make_config, save_hf
 from tests.unit.test_planner_cli import parse
+from tests.unit.tp_helpers import on_rank
 
 BLOCK = 16
 NEW_TOKENS = 12
@@ -136,19 +136,6 @@ def test_tp4_equals_tp1(tmp_path):
         four.engine.shutdown()
     for ours, theirs in zip(got, want, strict=True):
         assert_same(ours, theirs)
-
-
-class on_rank:  # noqa: N801 - used as `with on_rank(r, n):`
-    """tp() as rank r of n (no group) inside the block, for building one rank's model."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.state = TensorParallel(rank, size)
-
-    def __enter__(self) -> None:
-        set_tensor_parallel(self.state)
-
-    def __exit__(self, *exc: object) -> None:
-        set_tensor_parallel(TensorParallel())
 
 
 def rank_model(folder: Path, weights: dict[str, torch.Tensor], expert_parallel: bool = False) -> Any:

@@ -127,14 +127,27 @@ def test_speculation_backs_off_on_large_batches_and_low_acceptance():
     assert not limited.wants_drafts(few) and limited.wants_drafts(few[:3])
 
 
-def test_requests_still_in_prompt_or_with_a_grammar_get_no_drafts():
+class _Grammar:
+    """A grammar state that accepts `accepts` drafts in a row (or is complete)."""
+
+    def __init__(self, accepts: int, terminated: bool = False) -> None:
+        self.accepts, self.is_terminated = accepts, terminated
+
+    def valid_prefix_len(self, token_ids: list[int]) -> int:
+        return min(self.accepts, len(token_ids))
+
+
+def test_drafts_skip_prompts_and_follow_the_grammar():
+    """A request still computing its prompt gets no drafts; a constrained one only the drafts its grammar
+    accepts in a row (none once the grammar is complete)."""
     speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2))
     prefilling = _request([1, 2, 1, 2, 1], [])
     prefilling.num_computed_tokens = 2
-    constrained = _request([1, 2, 1, 2], [1])
-    constrained.grammar = object()
-    assert speculator.propose([prefilling, constrained]) == 0
-    assert prefilling.spec_token_ids == [] and constrained.spec_token_ids == []
+    cut, refused, complete = (_request([1, 2, 1, 2], [1]) for _ in range(3))
+    cut.grammar, refused.grammar, complete.grammar = _Grammar(1), _Grammar(0), _Grammar(3, terminated=True)
+    assert speculator.propose([prefilling, cut, refused, complete]) == 1
+    assert prefilling.spec_token_ids == [] and refused.spec_token_ids == [] and complete.spec_token_ids == []
+    assert cut.spec_token_ids == [2]  # the lookup proposes 2, 1, 2; the grammar takes the first
 
 
 def test_counters_and_the_log_line():

@@ -70,9 +70,9 @@ def test_params_take_one_constraint_and_normalise() -> None:
         ({"regex": "(?<=a)b"}, "Lookbehind is not supported"),
         (
             {"grammar": "root ::= missing"},
-            'invalid grammar: EBNF parser error at line 1, column 10: Rule "missing"',
+            'invalid grammar: as EBNF, EBNF parser error at line 1, column 10: Rule "missing"',
         ),
-        ({"grammar": "start: 'a'"}, "invalid grammar: EBNF lexer error"),
+        ({"grammar": "start: 'a'"}, "invalid Lark grammar: at line 1, column 8: lexer error"),
         ({"regex": "a", "backend": "outlines"}, "backend='outlines' is not available in fitserve"),
         ({"regex": "a", "backend": "magic"}, "backend='magic' is not a structured-output backend"),
         ({"regex": "a", "whitespace_pattern": r"\s*"}, "whitespace_pattern"),

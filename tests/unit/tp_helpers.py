@@ -61,3 +61,23 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 
             if process.is_alive():
                 process.kill()
     return [by_rank[rank] for rank in range(size)]
+
+
+class on_rank:  # noqa: N801 - used as `with on_rank(r, n):`
+    """tp() as rank r of n (no group) inside the block, for building one rank's model or layers in this
+    process."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        from fitserve.distributed.parallel_state import TensorParallel
+
+        self.state = TensorParallel(rank, size)
+
+    def __enter__(self) -> None:
+        from fitserve.distributed.parallel_state import set_tensor_parallel
+
+        set_tensor_parallel(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel
+
+        set_tensor_parallel(TensorParallel())

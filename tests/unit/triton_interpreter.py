@@ -81,3 +81,11 @@ def patch_interpreter() -> None:
         return cast_impl(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_to_nearest
+
+
+def check_errors(errors: dict[str, float], prefix: str, tolerance: float) -> None:
+    """Every error whose name starts with `prefix` (there must be some) is at most `tolerance`."""
+    checked = {name: value for name, value in errors.items() if name.startswith(prefix)}
+    assert checked, prefix
+    failed = {name: value for name, value in checked.items() if not value <= tolerance}
+    assert not failed, failed
