@@ -13,10 +13,12 @@ import random
 import pytest
 import torch
 
+from tests.gpu.gemma4_cut_models import CLEAR_MARGIN
+from tests.gpu.gemma4_cut_models import hf_logprobs as _hf_gemma4_logprobs
+from tests.gpu.gemma4_cut_models import save_cut_model as _save_cut_model
 from tests.gpu.test_engine_gpu import _greedy, _prompts, _save_random_model
 from tests.gpu.test_engine_gpu import _hf_logprobs as _hf_causal_lm_logprobs
-from tests.gpu.test_gemma4_gpu import CLEAR_MARGIN, _llm, _save_cut_model
-from tests.gpu.test_gemma4_gpu import _hf_logprobs as _hf_gemma4_logprobs
+from tests.gpu.test_gemma4_gpu import _llm
 
 pytestmark = [
     pytest.mark.gpu,
