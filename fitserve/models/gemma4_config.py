@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from fitserve.models.text_config import text_values
+
 GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
 
 # transformers 5.24's Gemma4TextConfig defaults (tests/unit/test_gemma4_config.py compares them).
@@ -59,14 +61,6 @@ GEMMA4_DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
-_WRAPPER_KEYS = (
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "eos_token_id",
-    "tie_word_embeddings",
-    "quantization_config",
-)
 _TOWER_KEYS = ("vision_config", "audio_config")
 # --enable-expert-parallel, as it reaches the model: an attribute of the config the model is built from
 # (models/loader.py), read by the MoE layers (False when absent).
@@ -98,16 +92,10 @@ def gemma4_values(raw: dict[str, Any]) -> dict[str, Any]:
             "config.json says Gemma4ForConditionalGeneration but has no text_config: the text model's keys "
             "must sit under text_config (or name the architecture Gemma4ForCausalLM)"
         )
-    source = text if isinstance(text, dict) else {k: v for k, v in raw.items() if k not in _TOWER_KEYS}
-    values = {**GEMMA4_TEXT_DEFAULTS, **source}
-    for key in _WRAPPER_KEYS:
-        if key in raw:
-            values[key] = raw[key]
+    values = text_values(raw, GEMMA4_TEXT_DEFAULTS, _TOWER_KEYS)
     if values.get("rope_parameters") is None:
         values["rope_parameters"] = GEMMA4_DEFAULT_ROPE
     values["model_type"] = "gemma4_text"
-    values["towers"] = [key.removesuffix("_config") for key in _TOWER_KEYS if raw.get(key)]
-    values["weights_prefix"] = "model.language_model." if isinstance(text, dict) else "model."
     if values.get("use_bidirectional_attention") == "all":
         raise ValueError(
             "use_bidirectional_attention='all' makes every token see every other one: fitserve generates "

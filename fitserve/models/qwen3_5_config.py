@@ -19,6 +19,7 @@ from typing import Any
 
 from fitserve.kv_layers import FULL as FULL_ATTENTION
 from fitserve.kv_layers import LINEAR as LINEAR_ATTENTION
+from fitserve.models.text_config import text_values
 
 QWEN3_5_DENSE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
 QWEN3_5_MOE_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
@@ -63,14 +64,6 @@ QWEN3_5_MOE_TEXT_DEFAULTS: dict[str, Any] = {
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
 DEFAULT_ROPE_THETA = 10_000.0
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
-_WRAPPER_KEYS = (
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "eos_token_id",
-    "tie_word_embeddings",
-    "quantization_config",
-)
 
 
 def qwen3_5_values(raw: dict[str, Any]) -> dict[str, Any]:
@@ -84,11 +77,7 @@ def qwen3_5_values(raw: dict[str, Any]) -> dict[str, Any]:
             f"text_config (or name the architecture {causal})"
         )
     moe = architecture in QWEN3_5_MOE_ARCHITECTURES
-    source = text if isinstance(text, dict) else {k: v for k, v in raw.items() if k != "vision_config"}
-    values = {**(QWEN3_5_MOE_TEXT_DEFAULTS if moe else QWEN3_5_TEXT_DEFAULTS), **source}
-    for key in _WRAPPER_KEYS:
-        if key in raw:
-            values[key] = raw[key]
+    values = text_values(raw, QWEN3_5_MOE_TEXT_DEFAULTS if moe else QWEN3_5_TEXT_DEFAULTS, ("vision_config",))
     values["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
     values["layer_types"] = qwen3_5_layer_types(values)
     rope = dict(values.get("rope_parameters") or {})
@@ -98,8 +87,6 @@ def qwen3_5_values(raw: dict[str, Any]) -> dict[str, Any]:
         "partial_rotary_factor", values.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR)
     )
     values["rope_parameters"] = rope
-    values["towers"] = ["vision"] if raw.get("vision_config") else []
-    values["weights_prefix"] = "model.language_model." if isinstance(text, dict) else "model."
     return values
 
 
