@@ -12,7 +12,16 @@ Every measurement runs `--repeats` times, the four interleaved (HF default, HF f
 fitserve 16), so a burst of other load on a shared machine hits all of them alike; the speedups use each
 one's best run, and every run is kept in the JSON with the load average before it.
 
+The C kernel set that ran (avx512, avx_vnni, avx2, or none: torch's operations) is recorded under
+"cpu_kernel_set"; `--kernels avx2` forces one (it sets FITSERVE_CPU_KERNELS before the engine starts), e.g.
+to measure the AVX2 kernels on a machine that also has AVX-512. `--no-hf-default` skips HF's bfloat16 run
+(the comparison is against HF in float32) to keep a run short on a shared machine. To stand in for an
+AVX2-only CPU on the HF side too, hold torch's own kernels and its libraries to AVX2 through their
+variables: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (the JSON records
+them and the capability torch ran with).
+
 Usage: python benchmarks/cpu_smollm2.py [--out benchmarks/results/cpu_smollm2.json] [--repeats 3]
+           [--kernels auto|avx512|avx_vnni|avx2|torch] [--no-hf-default]
 """
 
 from __future__ import annotations
@@ -129,6 +138,7 @@ def weight_formats(llm) -> dict:
     formats = {
         "linear_methods": dict(linears),
         "cpu_kernels": "not built here" if kernels is None else f"built ({kernels.path.name})",
+        "cpu_kernel_set": kernel_set_name(kernels),
         "int4_layers_with_fp16_copy": fp16_copies,
         "lm_head": head_format,
     }
@@ -137,11 +147,34 @@ def weight_formats(llm) -> dict:
     return formats
 
 
+def kernel_set_name(kernels) -> str:
+    """The C kernel set that runs ("torch" where none does: torch's operations)."""
+    return "torch" if kernels is None else kernels.set_name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/cpu_smollm2.json")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        help="the C kernel set to force (FITSERVE_CPU_KERNELS): auto, avx512, avx_vnni, avx2 or torch; "
+        "default: as the environment says (unset: the best this CPU has)",
+    )
+    parser.add_argument(
+        "--no-hf-default", action="store_true", help="skip HF in its default dtype (bfloat16): shorter runs"
+    )
     args = parser.parse_args()
+    if args.kernels is not None:
+        os.environ["FITSERVE_CPU_KERNELS"] = args.kernels
+    from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if args.kernels not in (None, "auto", "torch", "0") and kernels is None:
+        from fitserve.layers.cpu.c_kernels.library import unavailable_reason
+
+        sys.exit(f"--kernels {args.kernels}: not available here ({unavailable_reason()})")
 
     from fitserve import LLM
 
@@ -149,20 +182,25 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
     prompts_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
     model_path = llm.engine.config.model.model_path
-    hf_models = {"hf_default": load_hf(model_path, None), "hf_float32": load_hf(model_path, torch.float32)}
+    hf_models = {"hf_float32": load_hf(model_path, torch.float32)}
+    if not args.no_hf_default:
+        hf_models["hf_default"] = load_hf(model_path, None)
     cases = {
         "hf_default": lambda: bench_hf(hf_models["hf_default"], prompts_ids[0]),
         "hf_float32": lambda: bench_hf(hf_models["hf_float32"], prompts_ids[0]),
         "fitserve_single": lambda: bench_fitserve(llm, prompts_ids[:1]),
         "fitserve_16": lambda: bench_fitserve(llm, prompts_ids),
     }
+    if args.no_hf_default:
+        del cases["hf_default"]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, case in cases.items():
             load = round(os.getloadavg()[0], 2)
             runs[name].append({**case(), "load_avg_1min": load})
             print(f"{name}: {runs[name][-1]['tok_per_s']:.1f} tok/s (load {load})", file=sys.stderr)
-    hf_default, hf = best_of(runs["hf_default"]), best_of(runs["hf_float32"])
+    hf_default = best_of(runs["hf_default"]) if "hf_default" in runs else None
+    hf = best_of(runs["hf_float32"])
     single, batch16 = best_of(runs["fitserve_single"]), best_of(runs["fitserve_16"])
     result = {
         "benchmark": "cpu_smollm2",
@@ -174,8 +212,16 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_limits": {
+                name: os.environ[name]
+                for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                if name in os.environ
+            },
         },
         "model": llm.engine.config.model.model_source,
+        "cpu_kernel_set": kernel_set_name(load_cpu_kernels()),
+        "cpu_kernels_requested": os.environ.get("FITSERVE_CPU_KERNELS", "auto (unset)"),
         "dtype": str(llm.engine.config.model.dtype),
         "weight_formats": weight_formats(llm),
         "new_tokens": NEW_TOKENS,
@@ -187,9 +233,10 @@ def main() -> None:
         "fitserve_16_prompts": batch16,
         "single_stream_speedup_vs_hf": single["tok_per_s"] / hf["tok_per_s"],
         "batch16_speedup_vs_hf_single": batch16["tok_per_s"] / hf["tok_per_s"],
-        "single_stream_speedup_vs_hf_default_dtype": single["tok_per_s"] / hf_default["tok_per_s"],
-        "batch16_speedup_vs_hf_default_dtype_single": batch16["tok_per_s"] / hf_default["tok_per_s"],
     }
+    if hf_default is not None:
+        result["single_stream_speedup_vs_hf_default_dtype"] = single["tok_per_s"] / hf_default["tok_per_s"]
+        result["batch16_speedup_vs_hf_default_dtype_single"] = batch16["tok_per_s"] / hf_default["tok_per_s"]
     print(json.dumps(result, indent=2))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

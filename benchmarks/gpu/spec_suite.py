@@ -18,6 +18,16 @@ Figures (Llama-3.1-8B shape, dummy weights, greedy, ignore_eos):
   at a time: seconds for all 50 without speculation and with `{"method": "ngram",
   "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`, outputs compared, mean
   acceptance length.
+- draft8b: `{"method": "draft_model", "model": <Llama-3.2-1B shape>, "num_speculative_tokens": 3}` beside
+  the Llama-3.1-8B target, both dummy weights (acceptance meaningless): what a draft costs against a
+  target step. `draft_k3_ms_batch{1,8}`: one whole draft of k = 3 tokens (the catch-up row and 2 decode
+  steps, eager) for 1 and 8 requests of 128 tokens; `target_step_ms_batch1`: a plain batch-1 decode step
+  of the same engine (speculation switched off, graphs on), from 256 tokens; the ratio of the two.
+- eagle3_8b: `{"method": "eagle3", "model": <an EAGLE-3 head for Llama-3.1-8B>, "num_speculative_tokens":
+  3}`, the head's config.json written here (the released format's shape: one layer, 32,000 draft ids),
+  both dummy weights: `eagle3_k3_ms_batch{1,8}`, one whole draft (catch-up row and 2 recurrent steps,
+  eager) for 1 and 8 requests of 128 tokens; `target_step_ms_batch1` of the same engine, whose target
+  also copies three layers' hidden states each step (compare with draft8b's, which does not); the ratio.
 """
 
 from __future__ import annotations
@@ -34,7 +44,17 @@ from common import MODELS, TOKENIZER, machine, save  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
-FIGURES = ("baseline8b", "oracle8b", "ngram_smollm2")
+FIGURES = ("baseline8b", "oracle8b", "ngram_smollm2", "draft8b", "eagle3_8b")
+# Llama-3.2-1B's shape over Llama-3.1-8B's config.json (the same vocabulary, RoPE and context)
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
 K = 3
 NGRAM_K = 4
 
@@ -174,6 +194,71 @@ def ngram_smollm2(work: Path) -> dict:
     result["outputs_equal"] = outputs["plain"] == outputs["ngram"]
     result["ngram_smollm2_speedup"] = round(result["plain_seconds"] / result["ngram_seconds"], 3)
     result["sample_output"] = outputs["ngram"][0][:40]
+    return result
+
+
+def draft8b(work: Path) -> dict:
+    folder = work / "llama-3.2-1b-shape"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **LLAMA_1B}))
+    llm = _llama(
+        speculative_config={"method": "draft_model", "model": str(folder), "num_speculative_tokens": K}
+    )
+    return _draft_cost(llm, "draft")
+
+
+def eagle3_8b(work: Path) -> dict:
+    folder = work / "eagle3-llama-3.1-8b-shape"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    head = {**config, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
+    head.update(draft_vocab_size=32000, tie_word_embeddings=False)
+    (folder / "config.json").write_text(json.dumps(head))
+    llm = _llama(speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": K})
+    return _draft_cost(llm, "eagle3")
+
+
+def _draft_cost(llm, name: str) -> dict:
+    """One whole draft's time (batch 1 and 8) against a batch-1 target step of the same engine."""
+    import torch
+
+    from fitserve.core.request import Request
+    from fitserve.core.sampling_params import SamplingParams
+
+    engine = llm.engine
+    draft, speculator = engine.speculator.draft, engine.speculator
+    rng = random.Random(0)
+    result: dict = {
+        "num_speculative_tokens": K,
+        "draft_weights_gib": round(draft.weight_bytes / (1 << 30), 3),
+    }
+    for batch in (1, 8):
+        requests = [
+            Request(f"d{batch}-{i}", f"d{batch}-{i}", 0, p, SamplingParams(max_tokens=256), frozenset())
+            for i, p in enumerate(_prompts(rng, batch, 128))
+        ]
+        ids = {r.request_id for r in requests}
+        draft.propose(requests, ids)  # the prompts' catch-up; each later draft recomputes the last token
+        times = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            drafts = draft.propose(requests, ids)  # ends with the drafts on the host
+            times.append(time.perf_counter() - start)
+        assert all(len(d) == K for d in drafts)
+        result[f"{name}_k{K}_ms_batch{batch}"] = round(1000 * sorted(times)[len(times) // 2], 3)
+        draft.propose([], set())  # gives their blocks back
+    # the target alone: speculation off for this engine, graphs on
+    engine.speculator = None
+    prompt = _prompts(rng, 1, 128)[0]
+    llm.generate([{"prompt_token_ids": prompt}], _greedy(16), use_tqdm=False)  # warm
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], _greedy(256), use_tqdm=False)
+    step_ms = 1000 * (time.perf_counter() - start) / 256
+    engine.speculator = speculator
+    result["target_step_ms_batch1"] = round(step_ms, 3)
+    result[f"{name}_k3_over_target_step_batch1"] = round(result[f"{name}_k{K}_ms_batch1"] / step_ms, 3)
     return result
 
 

@@ -16,6 +16,11 @@ Figures:
   31B, as its field report runs it), with `fitserve serve`'s step budget on a GPU (1024 tokens: a sliding
   layer holds its window plus one step's tokens per request): the tokens it holds and its max concurrency
   at that length; nothing is generated.
+- greedy<model>_tp<N>: 8 prompts of 256 random tokens, 96 greedy tokens each, with each position's top-2
+  logprobs. `all` compares each greedy figure at TP > 1 with the TP 1 one of the same run
+  (`greedy_agreement`): prompts whose tokens are identical, and for each that diverges the position and the
+  TP 1 top-2 margin there (bf16 sums in another order flip near-ties, so a divergence counts against TP only
+  where that margin exceeds CLEAR_MARGIN).
 - a trailing `_ep` adds --enable-expert-parallel (Gemma-4 26B-A4B: each rank holds E/N whole experts).
 Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B, g31 = Gemma-4 31B, g26 = Gemma-4 26B-A4B, ge4 = Gemma-4 E4B
 shapes. Single figures run at max_model_len 4096, equal ones at 1024.
@@ -48,21 +53,26 @@ SHAPES = {
     "ge4": "gemma-4-e4b-it",
 }
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
+# Top-2 logprob margin above which bf16 noise does not flip a greedy choice (as tests/gpu's).
+CLEAR_MARGIN = 0.5
 
 
 def parse(figure: str) -> tuple[str, str, int, bool]:
-    kind = next((k for k in ("single", "equal", "kv") if figure.startswith(k)), "equal")
+    kind = next((k for k in ("single", "equal", "kv", "greedy") if figure.startswith(k)), "equal")
     expert_parallel = figure.endswith("_ep")
     model, tp = figure[len(kind) :].removesuffix("_ep").split("_tp")
     return kind, model, int(tp), expert_parallel
 
 
 def rank_step_bytes(model, experts_read: float = 1.0) -> int:
-    """Bytes rank 0's decode step streams: its parameters but the input embedding tables, expert weights
-    counted at the share of them one token reads (`experts_read`: top-k / E)."""
+    """Bytes rank 0's decode step streams: its parameters (and a quantized layer's weight buffers) but the
+    input embedding tables, expert weights counted at the share of them one token reads (`experts_read`:
+    top-k / E)."""
     total = 0.0
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    for name, param in model.named_parameters():
+    # a quantized layer's weights live in buffers once repacked (int4_*, nf4_*, fp8_*)
+    buffers = ((n, b) for n, b in model.named_buffers() if any(t in n for t in ("int4_", "nf4_", "fp8_")))
+    for name, param in [*model.named_parameters(), *buffers]:
         size = param.numel() * param.element_size()
         if "embed_tokens" in name and not (tied and name.endswith("model.embed_tokens.weight")):
             continue
@@ -114,6 +124,50 @@ def equal_figures(llm, rng: random.Random) -> dict:
     }
 
 
+def greedy_figures(llm, rng: random.Random) -> dict:
+    """8 prompts of 256 random tokens, 96 greedy tokens each, and each position's top-2 margin."""
+    from fitserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": [rng.randint(0, 30000) for _ in range(256)]} for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens, margins = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens.append(list(completion.token_ids))
+        margins.append([round(_top2_margin(position), 4) for position in completion.logprobs])
+    return {"tokens": tokens, "margins": margins}
+
+
+def _top2_margin(position: dict) -> float:
+    values = sorted((entry.logprob for entry in position.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
+def greedy_agreement(figures: dict) -> dict[str, dict]:
+    """`<greedy figure>_vs_tp1` for each greedy figure at TP > 1 whose TP 1 figure ran: identical prompts,
+    and each divergence's position and TP 1 margin."""
+    greedy = {k: v for k, v in figures.items() if isinstance(v, dict) and "tokens" in v}
+    agreement = {}
+    for name, figure in greedy.items():
+        _, model, tp, _ = parse(name)
+        base = greedy.get(f"greedy{model}_tp1")
+        if tp == 1 or not base:
+            continue
+        divergences = []
+        for ours, theirs, margins in zip(figure["tokens"], base["tokens"], base["margins"]):
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if at is not None:
+                divergences.append({"position": at, "tp1_margin": margins[at]})
+        agreement[f"{name}_vs_tp1"] = {
+            "prompts": len(base["tokens"]),
+            "identical": len(base["tokens"]) - len(divergences),
+            "divergences": divergences,
+            "clear_margin_divergences": sum(d["tp1_margin"] > CLEAR_MARGIN for d in divergences),
+        }
+    return agreement
+
+
 def run_one(figure: str) -> dict:
     from fitserve import LLM
 
@@ -123,7 +177,7 @@ def run_one(figure: str) -> dict:
         str(MODELS / SHAPES[model]),
         tokenizer=str(TOKENIZER),
         load_format="dummy",
-        max_model_len={"single": 4096, "equal": 1024, "kv": 131072}[kind],
+        max_model_len={"single": 4096, "equal": 1024, "kv": 131072, "greedy": 1024}[kind],
         tensor_parallel_size=tp,
         enable_expert_parallel=expert_parallel,
         gpu_memory_utilization=(0.95 if model == "g31" else 0.9) if kind == "kv" else 0.92,
@@ -143,6 +197,8 @@ def run_one(figure: str) -> dict:
     elif kind == "single":
         step_bytes = rank_step_bytes(llm.engine.executor.runner.model, experts_read_per_token(llm))
         result.update(single_figures(llm, rng, step_bytes), rank_step_bytes=step_bytes)
+    elif kind == "greedy":
+        result.update(greedy_figures(llm, rng))
     else:
         result.update(equal_figures(llm, rng))
     print("RESULT " + json.dumps(result), flush=True)
@@ -178,6 +234,7 @@ def main() -> None:
         figures[figure] = run_figure_process(__file__, ["one", "--figure", figure], args.figure_timeout_s)
         print(figure, json.dumps(figures[figure]), flush=True)
     figures.update(speedups_over_tp1(figures))
+    figures.update(greedy_agreement(figures))
     out = args.out or str(Path(__file__).resolve().parents[1] / "results" / "h100x2_tp.json")
     save("tp_suite", {"machine_detail": machine(), **figures}, out)
 

@@ -322,7 +322,8 @@ def _paths_check(gpus: Sequence[DeviceSpec]) -> Check:
 
 def cpu_kernels_check() -> Check:
     """Whether fitserve's C kernels for the CPU (fitserve/layers/cpu/c_kernels) build, pass their
-    self-check and load here; builds them if need be (about a second, then cached)."""
+    self-check and load here, and which kernel set (avx512, avx_vnni, avx2) runs; builds it if need be
+    (about two seconds, then cached)."""
     from fitserve.layers.cpu.c_kernels import library
 
     title = "CPU kernels"
@@ -337,10 +338,20 @@ def cpu_kernels_check() -> Check:
     with _quiet_kernel_log():
         kernels = library.load_cpu_kernels()
     if kernels is not None:
+        chosen = kernels.kernel_set
+        forced = os.environ.get(library.ENV_SWITCH, "").strip().lower() == chosen.name
+        how = f"forced by {library.ENV_SWITCH}={chosen.name}" if forced else "the best this CPU has"
+        # where a better set is missing for want of CPU flags, which (an AVX2 machine runs slower kernels)
+        better = [
+            s for s in library.KERNEL_SETS[: library.KERNEL_SETS.index(chosen)] if library.missing_flags(s)
+        ]
+        if better and not forced:
+            how += f"; {better[0].name} would need {', '.join(sorted(library.missing_flags(better[0])))}"
         return Check(
             "PASS",
             title,
-            f"{CPU_KERNEL_NAMES} built for this CPU and loaded, in place of torch's ({kernels.path})",
+            f"{CPU_KERNEL_NAMES} built for this CPU and loaded, kernel set {chosen.name} "
+            f"({chosen.description}; {how}), in place of torch's ({kernels.path})",
         )
     reason = library.unavailable_reason() or "they failed to build or load earlier in this process"
     return Check(
@@ -352,10 +363,14 @@ def cpu_kernels_check() -> Check:
 
 
 def _cpu_kernels_fix(reason: str) -> str:
+    from fitserve.layers.cpu.c_kernels import library
+
     if reason.startswith("no C compiler"):
         return "install a C compiler (e.g. apt install gcc), or point CC at one"
-    if "AVX-512" in reason or "x86-64" in reason:
-        return "none on this CPU (they need x86-64 with AVX-512): fitserve runs, more slowly"
+    if "x86-64" in reason or "need at the least" in reason:
+        return "none on this CPU (they need x86-64 with AVX2 + FMA): fitserve runs, more slowly"
+    if reason.startswith(library.ENV_SWITCH):
+        return f"unset {library.ENV_SWITCH}, or set it to a kernel set this CPU has"
     if "omp" in reason.lower():
         return "install a compiler with OpenMP (gcc with libgomp), or point CC at one"
     return "point CC at a working gcc or clang with OpenMP; if it still fails, report the reason above"

@@ -33,6 +33,13 @@ from fitserve.models.loader import (
 )
 from fitserve.planner.resolve import create_engine_config
 from fitserve.spec_decode.config import check_speculative_model
+from fitserve.spec_decode.draft_model import DraftModel, draft_model_config
+from fitserve.spec_decode.eagle3 import (
+    Eagle3Checkpoint,
+    Eagle3Drafter,
+    check_eagle3_target,
+    read_eagle3_checkpoint,
+)
 from fitserve.spec_decode.speculator import Speculator
 from fitserve.structured.manager import StructuredOutputManager
 from fitserve.worker.executor import create_executor
@@ -99,19 +106,36 @@ class Engine:
         tokenizer_folder = resolve_tokenizer_path(mc.tokenizer, mc.tokenizer_revision)
         tokenizer_loader = ThreadPoolExecutor(1, thread_name_prefix="fitserve-tokenizer")
         use_fast = mc.tokenizer_mode != "slow"  # --tokenizer-mode
+        draft_config = None
         if config.speculative is not None:  # refused before any weight loads
             recurrent = sum(1 for spec in mc.kv_layers if spec.layer_type == LINEAR)
             check_speculative_model(config.speculative, len(config.kv_groups), recurrent)
+            if config.speculative.method == "draft_model":
+                draft_config = draft_model_config(config)
+            elif config.speculative.method == "eagle3":
+                check_eagle3_target(config)
+                draft_config = read_eagle3_checkpoint(
+                    config, mc.trust_remote_code, dummy=mc.load_format == "dummy"
+                )
             logger.info("Speculative decoding: %s", config.speculative.describe())
+        draft = None
         tokenizer = tokenizer_loader.submit(
             _load_tokenizer_and_table, tokenizer_folder, mc.trust_remote_code, use_fast
         )
         try:
             self.executor = create_executor(config)
+            if isinstance(draft_config, Eagle3Checkpoint):  # reads the target's layers, so built after it
+                draft = Eagle3Drafter(config, draft_config, self.executor.runner.model)
+                self.executor.runner.draft_weight_bytes = draft.weight_bytes
+            elif draft_config is not None:  # loaded before the KV cache is sized, which counts it
+                draft = DraftModel(config, draft_config)
+                self.executor.runner.draft_weight_bytes = draft.weight_bytes
             if tokenizer.done() and tokenizer.exception() is not None:
                 raise tokenizer.exception()  # a bad tokenizer stops the start before the profiling
             # the one memory model: every report of the KV cache's bytes, blocks and tokens reads it
             self.memory_plan = self.executor.initialize_kv_cache()
+            if draft is not None:  # as many blocks as the target's: the plan counted both per token
+                draft.allocate_kv_cache(self.memory_plan.num_kv_blocks)
             self.tokenizer = tokenizer.result()
         finally:
             tokenizer_loader.shutdown(wait=False, cancel_futures=True)
@@ -123,7 +147,7 @@ class Engine:
         )
         self.kv_manager = with_state_slots(self.kv_manager, config.model, config.scheduler.max_num_seqs)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator = Speculator(config.speculative, draft) if config.speculative is not None else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.failures = StepFailures(
             config, self.memory_plan.kv_cache_bytes, self.scheduler, self.output_processor, self.kv_manager
@@ -228,7 +252,10 @@ class Engine:
             params.update_from_tokenizer(self.tokenizer)  # the words as token ids, for the sampler
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self.structured.submit(params.structured_outputs)  # compiles in the background
+            # compiles in the background; a grammar no output of which fits the room is refused now
+            grammar = self.structured.submit(
+                params.structured_outputs, **self._output_room(params, len(prompt_token_ids))
+            )
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children = []
         for index in range(params.n):
@@ -270,6 +297,20 @@ class Engine:
             return
         for child in children:
             self.scheduler.add_request(child)
+
+    def _output_room(self, params: SamplingParams, prompt_len: int) -> dict[str, Any]:
+        """The most tokens a request may generate (max_tokens, or what max_model_len leaves after the
+        prompt when less or unset), with the wording of its limit for a structured output's check."""
+        max_model_len = self.config.model.max_model_len
+        room = max_model_len - prompt_len
+        if params.max_tokens is not None and params.max_tokens <= room:
+            return {"max_tokens": params.max_tokens}
+        return {
+            "max_tokens": room,
+            "limit": f"max_model_len {max_model_len} leaves {room} tokens after the prompt's {prompt_len}"
+            + ("" if params.max_tokens is None else f" (less than max_tokens={params.max_tokens})"),
+            "fix": "shorten the prompt or raise max_model_len so that at least {needed} tokens are left",
+        }
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.config.model.max_model_len
@@ -329,6 +370,8 @@ class Engine:
         # first and its sampling once they are taken.
         defer = previous is not None and previous.launched.needs_token_history
         scheduler_output = self.scheduler.schedule()
+        if self.speculator is not None and scheduler_output.finished_req_ids:
+            self.speculator.release(scheduler_output.finished_req_ids)  # a draft model's state
         if not scheduler_output.is_empty:
             self._in_flight = self._launch_or_fail(scheduler_output, outputs, defer)
         elif scheduler_output.finished_req_ids:
@@ -411,6 +454,8 @@ class Engine:
 
     def _launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> InFlightStep:
         launched = self.executor.launch(scheduler_output, defer_sampling)
+        if self.speculator is not None:  # an EAGLE-3 head keeps the step's hidden states
+            self.speculator.after_launch(scheduler_output)
         now = time.time()
         self._count_tokens(scheduler_output)
         self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)

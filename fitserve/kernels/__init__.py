@@ -1,8 +1,11 @@
 """GPU kernels (Triton) and the torch reference each one is tested against. The layers call them (the CUDA
 attention backend is fitserve/layers/attention/triton_backend.py); nothing here imports the layers.
 
-`reference`, `kv_format` (how the KV cache stores keys and values, float8 included) and `attention_inputs`
-are plain torch and import on any machine. Every other module here imports triton at import time, so only
+`reference`, `kv_format` (how the KV cache stores keys and values, float8 included), `attention_inputs` and
+`capability` (the compute capability the config choosers go by, FITSERVE_KERNEL_TARGET to force one, and
+each GPU generation's shared memory a block) are plain torch and import on any machine. `variants` compiles
+every kernel variant the launchers pick for sm_70 to sm_90 without a GPU and checks it fits
+(tests/unit/test_kernel_targets.py). Every other module here imports triton at import time, so only
 CUDA code paths may import them (fitserve never imports this package's Triton modules on a CPU-only
 machine):
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
@@ -62,6 +63,9 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
+# Where a block may not have that much (sm_86 / sm_89: 99 KB, sm_75: 64 KB, sm_70: 96 KB; sm_75 asks 72 KB
+# for it as it pipelines without cp.async) the default config runs instead (kernels/variants.py checks it).
+WHOLE_CONTEXT_MIN_SHARED = 144 * 1024
 # Heads wider than 128 (Gemma-4's 256 and 512; WHOLE_CONTEXT_CONFIG's 128-key tiles would not fit) keep
 # about the default's bytes per tile: 32 keys x 256 and 16 keys x 512 (key and value tiles of 16 KB each),
 # three stages. Gemma-4's full layers run 8 query heads per KV head over 512 dims: 8 warps hold the
@@ -280,19 +284,26 @@ def choose_num_partitions(
 
 
 def choose_config(
-    num_seqs: int, num_kv_heads: int, num_partitions: int, sm_count: int, head_dim: int = 128
+    num_seqs: int,
+    num_kv_heads: int,
+    num_partitions: int,
+    sm_count: int,
+    head_dim: int = 128,
+    shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
 ) -> DecodeLaunchConfig:
     """Heads of up to 128: WHOLE_CONTEXT_CONFIG for one partition of at most
-    WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM, else DEFAULT_DECODE_CONFIG. Wider heads:
-    HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above. Shapes only, so a CUDA graph's launch
-    is fixed."""
+    WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM where a block may have WHOLE_CONTEXT_MIN_SHARED
+    bytes of shared memory (`shared_memory`: the GPU's, kernels/capability.py), else
+    DEFAULT_DECODE_CONFIG. Wider heads: HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above.
+    Shapes only, so a CUDA graph's launch is fixed."""
     block_d = next_power_of_2(head_dim)
     if block_d > 256:
         return WIDE_HEAD_DECODE_CONFIG
     if block_d > 128:
         return HEAD_256_DECODE_CONFIG
     programs = num_seqs * num_kv_heads
-    if num_partitions == 1 and programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count:
+    whole_fits = shared_memory >= WHOLE_CONTEXT_MIN_SHARED
+    if whole_fits and num_partitions == 1 and programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count:
         return WHOLE_CONTEXT_CONFIG
     return DEFAULT_DECODE_CONFIG
 
@@ -350,7 +361,8 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, max_context_len, sm_count, tile_tokens, window
         )
     if config is None:
-        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count, head_dim)
+        shared_memory = shared_memory_per_block(kernel_capability(q.device))
+        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count, head_dim, shared_memory)
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1

@@ -28,26 +28,22 @@ L2, and the step's tail".
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from fitserve.kernels.capability import kernel_capability
 
 # Off switch for comparisons (tests, benchmarks); on by default where the GPU supports it.
 ENABLED = True
 
 
-@functools.cache
-def _device_supports(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def pdl_kwargs(device: torch.device) -> dict[str, bool]:
-    """The launch arguments of a kernel that takes USE_PDL: {"USE_PDL": ..., "launch_pdl": ...}."""
-    use = ENABLED and device.type == "cuda"
-    if use:
-        use = _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+    """The launch arguments of a kernel that takes USE_PDL: {"USE_PDL": ..., "launch_pdl": ...}. On when
+    the capability the kernels are chosen for (kernels/capability.py: a forced target, else the GPU's)
+    is 9.0 or more."""
+    capability = kernel_capability(device) if ENABLED else None
+    use = capability is not None and capability >= (9, 0)
     return {"USE_PDL": use, "launch_pdl": use}
 
 

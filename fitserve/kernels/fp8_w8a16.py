@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.capability import kernel_capability
+
 MAX_ROWS = 16
 BLOCK_N = 32
 BLOCK_K = 128  # with block scales: one 128-column scale a step
@@ -76,11 +78,8 @@ def _w8a16_kernel(
 def w8a16_layer_ok(device: torch.device, group_k: int, groups: int) -> bool:
     """Whether a layer's weight (on `device`, `groups` scales a row of `group_k` columns) can use the
     kernel: a GPU of compute capability 8.9 or more, per-channel or 128-column scales."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (8, 9)
-        and (groups == 1 or group_k == BLOCK_K)
-    )
+    capability = kernel_capability(device) if device.type == "cuda" else None  # a forced target counts
+    return capability is not None and capability >= (8, 9) and (groups == 1 or group_k == BLOCK_K)
 
 
 def w8a16_rows_ok(x: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
@@ -53,6 +54,30 @@ STATE_WARPS = 8
 # bfloat16); a kernel whose stages do not fit the shared memory is relaunched with one stage
 NUM_STAGES = 2
 _fitting_stages: dict[tuple, int] = {}
+# Below sm_80 Triton 3.6 has no tensor-core dot: tl.dot runs on FMAs with float32 operand tiles in shared
+# memory, and the state kernel (k_dim 128) asks ~116 KB at any BLOCK_V (118784 B at 16, 122880 at 32;
+# sm_75 and sm_70 builds), more than a V100 (96 KB) or T4 (64 KB) block may have. There the kernel refuses
+# and the layer is to take its torch path (layers/gated_delta_rule.py, by runs_on).
+MIN_CAPABILITY = (8, 0)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether chunk_gated_delta_rule_kernel runs on `device` (CPU: the interpreter's; CUDA: from
+    MIN_CAPABILITY on, by kernels/capability.py, so a forced target counts)."""
+    capability = kernel_capability(device)
+    return capability is None or capability >= MIN_CAPABILITY
+
+
+# value columns a state program owns, by the shared memory a block may have (kernels/capability.py; the
+# state kernel at k_dim 128, 8 warps, one stage: 115 KB at 64 columns, compiled for sm_86)
+WIDE_BLOCK_V_MIN_SHARED = 160 * 1024
+
+
+def default_block_v(v_dim: int, shared_memory: int) -> int:
+    """64 value columns a program where a block may have WIDE_BLOCK_V_MIN_SHARED bytes (A100, H100),
+    else 32 (A10 / RTX 30xx and 40xx / L4: 99 KB; V100: 96 KB; T4: 64 KB); fewer for narrow heads."""
+    widest = 64 if shared_memory >= WIDE_BLOCK_V_MIN_SHARED else 32
+    return max(16, min(widest, next_power_of_2(v_dim)))
 
 
 @_host_launched
@@ -278,6 +303,13 @@ def chunk_gated_delta_rule_kernel(
     strided rows allowed (contiguous last dim). query_lens, slots, has_initial_state: per sequence, on
     the host (a prefill step is not captured). l2norm: q and k L2-normalised in the kernel, q times scale
     (else they are used as given, scale ignored)."""
+    if not runs_on(v.device):
+        have, need = kernel_capability(v.device), MIN_CAPABILITY
+        raise ValueError(
+            f"the chunked Gated DeltaNet kernel needs compute capability {need[0]}.{need[1]} (its tiles do "
+            f"not fit the shared memory of a {have[0]}.{have[1]} GPU's block): run the torch path of "
+            "fitserve/layers/gated_delta_rule.py there (gated_delta_chunk.runs_on)"
+        )
     _check(q, k, v, g, beta, states)
     tokens, key_heads, k_dim = k.shape
     heads, v_dim = v.shape[1], v.shape[2]
@@ -312,7 +344,7 @@ def chunk_gated_delta_rule_kernel(
     num_chunks = len(chunk_start)
     inverse = torch.empty(num_chunks, heads, CHUNK, CHUNK, dtype=torch.float32, device=v.device)
     block_k = max(16, next_power_of_2(k_dim))
-    block_v = block_v or max(16, min(64, next_power_of_2(v_dim)))
+    block_v = block_v or default_block_v(v_dim, shared_memory_per_block(kernel_capability(v.device)))
     group = heads // key_heads
     _launch(
         _chunk_inverse_kernel,

@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
@@ -650,11 +651,45 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def dot_shared_bytes(config: Int4GemmConfig) -> int:
+    """About the shared memory a dot config asks for (sm_80+, where stages are cp.async buffers):
+    num_stages - 1 buffers of x's [BLOCK_M, 256] tile (16-bit) and the words' [BLOCK_N, 32] (int32),
+    WIDE_K's [BLOCK_N, 256] weight tile, 4 KB besides (sm_86 build: 64 x 64, 4 stages, 124 KB)."""
+    stage = config.block_m * BLOCK_K * 2 + config.block_n * 32 * 4
+    wide = config.block_n * BLOCK_K * 2 if config.wide_k else 0
+    return (config.num_stages - 1) * stage + wide + 4096
+
+
+def fit_shared_memory(config: Int4GemmConfig, shared_memory: int) -> Int4GemmConfig:
+    """`config` with fewer stages (down to 2), then a smaller tile, then without WIDE_K's weight tile,
+    until dot_shared_bytes fits a block's `shared_memory` (kernels/capability.py): the H100's configs as
+    chosen, smaller GPUs' cut down (tests/unit/test_kernel_targets.py compiles them for each)."""
+    if config.kernel != "dot":
+        return config
+    while dot_shared_bytes(config) > shared_memory:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_m > 64 and not config.swap_ab:
+            config = replace(config, block_m=config.block_m // 2, num_warps=4)
+        elif config.block_n > 64:
+            config = replace(config, block_n=config.block_n // 2)
+        elif config.wide_k:
+            config = replace(config, wide_k=False)
+        else:
+            break
+    return config
+
+
 def choose_config(
-    rows: int, out_features: int, in_features: int, sms: int = DEFAULT_SM_COUNT
+    rows: int,
+    out_features: int,
+    in_features: int,
+    sms: int = DEFAULT_SM_COUNT,
+    shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
 ) -> Int4GemmConfig:
     """The launch configuration for x [rows, K] @ W[N, K].T: a fixed rule (no autotuning), split-K
-    resolved. First guesses, to be swept on an H100 (module docstring)."""
+    resolved. First guesses, to be swept on an H100 (module docstring); on GPUs whose blocks may have
+    less shared memory than `shared_memory` (the H100's), cut down by fit_shared_memory."""
     if rows <= GEMV_MAX_ROWS:
         # 64 weight rows over 2 warps: 8 rows a thread, over which each x value's widening is shared
         # (3 stages: ~240 registers a thread; 2 stages: 168, 6 programs an SM, 96 KB of loads in flight)
@@ -668,6 +703,7 @@ def choose_config(
         config = Int4GemmConfig("dot", block_m=64, block_n=128, num_warps=4, num_stages=3, wide_k=True)
     else:
         config = Int4GemmConfig("dot", block_m=128, block_n=128, num_warps=8, num_stages=2, wide_k=True)
+    config = fit_shared_memory(config, shared_memory)
     return resolve_split(config, rows, out_features, in_features, sms)
 
 
@@ -725,7 +761,8 @@ def int4_linear(
         return y
     sms = sm_count(x.device)
     if config is None:
-        config = choose_config(rows, out_features, in_features, sms)
+        shared_memory = shared_memory_per_block(kernel_capability(x.device))
+        config = choose_config(rows, out_features, in_features, sms, shared_memory)
     else:
         check_config(config, rows)
         config = resolve_split(config, rows, out_features, in_features, sms)

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
@@ -69,18 +70,55 @@ HEAD_256_CONFIG = PrefillLaunchConfig(block_m=64, block_n=32, num_warps=8, num_s
 HEAD_256_LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
 WIDE_HEAD_CONFIG = PrefillLaunchConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
 LONG_QUERY_MIN_MEAN = 512  # mean query tokens per sequence from which the long-query config runs
+# HEAD_256_LONG_QUERY_CONFIG asks 104 KB of shared memory (sm_86 build): GPUs whose blocks may have less
+# (sm_86 / sm_89: 99 KB) run HEAD_256_CONFIG for long queries too (kernels/variants.py checks them all).
+HEAD_256_LONG_QUERY_MIN_SHARED = 112 * 1024
 
 
-def choose_prefill_config(num_tokens: int, num_seqs: int, head_dim: int = 128) -> PrefillLaunchConfig:
+def fma_dot_shared_bytes(block_m: int, block_n: int, block_d: int) -> int:
+    """Shared memory of the kernel where Triton has no tensor-core MMA (below sm_80: Triton 3.6 lowers
+    tl.dot to FMAs there, both operands of q @ k.T staged as float32): [BLOCK_M, D] and [D, BLOCK_N]."""
+    return (block_m + block_n) * block_d * 4
+
+
+def fit_without_tensor_cores(
+    config: PrefillLaunchConfig, block_d: int, shared_memory: int
+) -> PrefillLaunchConfig:
+    """`config` with fewer query rows, then fewer keys (down to 16 each), until fma_dot_shared_bytes fits
+    (sm_75 at head dim 128: 64 x 32 for the long-query tile; 256: 32 x 32; 512: 16 x 16)."""
+    while True:
+        block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)
+        if fma_dot_shared_bytes(config.block_m, block_n, block_d) <= shared_memory:
+            return config
+        if config.block_m > 16 and config.block_m >= block_n:
+            config = replace(config, block_m=config.block_m // 2)
+        elif block_n > 16:
+            config = replace(config, block_n=block_n // 2)
+        else:
+            return config
+
+
+def choose_prefill_config(
+    num_tokens: int,
+    num_seqs: int,
+    head_dim: int = 128,
+    shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
+    tensor_cores: bool = True,
+) -> PrefillLaunchConfig:
     """The launch config for a step of `num_tokens` query tokens over `num_seqs` sequences, of heads of
-    `head_dim` (up to 128: the tuned 128 configs; up to 256: HEAD_256_*; above: WIDE_HEAD_CONFIG)."""
+    `head_dim` (up to 128: the tuned 128 configs; up to 256: HEAD_256_*; above: WIDE_HEAD_CONFIG), on a
+    GPU whose blocks may have `shared_memory` bytes (kernels/capability.py; the H100's by default);
+    without tensor cores (Triton's, below sm_80) cut down by fit_without_tensor_cores."""
     block_d = next_power_of_2(head_dim)
-    if block_d > 256:
-        return WIDE_HEAD_CONFIG
     long_queries = num_tokens >= LONG_QUERY_MIN_MEAN * num_seqs
-    if block_d > 128:
-        return HEAD_256_LONG_QUERY_CONFIG if long_queries else HEAD_256_CONFIG
-    return LONG_QUERY_CONFIG if long_queries else DEFAULT_PREFILL_CONFIG
+    if block_d > 256:
+        config = WIDE_HEAD_CONFIG
+    elif block_d > 128:
+        wide_fits = shared_memory >= HEAD_256_LONG_QUERY_MIN_SHARED
+        config = HEAD_256_LONG_QUERY_CONFIG if long_queries and wide_fits else HEAD_256_CONFIG
+    else:
+        config = LONG_QUERY_CONFIG if long_queries else DEFAULT_PREFILL_CONFIG
+    return config if tensor_cores else fit_without_tensor_cores(config, block_d, shared_memory)
 
 
 @triton.jit
@@ -280,7 +318,10 @@ def paged_prefill_attention(
         return out
     block_d = next_power_of_2(head_dim)
     if config is None:
-        config = choose_prefill_config(num_tokens, num_seqs, head_dim)
+        capability = kernel_capability(q.device)
+        tensor_cores = capability is None or capability >= (8, 0)
+        shared_memory = shared_memory_per_block(capability)
+        config = choose_prefill_config(num_tokens, num_seqs, head_dim, shared_memory, tensor_cores)
     block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)

@@ -20,12 +20,13 @@ Reference: torch.nn.functional.linear.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv
@@ -102,6 +103,23 @@ def _skinny_gemm_kernel(
 DEFAULT_CONFIG = SkinnyGemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
 
 
+def stage_bytes(config: SkinnyGemmConfig) -> int:
+    """Shared memory of one cp.async stage: x's [MAX_ROWS, BLOCK_K] and the weight's [BLOCK_N, BLOCK_K]
+    (16-bit); a kernel of num_stages keeps num_stages - 1 (sm_86 build of DEFAULT_CONFIG: 144 KB)."""
+    return (MAX_ROWS + config.block_n) * config.block_k * 2
+
+
+def default_config(shared_memory: int) -> SkinnyGemmConfig:
+    """DEFAULT_CONFIG with as many stages as a block's `shared_memory` holds (kernels/capability.py),
+    4 KB to spare: 4 on an A100 or H100, 2 on a GPU of 99 KB (sm_86, sm_89) or less."""
+    stages = DEFAULT_CONFIG.num_stages
+    while stages > 2 and (stages - 1) * stage_bytes(DEFAULT_CONFIG) + 4096 > shared_memory:
+        stages -= 1
+    return (
+        DEFAULT_CONFIG if stages == DEFAULT_CONFIG.num_stages else replace(DEFAULT_CONFIG, num_stages=stages)
+    )
+
+
 def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when skinny_gemm takes this call and beats cuBLAS on it (measured shapes, see above)."""
     return weight.shape[0] >= MIN_OUT_FEATURES and weight.shape[1] >= MIN_IN_FEATURES and supports(x, weight)
@@ -141,7 +159,7 @@ def skinny_gemm(
         )
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    config = config or DEFAULT_CONFIG
+    config = config or default_config(shared_memory_per_block(kernel_capability(x.device)))
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     grid = (cdiv(out_features, config.block_n),)
     _skinny_gemm_kernel[grid](

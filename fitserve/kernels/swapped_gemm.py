@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
@@ -34,6 +35,19 @@ BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 6
 NUM_WARPS = 4
+# one cp.async stage: x's [MAX_ROWS, BLOCK_K] and the weight's [BLOCK_N, BLOCK_K] (16-bit): 24 KB; a kernel
+# of num_stages keeps num_stages - 1 (120 KB at 6), so GPUs of 99 KB a block (sm_86, sm_89) take fewer
+STAGE_BYTES = (MAX_ROWS + BLOCK_N) * BLOCK_K * 2
+
+
+def num_stages(shared_memory: int) -> int:
+    """NUM_STAGES, or as many as a block's `shared_memory` (kernels/capability.py) holds, 4 KB to spare."""
+    stages = NUM_STAGES
+    while stages > 2 and (stages - 1) * STAGE_BYTES + 4096 > shared_memory:
+        stages -= 1
+    return stages
+
+
 PREFETCH_ROW_BYTES = 2048
 PREFETCH_PIECES = 2  # per weight row: 64 rows x 2 = one prefetch per thread of 4 warps
 
@@ -127,7 +141,7 @@ def swapped_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         BLOCK_M=MAX_ROWS,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
-        NUM_STAGES=NUM_STAGES,
+        NUM_STAGES=num_stages(shared_memory_per_block(kernel_capability(x.device))),
         PREFETCH_BYTES=row_head_bytes(weight, PREFETCH_ROW_BYTES, PREFETCH_PIECES),
         PREFETCH_PIECES=PREFETCH_PIECES,
         num_warps=NUM_WARPS,

@@ -111,7 +111,7 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence of L tokens (see the module docstring): q, k [L, H, Dk]; v [L, H, Dv]; g, beta [L, H];
     state [H, Dk, Dv] entering the sequence (None: zeros). Returns (o [L, H, Dv], final state), float32."""
-    if _use_kernels(v) and chunk_size == CHUNK_SIZE and k.shape[0] > 0:
+    if _use_chunk_kernel(v) and chunk_size == CHUNK_SIZE and k.shape[0] > 0:
         return _chunk_cuda(q, k, v, g, beta, state)
     length, heads, k_dim = k.shape
     v_dim = v.shape[-1]
@@ -221,7 +221,7 @@ def chunk_gated_delta_rule_varlen(
     Returns o [T, H, Dv] float32; each sequence's final state written to states[slot] (its initial one
     read from there where has_initial_state, zeros otherwise). l2norm: q and k L2-normalised here (q then
     times scale); otherwise used as given."""
-    if _use_kernels(v):
+    if _use_chunk_kernel(v):
         from fitserve.kernels.gated_delta_chunk import chunk_gated_delta_rule_kernel
 
         q, k, v, g, beta = (_last_dim_contiguous(t) for t in (q, k, v, g, beta))
@@ -478,6 +478,16 @@ def _triton_available() -> bool:
 
 def _use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_available()
+
+
+def _use_chunk_kernel(t: torch.Tensor) -> bool:
+    """The chunked kernel needs ~116 KB of shared memory a block below compute capability 8.0 at any tile
+    (kernels/gated_delta_chunk.runs_on): a V100 / T4 / 2080 Ti prefills through the torch ops above."""
+    if not _use_kernels(t):
+        return False
+    from fitserve.kernels.gated_delta_chunk import runs_on
+
+    return runs_on(t.device)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

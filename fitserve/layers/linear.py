@@ -20,7 +20,8 @@ its values in a transposed memory layout.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,37 @@ def dense_linear(
     if out is None:
         out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+class WholeTensor(NamedTuple):
+    """One tensor of a parameter as a checkpoint holds it, whole (every rank's part of it): what
+    --load-format dummy draws (models/weights.py), so that the model is the same at every tensor-parallel
+    size. `key` names it within its module ("weight", a packed layer's "weight.q", one expert's
+    "gate_up_proj.3"); `load(whole)` copies this rank's part into the parameter, cut as a real
+    checkpoint tensor is (without the layer's post-load step); `into` is the view of the parameter that
+    holds all of it when this rank does (drawn there in place, no copy), else None."""
+
+    param: nn.Parameter
+    key: str
+    shape: tuple[int, ...]
+    load: Callable[[torch.Tensor], None]
+    into: torch.Tensor | None
+
+
+def whole_tensor(
+    param: nn.Parameter,
+    key: str,
+    shape: tuple[int, ...],
+    target: torch.Tensor,
+    cut: Callable[[torch.Tensor], torch.Tensor],
+) -> WholeTensor:
+    """A WholeTensor whose rank part `cut(whole)` lands in `target` (`param` or a view of it); the rank
+    holds all of it where the two shapes agree (a cut of the whole's own size is the whole)."""
+
+    def load(whole: torch.Tensor) -> None:
+        default_weight_loader(target, cut(whole))
+
+    return WholeTensor(param, key, shape, load, target if tuple(target.shape) == shape else None)
 
 
 def _set_weight_loader(param: nn.Parameter, loader: object) -> None:
@@ -174,6 +206,16 @@ class LinearBase(nn.Module):
     @property
     def shard_ids(self) -> tuple[ShardId, ...]:
         return ()
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """The weight as a checkpoint holds it ([output_size, input_size], this rank's part cut by
+        `rank_part`), for dummy weights; none for a quantized method's weight (its `initialize_dummy`
+        draws it) and none for the bias (dummy biases are 0)."""
+        if not isinstance(self.linear_method, UnquantizedLinearMethod):
+            return []
+        weight = self.weight
+        shape = (self.output_size, self.input_size)
+        return [whole_tensor(weight, "weight", shape, weight, lambda whole: self.rank_part(weight, whole))]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
@@ -335,16 +377,39 @@ class PackedColumnLinear(ColumnParallelLinear):
             for packed_id, (start, rows) in self.full_shard_offsets.items():
                 self.weight_loader(param, loaded_weight.narrow(0, start, rows), packed_id)
             return
-        if shard_id is not None and self.tp_size > 1:
-            loaded_weight = rank_rows(loaded_weight, 0, *self.shard_rank_rows(shard_id))
-        # shard None: a checkpoint that already stores the packed matrix
-        target = param if shard_id is None else param.narrow(0, *self.shard_offsets[shard_id])
+        target, loaded_weight = self._shard_part(param, loaded_weight, shard_id)
         if self._holds(param, loaded_weight):
             check_loaded_shape(target.shape, loaded_weight)
             self._held[shard_id] = loaded_weight
         else:
             default_weight_loader(target, loaded_weight)
         self._after_load(param, shard_id)
+
+    def _shard_part(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows of `param` that shard `shard_id` fills, this rank's rows of its whole checkpoint
+        tensor); shard None: a checkpoint that already stores the (rank's) packed matrix, all of param."""
+        if shard_id is None:
+            return param, loaded_weight
+        if self.tp_size > 1:
+            loaded_weight = rank_rows(loaded_weight, 0, *self.shard_rank_rows(shard_id))
+        return param.narrow(0, *self.shard_offsets[shard_id]), loaded_weight
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """Each shard's whole checkpoint tensor ([its rows, input_size]: q, k, v or gate, up), cut as
+        `weight_loader` cuts it with that shard id."""
+        if not isinstance(self.linear_method, UnquantizedLinearMethod):
+            return []
+        weight, tensors = self.weight, []
+        for shard_id, (_, rows) in self.full_shard_offsets.items():
+            target = weight.narrow(0, *self.shard_offsets[shard_id])
+
+            def cut(whole: torch.Tensor, shard_id: ShardId = shard_id) -> torch.Tensor:
+                return self._shard_part(weight, whole, shard_id)[1]
+
+            tensors.append(whole_tensor(weight, f"weight.{shard_id}", (rows, self.input_size), target, cut))
+        return tensors
 
 
 class MergedColumnParallelLinear(PackedColumnLinear):

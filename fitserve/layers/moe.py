@@ -35,7 +35,7 @@ from torch import nn
 
 from fitserve.distributed.collectives import all_reduce
 from fitserve.distributed.parallel_state import tp
-from fitserve.layers.linear import default_weight_loader
+from fitserve.layers.linear import WholeTensor, default_weight_loader, whole_tensor
 from fitserve.layers.tp_shards import split_evenly
 
 
@@ -116,21 +116,46 @@ class FusedExperts(nn.Module):
             )
         if self.expert_parallel:
             return loaded_weight.narrow(0, self.first_expert, self.local_experts)
+        return self._width_part(param, loaded_weight)
+
+    def _width_part(self, param: nn.Parameter, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's intermediate slice of `weights`, whose last two dims are one expert's gate_up_proj
+        [2I, hidden] or down_proj [hidden, I] (all the experts' stacked before them, or just the one)."""
         width, start = self.intermediate_per_rank, self.tp_rank * self.intermediate_per_rank
         if param is self.down_proj:
-            return loaded_weight.narrow(2, start, width)
+            return weights.narrow(-1, start, width)
         whole = self.intermediate_size
-        if loaded_weight.shape[1] != 2 * whole:
+        if weights.shape[-2] != 2 * whole:
             raise ValueError(
-                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, but gate_up_proj has "
+                f"checkpoint tensor has shape {tuple(weights.shape)}, but gate_up_proj has "
                 f"2 x {whole} rows per expert: the checkpoint does not match the model's config.json"
             )
-        gate = loaded_weight.narrow(1, start, width)
-        up = loaded_weight.narrow(1, whole + start, width)
-        return torch.cat((gate, up), dim=1)
+        gate = weights.narrow(-2, start, width)
+        up = weights.narrow(-2, whole + start, width)
+        return torch.cat((gate, up), dim=-2)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, self.rank_part(param, loaded_weight))
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """For dummy weights, each of this rank's experts' whole tensors, one expert at a time as a
+        per-expert checkpoint holds them (gate and up rows [2I, hidden], down [hidden, I]): with expert
+        parallel a rank draws only its own experts; otherwise every expert, cut to its intermediate slice."""
+        shapes = {
+            "gate_up_proj": (2 * self.intermediate_size, self.hidden_size),
+            "down_proj": (self.hidden_size, self.intermediate_size),
+        }
+        tensors = []
+        for local in range(self.local_experts):
+            expert = self.first_expert + local
+            for name, shape in shapes.items():
+                param = getattr(self, name)
+
+                def cut(whole: torch.Tensor, param: nn.Parameter = param) -> torch.Tensor:
+                    return whole if self.expert_parallel else self._width_part(param, whole)
+
+                tensors.append(whole_tensor(param, f"{name}.{expert}", shape, param[local], cut))
+        return tensors
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True

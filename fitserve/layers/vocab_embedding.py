@@ -19,7 +19,7 @@ from torch import nn
 from fitserve.distributed.collectives import all_reduce, gather_logits
 from fitserve.distributed.parallel_state import tp
 from fitserve.layers.cpu.fp16_matmul import fp16_matmul, pack_fp16_in_background
-from fitserve.layers.linear import default_weight_loader, dense_linear
+from fitserve.layers.linear import WholeTensor, default_weight_loader, dense_linear
 
 
 def vocab_rows_per_rank(vocab_size: int) -> int:
@@ -41,6 +41,17 @@ def load_vocab_rows(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
         param[rows:].zero_()
 
 
+def whole_vocab_tensor(param: nn.Parameter, vocab_size: int) -> WholeTensor:
+    """The whole [vocab, hidden] matrix of which `param` holds this rank's rows (load_vocab_rows), for
+    dummy weights."""
+    shape = (vocab_size, param.shape[1])
+
+    def load(whole: torch.Tensor) -> None:
+        load_vocab_rows(param, whole)
+
+    return WholeTensor(param, "weight", shape, load, param if tuple(param.shape) == shape else None)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token ids [T] -> embeddings [T, hidden]. A tensor-parallel run would split the vocabulary rows."""
 
@@ -59,6 +70,10 @@ class VocabParallelEmbedding(nn.Module):
         load_vocab_rows(param, loaded_weight)
         for callback in self.after_load:
             callback()
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """The whole embedding matrix, for dummy weights (models/weights.py)."""
+        return [whole_vocab_tensor(self.weight, self.num_embeddings)]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp().size == 1:
@@ -111,6 +126,10 @@ class ParallelLMHead(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         load_vocab_rows(param, loaded_weight)
         self._prepare_cpu_weight()
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """The whole head matrix, for dummy weights; none when tied (the embedding's is drawn)."""
+        return [] if self.tied else [whole_vocab_tensor(self.weight, self.vocab_size)]
 
     def _prepare_cpu_weight(self) -> None:
         # Packed beside the rest of the start; the first forward takes the copy (waiting if need be).

@@ -254,11 +254,50 @@ class DecoderModel(nn.Module):
             config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i], quant)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 speculation (fitserve/spec_decode/eagle3.py): {layer index: slot} of the residual
+        # streams each forward copies into `aux_hidden` [rows, slots x hidden]; empty: nothing is kept.
+        self.aux_slots: dict[int, int] = {}
+        self.aux_hidden: torch.Tensor | None = None
+
+    def keep_aux_hidden(self, layer_ids: tuple[int, ...], max_rows: int) -> torch.Tensor:
+        """From now on, every forward copies the residual stream entering each layer of `layer_ids` (HF's
+        `hidden_states[i]`: the output of layer i - 1; i = num_hidden_layers: the last layer's, before the
+        final norm) into one preallocated [max_rows, len(layer_ids) x hidden] buffer, row for row with
+        the step's tokens. A fixed buffer written inside the forward: CUDA graphs captured after this call
+        replay the copies into it (capture after, as the engine does: the drafter is built before the
+        graphs). Rows past max_rows (a step larger than any the engine runs) are not kept."""
+        hidden_size = self.norm.weight.shape[0]
+        weight = self.norm.weight
+        self.aux_hidden = torch.zeros(
+            max_rows, len(layer_ids) * hidden_size, dtype=weight.dtype, device=weight.device
+        )
+        self.aux_slots = {layer: slot for slot, layer in enumerate(layer_ids)}
+        return self.aux_hidden
+
+    def _keep_aux(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        slot = self.aux_slots.get(layer)
+        if slot is None:
+            return
+        buffer = self.aux_hidden
+        rows = min(hidden.shape[0], buffer.shape[0])
+        width = hidden.shape[1]
+        out = buffer[:rows, slot * width : (slot + 1) * width]
+        if residual is None:  # the first layer's input: the embeddings
+            out.copy_(hidden[:rows])
+        else:
+            torch.add(hidden[:rows], residual[:rows], out=out)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
         residual = None
+        if self.aux_slots:  # a separate loop: a step without EAGLE-3 runs the one below, unchanged
+            for index, layer in enumerate(self.layers):
+                self._keep_aux(index, hidden, residual)
+                hidden, residual = layer(hidden, residual, rope)
+            self._keep_aux(len(self.layers), hidden, residual)
+            hidden, _ = self.norm(hidden, residual)
+            return hidden
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.norm(hidden, residual)
@@ -279,11 +318,15 @@ class DecoderModel(nn.Module):
         rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
         residual = None
         attn_out_rows = attn_out.view(attn_out.shape[0], -1)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if self.aux_slots:  # EAGLE-3: copied inside the piece before the core (see keep_aux_hidden)
+                self._keep_aux(index, hidden, residual)
             hidden, residual = layer.norm_input(hidden, residual)
             q_out.copy_(layer.self_attn.write_kv(hidden, rope))
             yield layer.self_attn.attn
             hidden, residual = layer.feed_forward(layer.self_attn.o_proj.forward(attn_out_rows), residual)
+        if self.aux_slots:
+            self._keep_aux(len(self.layers), hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

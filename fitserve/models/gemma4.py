@@ -20,6 +20,14 @@ gemma4_layers.py says how a decoder layer splits.
 
 Weights: a ConditionalGeneration checkpoint keeps the text model under `model.language_model.`, which is
 read as `model.`; its vision and audio towers (and their embedders) are skipped, with one log line.
+
+Quantized checkpoints (config.json's quantization_config: AWQ / GPTQ / compressed-tensors / AutoRound int4,
+fp8, bitsandbytes 4-bit; or --quantization fp8 / bitsandbytes on a 16-bit one): the decoder's linears and
+the E models' per-layer model projection take the format's method (gemma4_layers.py), the shapes checked
+before building (quant_config.check_layer_shapes: a group size that does not divide a quantized layer's
+input is refused naming the module). The MoE experts hold 16-bit weights only: a format that quantizes
+them is refused before building (gemma4_config.refuse_quantized_experts); a 26B-A4B checkpoint whose
+ignore list keeps the experts 16-bit runs with its attention and dense MLP quantized.
 """
 
 from __future__ import annotations
@@ -33,13 +41,15 @@ from torch import nn
 
 from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.layer import Attention
-from fitserve.layers.linear import ReplicatedLinear, ShardId
+from fitserve.layers.linear import ReplicatedLinear, ShardId, UnquantizedLinearMethod
+from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
+from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_format
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
-from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm, use_kernels
+from fitserve.models.gemma4_config import refuse_quantized_experts
+from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm, quantized_method, use_kernels
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.unquantized import refuse_quantization
 
 logger = logging.getLogger("fitserve")
 
@@ -80,7 +90,7 @@ def _table_rope(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.d
 
 
 class Gemma4Model(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, quant: Any = None) -> None:
         super().__init__()
         self.config = config
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -100,7 +110,7 @@ class Gemma4Model(nn.Module):
                 rotary.inv_freq = gemma4_inv_freq(rope, spec.head_dim).to(rotary.inv_freq.device)
                 self.rotary[spec.layer_type] = rotary
         self.layers = make_layers(
-            config.num_hidden_layers, lambda i: Gemma4DecoderLayer(config, i, self.specs[i])
+            config.num_hidden_layers, lambda i: Gemma4DecoderLayer(config, i, self.specs[i], quant)
         )
         for index, spec in enumerate(self.specs):
             if not spec.owns_cache(index):
@@ -112,7 +122,13 @@ class Gemma4Model(nn.Module):
             packed = config.num_hidden_layers * self.per_layer_size
             self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, packed)
             # replicated: each layer's slice of its output is normed whole (see the module docstring)
-            self.per_layer_model_projection = ReplicatedLinear(hidden, packed, bias=False)
+            projection = "per_layer_model_projection"
+            self.per_layer_model_projection = ReplicatedLinear(
+                hidden,
+                packed,
+                bias=False,
+                linear_method=quantized_method(quant, config, projection, (projection,)),
+            )
             self.per_layer_projection_norm = GemmaRMSNorm(self.per_layer_size, eps)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -151,9 +167,9 @@ class Gemma4ForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        refuse_quantization(config, "Gemma-4")
+        quant = _checked_format(config)
         self.config = config
-        self.model = Gemma4Model(config)
+        self.model = Gemma4Model(config, quant)
         tie = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
@@ -200,9 +216,11 @@ class Gemma4ForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(self.weights_prefix)
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
+            name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             target, shard_id = _map_name(name)
             if self._is_shared_layer_kv(target, shard_id):
                 continue  # a KV-shared layer computes no keys or values: its k/v weights are unused
+            self._check_not_16bit(name, target)
             shards = () if shard_id is None else self.get_submodule(target.rsplit(".", 1)[0]).shard_ids
             loads.load(name, target, tensor, shard_id, shards)
         for attention in self.attention_layers:  # a shared layer reads its cache with the writer's scales
@@ -215,12 +233,44 @@ class Gemma4ForCausalLM(nn.Module):
             )
         return loads.loaded
 
+    def _check_not_16bit(self, name: str, target: str) -> None:
+        """ValueError for a 16-bit weight stored for a layer that config.json's quantization_config says is
+        int4 (its ignore list does not name the module: e.g. a MoE router the checkpoint keeps 16-bit),
+        which would otherwise match no parameter."""
+        module_name, _, param = target.rpartition(".")
+        if param != "weight":
+            return
+        try:
+            layer = self.get_submodule(module_name)
+        except AttributeError:
+            return
+        method = getattr(layer, "linear_method", None)
+        if method is None or isinstance(method, UnquantizedLinearMethod) or hasattr(layer, "weight"):
+            return
+        module = name.removesuffix(".weight")
+        raise ValueError(
+            f"checkpoint tensor {name!r} is a 16-bit weight, but config.json's quantization_config quantizes "
+            f"{module} (its ignore list does not name it): add the module to the ignore list (e.g. "
+            "'re:.*router.*' for the MoE router), or use a checkpoint that stores it quantized"
+        )
+
     def _is_shared_layer_kv(self, target: str, shard_id: ShardId | None) -> bool:
         parts = target.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "self_attn":
             return False
         attention = self.model.layers[int(parts[2])].self_attn
         return attention.shared and (shard_id in ("k", "v") or parts[4] in ("k_norm", "v_norm"))
+
+
+def _checked_format(config: Any) -> Any:
+    """The checkpoint's quantized format (None: 16-bit), once it is known to work: it leaves a MoE's
+    experts 16-bit, and its group size fits every quantized layer (each refusal names the values and the
+    fix)."""
+    fmt = quant_format(config)
+    refuse_quantized_experts(config, fmt)
+    if fmt is not None:
+        check_layer_shapes(fmt, config)
+    return fmt
 
 
 def _map_name(name: str) -> tuple[str, ShardId | None]:

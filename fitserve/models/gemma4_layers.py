@@ -24,6 +24,13 @@ replicated: every rank needs their whole output (the softmax over all experts; t
 the whole per-layer input), and the per-layer pair is small enough that computing it on every rank is
 cheaper than a collective per layer. Norms are replicated.
 
+Quantized checkpoints (config.json's quantization_config, or --quantization fp8 / bitsandbytes on a 16-bit
+one): each linear takes the format's method (layers/quantization/methods.py: int4, fp8 or bitsandbytes
+4-bit), or none where the checkpoint's ignore list leaves it in 16 bits (`quantized_method`): q/k/v (the
+shards a layer has), o_proj, the dense MLP, the per-layer input gate and projection, and the MoE router's
+projection (published checkpoints list it in their ignore list: 16-bit then). The experts stay 16-bit
+(models/gemma4.py refuses a format that quantizes them).
+
 On CUDA the same values come from Triton kernels (imported there only; the CPU path is the torch above):
 the norms as kernels/norm.py's gemma_rms_norm, each "residual + post-norm(x)" with the multiply by
 layer_scalar and the next sublayer's input norm as one gemma_norm_add, gelu-and-multiply as one kernel,
@@ -56,6 +63,7 @@ from fitserve.layers.linear import (
     default_weight_loader,
 )
 from fitserve.layers.moe import FusedExperts
+from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.rotary_embedding import StepRope
 from fitserve.models.gemma4_config import expert_parallel_of
 
@@ -84,6 +92,25 @@ def activation_of(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
+def quantized_method(quant: Any, config: Any, layer: str, modules: tuple[str, ...]) -> Any:
+    """The linear method of fitserve's layer `model.<layer>` (None: unquantized) fused from the
+    checkpoint's linear `modules` (names under the text model, e.g. "layers.3.self_attn.q_proj") for the
+    format `quant`. The ignore list is matched against both the names the checkpoint gives them
+    (`model.language_model.layers...` in a ConditionalGeneration checkpoint, as its quantization_config
+    lists them) and the names they are read as (`model.layers...`): either leaving a module out keeps the
+    layer 16-bit."""
+    if quant is None:
+        return None
+    name = f"model.{layer}"
+    stored = getattr(config, "weights_prefix", "model.")
+    method = linear_method_for(quant, name, [stored + module for module in modules])
+    if method is None or stored == "model.":
+        return method
+    if linear_method_for(quant, name, ["model." + module for module in modules]) is None:
+        return None
+    return method
+
+
 def _parameter(shape: tuple[int, ...]) -> nn.Parameter:
     param = nn.Parameter(torch.ones(shape), requires_grad=False)
     param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
@@ -109,21 +136,34 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma4Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec) -> None:
+    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec, quant: Any = None) -> None:
         super().__init__()
         hidden, eps, bias = config.hidden_size, config.rms_norm_eps, bool(config.attention_bias)
         self.head_dim = spec.head_dim
         self.shared = not spec.owns_cache(layer_idx)
         self.k_eq_v = bool(config.attention_k_eq_v) and spec.layer_type == FULL
         shards = ("q",) if self.shared else ("q", "k") if self.k_eq_v else ("q", "k", "v")
+        path = f"layers.{layer_idx}.self_attn"
+        qkv = tuple(f"{path}.{shard}_proj" for shard in shards)
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, config.num_attention_heads, spec.num_kv_heads, bias, shards=shards
+            hidden,
+            self.head_dim,
+            config.num_attention_heads,
+            spec.num_kv_heads,
+            bias,
+            linear_method=quantized_method(quant, config, f"{path}.qkv_proj", qkv),
+            shards=shards,
         )
         # this rank's heads (all of them unless tensor parallel splits them); a KV-shared layer's are those
         # of the layer whose cache it reads (same layer type, so the same split)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            hidden,
+            bias=bias,
+            linear_method=quantized_method(quant, config, f"{path}.o_proj", (f"{path}.o_proj",)),
+        )
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps)
         self.v_norm = None if self.shared else GemmaRMSNorm(self.head_dim, eps, with_scale=False)
@@ -187,10 +227,21 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: Callable) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Callable,
+        methods: tuple[Any, Any] = (None, None),
+    ) -> None:
+        """methods: the linear methods of gate_up_proj and down_proj (None: unquantized)."""
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, linear_method=methods[0]
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, linear_method=methods[1]
+        )
         self.activation = activation
         self.gelu_tanh = activation is ACTIVATIONS["gelu_pytorch_tanh"]  # one kernel on CUDA
 
@@ -211,34 +262,73 @@ class Gemma4MLP(nn.Module):
 
 
 class Gemma4Router(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, proj_method: Any = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.top_k = int(config.top_k_experts)
         self.root_size = hidden**-0.5
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps, with_scale=False)
         # every rank routes every token over all the experts (the softmax and top-k need all scores)
-        self.proj = ReplicatedLinear(hidden, config.num_experts, bias=False)
+        self.proj = ReplicatedLinear(hidden, config.num_experts, bias=False, linear_method=proj_method)
         self.scale = _parameter((hidden,))
         self.per_expert_scale = _parameter((config.num_experts,))
+        self._norm_weight: torch.Tensor | None = None  # scale * root_size in float32 (kernel path)
+        self._norm_weight_of = -1  # the scale's version it was computed from
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (top-k weights float32 [T, k], expert ids [T, k])."""
+        if use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return self._forward_kernels(x)
         scores = self.proj.forward(self.norm.forward(x) * self.scale * self.root_size)
         probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probabilities, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[ids], ids
 
+    def _forward_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward in three launches: the norm with norm_weight() as its weight, the projection, and
+        route()."""
+        from fitserve.kernels.norm import gemma_rms_norm
+
+        return self.route(gemma_rms_norm(x, self.norm_weight(), self.norm.eps))
+
+    def norm_weight(self) -> torch.Tensor:
+        """scale * hidden^-0.5 in float32: the weight of one norm that stands for the unscaled norm and the
+        two multiplies (rounded once where torch rounds after each). Computed on the first forward (the
+        profiling run's, before any graph capture) and again after the scale changes."""
+        if self._norm_weight is None or self._norm_weight_of != self.scale._version:
+            self._norm_weight = self.scale.float() * self.root_size
+            self._norm_weight_of = self.scale._version
+        return self._norm_weight
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed input (CUDA) -> (weights, ids): the projection, then softmax + top-k + renormalise +
+        per-expert scale in one kernel (kernels/moe_router.py)."""
+        from fitserve.kernels.moe_router import router_topk
+
+        return router_topk(self.proj.forward(normed), self.per_expert_scale, self.top_k)
+
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec) -> None:
+    def __init__(self, config: Any, layer_idx: int, spec: KvLayerSpec, quant: Any = None) -> None:
+        """quant: the checkpoint's quantized format (quant_config.quant_format), None for 16-bit."""
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         activation = activation_of(config)
-        self.self_attn = Gemma4Attention(config, layer_idx, spec)
+        self.self_attn = Gemma4Attention(config, layer_idx, spec, quant)
         double_wide = bool(config.use_double_wide_mlp) and self.self_attn.shared
-        self.mlp = Gemma4MLP(hidden, config.intermediate_size * (2 if double_wide else 1), activation)
+        layer = f"layers.{layer_idx}"
+
+        def method(name: str, modules: tuple[str, ...]) -> Any:
+            return quantized_method(quant, config, f"{layer}.{name}", tuple(f"{layer}.{m}" for m in modules))
+
+        mlp_methods = (
+            method("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+            method("mlp.down_proj", ("mlp.down_proj",)),
+        )
+        self.mlp = Gemma4MLP(
+            hidden, config.intermediate_size * (2 if double_wide else 1), activation, mlp_methods
+        )
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -246,7 +336,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = _parameter((1,))
         self.moe = bool(config.enable_moe_block)
         if self.moe:
-            self.router = Gemma4Router(config)
+            self.router = Gemma4Router(config, method("router.proj", ("router.proj",)))
             self.experts = FusedExperts(
                 config.num_experts,
                 hidden,
@@ -261,8 +351,18 @@ class Gemma4DecoderLayer(nn.Module):
         if self.per_layer_size:
             self.activation = activation
             # replicated: the gate's output meets the whole per-layer input (see the module docstring)
-            self.per_layer_input_gate = ReplicatedLinear(hidden, self.per_layer_size, bias=False)
-            self.per_layer_projection = ReplicatedLinear(self.per_layer_size, hidden, bias=False)
+            self.per_layer_input_gate = ReplicatedLinear(
+                hidden,
+                self.per_layer_size,
+                bias=False,
+                linear_method=method("per_layer_input_gate", ("per_layer_input_gate",)),
+            )
+            self.per_layer_projection = ReplicatedLinear(
+                self.per_layer_size,
+                hidden,
+                bias=False,
+                linear_method=method("per_layer_projection", ("per_layer_projection",)),
+            )
             self.post_per_layer_input_norm = GemmaRMSNorm(hidden, eps)
 
     def forward(
@@ -293,32 +393,52 @@ class Gemma4DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, rope: StepRope, per_layer_input: torch.Tensor | None
     ) -> torch.Tensor:
         """forward on CUDA: each residual add with the post-norm before it (and layer_scalar, and the
-        next sublayer's input norm) in one gemma_norm_add; the same roundings as forward's torch ops."""
+        next sublayer's input norm) in one gemma_norm_add; in a MoE layer the post-attention add with the
+        three input norms of the block in one gemma_moe_head, the two post-norms, their sum and the residual
+        add in one gemma_moe_tail (kernels/gemma_moe_norms.py); the same roundings as forward's torch ops
+        but the router's input (rounded once)."""
         from fitserve.kernels.activation import gelu_tanh_mul
+        from fitserve.kernels.gemma_moe_norms import gemma_moe_head, gemma_moe_tail
         from fitserve.kernels.norm import gemma_norm_add
 
         eps = self.input_layernorm.eps
         attention = self.self_attn.forward(self.input_layernorm.forward(hidden), rope)
-        normed, residual = gemma_norm_add(
-            attention,
-            hidden,
-            self.post_attention_layernorm.weight,
-            eps,
-            next_weight=self.pre_feedforward_layernorm.weight,
-        )
-        assert normed is not None
         if self.moe:
-            weights, ids = self.router.forward(residual)
-            dense = self.mlp.forward(normed, reduce=False)
-            routed_input = self.pre_feedforward_layernorm_2.forward(residual)
+            residual, dense_input, routed_input, router_input = gemma_moe_head(
+                attention,
+                hidden,
+                self.post_attention_layernorm.weight,
+                self.pre_feedforward_layernorm.weight,
+                self.pre_feedforward_layernorm_2.weight,
+                self.router.norm_weight(),
+                eps,
+            )
+            weights, ids = self.router.route(router_input)
+            dense = self.mlp.forward(dense_input, reduce=False)
             routed = self.experts(routed_input, ids, weights, reduce=False)
             dense, routed = self._reduce_pair(dense, routed)
-            dense = self.post_feedforward_layernorm_1.forward(dense)
-            out = dense + self.post_feedforward_layernorm_2.forward(routed)
+            hidden = gemma_moe_tail(
+                dense,
+                routed.to(dense.dtype),
+                residual,
+                self.post_feedforward_layernorm_1.weight,
+                self.post_feedforward_layernorm_2.weight,
+                self.post_feedforward_layernorm.weight,
+                eps,
+                None if self.per_layer_size else self.layer_scalar,
+            )
         else:
+            normed, residual = gemma_norm_add(
+                attention,
+                hidden,
+                self.post_attention_layernorm.weight,
+                eps,
+                next_weight=self.pre_feedforward_layernorm.weight,
+            )
+            assert normed is not None
             out = self.mlp.forward(normed)
-        scalar = None if self.per_layer_size else self.layer_scalar
-        _, hidden = gemma_norm_add(out, residual, self.post_feedforward_layernorm.weight, eps, scalar)
+            scalar = None if self.per_layer_size else self.layer_scalar
+            _, hidden = gemma_norm_add(out, residual, self.post_feedforward_layernorm.weight, eps, scalar)
         if self.per_layer_size:
             assert per_layer_input is not None
             gate = self.per_layer_input_gate.forward(hidden)

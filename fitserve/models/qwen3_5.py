@@ -22,6 +22,14 @@ Tensor parallel: every layer splits across the ranks (qwen3_5_layers.py says how
 whole checkpoint and keeps its part, and its state pool holds its heads' states only. A
 --tensor-parallel-size that does not divide the attention heads or the DeltaNet key and value heads is
 refused naming them.
+
+Quantized checkpoints (config.json's quantization_config, or --quantization fp8 / bitsandbytes on a 16-bit
+one): a dense model's linears take the format's method (qwen3_5_layers.py), its shapes checked before
+building (quant_config.check_layer_shapes: a group size that does not divide a quantized layer's input is
+refused naming the module); a quantized MoE is refused (qwen3_5_config.refuse_quantized_moe). The
+checkpoint stores in_proj_qkv as one matrix; under tensor parallel a quantized method takes a rank's rows
+one projection at a time, so each of its tensors is first cut into the q, k and v parts
+(layers/quantization/fused_rows.py). k_proj and v_proj load as KvHeadsLinear's one shard.
 """
 
 from __future__ import annotations
@@ -35,20 +43,27 @@ from torch import nn
 
 from fitserve.distributed.parallel_state import tp
 from fitserve.layers.attention.layer import Attention
-from fitserve.layers.linear import ShardId
+from fitserve.layers.linear import PackedColumnLinear, ShardId, UnquantizedLinearMethod
+from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
+from fitserve.layers.quantization.fused_rows import fused_rows_pieces
+from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_format
 from fitserve.layers.tp_shards import rank_rows
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_5_config import delta_net_heads_per_rank, linear_layer_indices
+from fitserve.models.qwen3_5_config import (
+    delta_net_heads_per_rank,
+    linear_layer_indices,
+    refuse_quantized_moe,
+)
 from fitserve.models.qwen3_5_layers import (
+    KV_SHARD,
     GatedDeltaNet,
     PartialRope,
     Qwen3_5DecoderLayer,
     Qwen3_5RMSNorm,
     rope_inv_freq,
 )
-from fitserve.models.unquantized import refuse_quantization
 
 logger = logging.getLogger("fitserve")
 
@@ -57,15 +72,23 @@ MTP_PREFIXES = ("mtp.", "model.mtp.")
 _PACKED: dict[str, tuple[str, ShardId]] = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
+    ".self_attn.k_proj.": (".self_attn.k_proj.", KV_SHARD),
+    ".self_attn.v_proj.": (".self_attn.v_proj.", KV_SHARD),
+}
+# a packed parameter's shard ids, by the packed module's marker
+_SHARDS: dict[str, tuple[ShardId, ...]] = {
+    ".gate_up_proj.": (0, 1),
+    ".k_proj.": (KV_SHARD,),
+    ".v_proj.": (KV_SHARD,),
 }
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, quant: Any = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = make_layers(config.num_hidden_layers, lambda i: Qwen3_5DecoderLayer(config, i))
+        self.layers = make_layers(config.num_hidden_layers, lambda i: Qwen3_5DecoderLayer(config, i, quant))
         self.norm = Qwen3_5RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -86,9 +109,9 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        _refuse_unsupported(config)
+        quant = _checked_format(config)
         self.config = config
-        self.model = Qwen3_5Model(config)
+        self.model = Qwen3_5Model(config, quant)
         tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
@@ -142,11 +165,18 @@ class Qwen3_5ForCausalLM(nn.Module):
                 continue
             if ".mlp.experts." in name and self._load_expert(name, tensor, loads, experts):
                 continue
+            name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             target, shard_id = _map_name(name)
             param = loads.param(name, target)
             if target.endswith(".conv_weight"):
                 tensor = tensor.reshape(tensor.shape[0], -1)  # conv1d.weight [C, 1, K] -> [C, K]
-            loads.load(name, target, tensor, shard_id, (0, 1), param)
+            shards = next((ids for marker, ids in _SHARDS.items() if marker in target), ())
+            fused = self._fused_quantized(target) if shard_id is None else None
+            if fused is None:
+                loads.load(name, target, tensor, shard_id, shards, param)
+                continue
+            for piece_id, piece in fused_rows_pieces(fused, target.rsplit(".", 1)[1], tensor):
+                loads.load(name, target, piece, piece_id, fused.shard_ids, param)
         if skipped["vision"]:
             logger.info(
                 "Skipped %d vision tower tensors: fitserve serves Qwen3.5's text model", skipped["vision"]
@@ -158,6 +188,16 @@ class Qwen3_5ForCausalLM(nn.Module):
                 skipped["mtp"],
             )
         return loads.loaded
+
+    def _fused_quantized(self, target: str) -> PackedColumnLinear | None:
+        """The layer of parameter `target` when it is a quantized packed layer that the checkpoint stores
+        as one matrix (in_proj_qkv) and tensor parallel splits: its tensors load a projection at a time."""
+        if tp().size == 1 or ".in_proj_qkv." not in target:
+            return None
+        layer = self.get_submodule(target.rsplit(".", 1)[0])
+        if isinstance(layer.linear_method, UnquantizedLinearMethod):
+            return None
+        return layer
 
     def _load_expert(
         self, name: str, tensor: torch.Tensor, loads: ParameterLoads, experts: dict[str, set[tuple[int, str]]]
@@ -206,9 +246,16 @@ def _map_name(name: str) -> tuple[str, ShardId | None]:
     return name, None
 
 
-def _refuse_unsupported(config: Any) -> None:
+def _checked_format(config: Any) -> Any:
+    """The checkpoint's quantized format (None: 16-bit), once the model's sizes and the format are known to
+    work: both DeltaNet head counts divide the ranks, the model is not a quantized MoE, and the format's
+    group size fits every quantized layer (each refusal names the values and the fix)."""
     delta_net_heads_per_rank(config, tp().size)  # both DeltaNet head counts must divide (names the sizes)
-    refuse_quantization(config, "Qwen3.5")
+    fmt = quant_format(config)
+    refuse_quantized_moe(config, fmt)
+    if fmt is not None:
+        check_layer_shapes(fmt, config)
+    return fmt
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

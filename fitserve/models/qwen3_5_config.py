@@ -130,3 +130,18 @@ def delta_net_heads_per_rank(config: Any, tensor_parallel_size: int) -> tuple[in
             f"equal share of both; choose --tensor-parallel-size among {working}"
         )
     return key_heads // size, value_heads // size
+
+
+def refuse_quantized_moe(config: Any, fmt: Any) -> None:
+    """ValueError for a quantized Qwen3.5 MoE (Qwen3.6-35B-A3B): the fused experts (layers/moe.py) hold
+    16-bit weights only, and a quantized MoE checkpoint stores its experts quantized (--quantization
+    quantizes them too), so the model cannot be built as it asks; the message says what runs instead."""
+    if fmt is None or not getattr(config, "num_experts", None):
+        return
+    raise ValueError(
+        f"{fmt.describe()} for a Qwen3.5 MoE model ({config.architectures[0]}, {config.num_experts} "
+        "experts): fitserve's fused MoE experts run 16-bit weights only, so a quantized MoE checkpoint, or "
+        "--quantization on a MoE one, cannot load. What runs: this MoE model's bfloat16 checkpoint without "
+        "--quantization, or a quantized dense Qwen3.5/3.6 (e.g. Qwen3.6-27B AWQ / GPTQ / compressed-tensors "
+        "int4, fp8)"
+    )

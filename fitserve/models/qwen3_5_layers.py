@@ -41,6 +41,13 @@ Tensor parallel (rank r of n, as vLLM splits these layers; layers/tp_shards.py):
   shared expert splits like the dense MLP. The routed and the shared partial outputs are summed on each
   rank and all-reduced once per layer.
 Embedding and LM head are vocab-parallel (models/qwen3_5.py).
+
+Quantized checkpoints (dense models; models/qwen3_5.py refuses a quantized MoE): every linear of the
+full layers (q_proj, k_proj, v_proj, o_proj), of the DeltaNet layers (in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a, out_proj) and of the MLP (gate_up_proj fused from gate_proj and up_proj, down_proj) takes the
+format's linear method (layers/quantization/methods.py: int4, fp8 or bitsandbytes 4-bit), or none where the
+checkpoint's ignore list leaves the module in 16 bits (`linear_method_of`). The norms, the conv1d, A_log and
+dt_bias stay in the model dtype, as every Qwen3.5 quantized checkpoint stores them.
 """
 
 from __future__ import annotations
@@ -65,14 +72,17 @@ from fitserve.layers.gated_delta_rule import (
 )
 from fitserve.layers.linear import (
     ColumnParallelLinear,
+    LinearMethod,
     MergedColumnParallelLinear,
     PackedColumnLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    WholeTensor,
     check_loaded_shape,
     default_weight_loader,
 )
 from fitserve.layers.moe import FusedExperts
+from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, rank_rows, split_evenly
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.qwen3_5_config import LINEAR_ATTENTION, delta_net_heads_per_rank
@@ -107,24 +117,60 @@ def rank_parts_loader(parts: tuple[int, ...]) -> Any:
     return load
 
 
-class KvHeadsLinear(ColumnParallelLinear):
-    """k_proj or v_proj of the full layers: `num_kv_heads` heads of head_dim rows, split across the ranks,
-    or each replicated on n / heads ranks when there are fewer heads than ranks (layers/tp_shards.py)."""
+KV_SHARD = "kv"  # KvHeadsLinear's one shard id
 
-    def __init__(self, input_size: int, head_dim: int, num_kv_heads: int, bias: bool) -> None:
+
+class KvHeadsLinear(PackedColumnLinear):
+    """k_proj or v_proj of the full layers: `num_kv_heads` heads of head_dim rows, split across the ranks,
+    or each replicated on n / heads ranks when there are fewer heads than ranks (layers/tp_shards.py).
+
+    A packed layer of one shard, KV_SHARD, whose rows on a rank start at its first head: a quantized
+    method cuts a rank's rows of each checkpoint tensor by the shard's `shard_rank_rows` (tp_split.py), so
+    the checkpoint's tensors load with that shard id (models/qwen3_5.py)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        head_dim: int,
+        num_kv_heads: int,
+        bias: bool,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
         state = tp()
         self.head_dim = head_dim
         self.num_heads = kv_heads_per_rank(num_kv_heads, state.size)
         self.first_head = first_kv_head(num_kv_heads, state.rank, state.size)
-        super().__init__(input_size, num_kv_heads * head_dim, bias)
+        rows = self.num_heads * head_dim
+        super().__init__(
+            input_size,
+            {KV_SHARD: (0, num_kv_heads * head_dim)},
+            bias,
+            linear_method,
+            rank_offsets={KV_SHARD: (0, rows)},
+        )
 
-    def _rank_sizes(self) -> tuple[int, int]:
-        return self.input_size, self.num_heads * self.head_dim
+    def shard_rank_rows(self, shard_id: object) -> tuple[int, int]:
+        return self.first_head * self.head_dim, self.num_heads * self.head_dim
 
-    def rank_part(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return loaded_weight
-        return rank_rows(loaded_weight, 0, self.first_head * self.head_dim, self.num_heads * self.head_dim)
+
+def linear_method_of(
+    quant: Any, config: Any, layer_idx: int, block: str, layer: str, modules: tuple[str, ...]
+) -> LinearMethod | None:
+    """The linear method of `model.layers.<i>.<block>.<layer>` (None: unquantized) for the checkpoint's
+    format `quant`, fused from its linear `modules`. The format's ignore list is matched against both the
+    names the checkpoint gives them (a ConditionalGeneration checkpoint's `model.language_model.layers...`,
+    as its quantization_config lists them) and the names they are read as (`model.layers...`): a module
+    either name leaves out stays unquantized."""
+    if quant is None:
+        return None
+    name = f"model.layers.{layer_idx}.{block}"
+    stored = f"{getattr(config, 'weights_prefix', 'model.')}layers.{layer_idx}.{block}"
+    method = linear_method_for(quant, f"{name}.{layer}", [f"{stored}.{module}" for module in modules])
+    if method is None or stored == name:
+        return method
+    if linear_method_for(quant, f"{name}.{layer}", [f"{name}.{module}" for module in modules]) is None:
+        return None
+    return method
 
 
 def _silu(name: str) -> None:
@@ -194,19 +240,27 @@ def rope_inv_freq(config: Any) -> torch.Tensor:
 
 
 class Qwen3_5Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, quant: Any = None) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(config.attention_bias)
         self.head_dim = int(config.head_dim)
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
         # this rank's heads (all of them at tensor_parallel_size 1)
         self.num_heads = split_evenly(heads, tp().size, "the number of attention heads")
+
+        def method(name: str) -> LinearMethod | None:
+            return linear_method_of(quant, config, layer_idx, "self_attn", name, (name,))
+
         # rows [query | gate] per head, so a split by heads keeps each head's pair on one rank
-        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim * 2, bias=bias)
-        self.k_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias)
-        self.v_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias)
+        self.q_proj = ColumnParallelLinear(
+            hidden, heads * self.head_dim * 2, bias=bias, linear_method=method("q_proj")
+        )
+        self.k_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias, method("k_proj"))
+        self.v_proj = KvHeadsLinear(hidden, self.head_dim, kv_heads, bias, method("v_proj"))
         self.num_kv_heads = self.k_proj.num_heads
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(
+            heads * self.head_dim, hidden, bias=bias, linear_method=method("o_proj")
+        )
         self.q_norm = Qwen3_5RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Qwen3_5RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
@@ -225,7 +279,7 @@ class Qwen3_5Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, quant: Any = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
@@ -248,21 +302,47 @@ class GatedDeltaNet(nn.Module):
         # the checkpoint's one [q | k | v] matrix: each part split by heads (PackedColumnLinear's shard
         # None path), so a rank's rows are [its q | its k | its v]
         offsets = {"q": (0, whole_key), "k": (whole_key, whole_key), "v": (2 * whole_key, whole_value)}
-        self.in_proj_qkv = PackedColumnLinear(hidden, offsets, bias=False)
-        self.in_proj_z = ColumnParallelLinear(hidden, whole_value, bias=False)
-        self.in_proj_b = ColumnParallelLinear(hidden, value_heads, bias=False)
-        self.in_proj_a = ColumnParallelLinear(hidden, value_heads, bias=False)
+
+        def method(name: str) -> LinearMethod | None:
+            return linear_method_of(quant, config, layer_idx, "linear_attn", name, (name,))
+
+        self.in_proj_qkv = PackedColumnLinear(
+            hidden, offsets, bias=False, linear_method=method("in_proj_qkv")
+        )
+        self.in_proj_z = ColumnParallelLinear(
+            hidden, whole_value, bias=False, linear_method=method("in_proj_z")
+        )
+        self.in_proj_b = ColumnParallelLinear(
+            hidden, value_heads, bias=False, linear_method=method("in_proj_b")
+        )
+        self.in_proj_a = ColumnParallelLinear(
+            hidden, value_heads, bias=False, linear_method=method("in_proj_a")
+        )
         # the checkpoint's conv1d.weight [conv_dim, 1, K] is kept as [conv_dim, K] (load_weights squeezes it)
         self.conv_weight = _parameter((self.conv_dim, self.conv_width), 0.0, rank_parts_loader(qkv_parts))
+        self.whole_conv_dim = sum(qkv_parts)
         self.A_log = _parameter((self.num_v_heads,), 0.0, rank_parts_loader((value_heads,)))
         self.dt_bias = _parameter((self.num_v_heads,), 1.0, rank_parts_loader((value_heads,)))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(whole_value, hidden, bias=False)
+        self.out_proj = RowParallelLinear(whole_value, hidden, bias=False, linear_method=method("out_proj"))
         # set by the model once the pool exists (worker/recurrent_state.py): this layer's state tensors of
         # this rank's heads, conv [slots, conv_dim, K - 1] and recurrent [slots, value heads, k_dim, v_dim]
         # float32
         self.conv_states: torch.Tensor | None = None
         self.recurrent_states: torch.Tensor | None = None
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """The conv1d weight's whole [q | k | v channels, K] (as load_weights hands it to its loader), for
+        dummy weights (models/weights.py); its projections are linear layers that name their own."""
+        weight = self.conv_weight
+        shape = (self.whole_conv_dim, self.conv_width)
+
+        def load(whole: torch.Tensor) -> None:
+            weight.weight_loader(weight, whole)  # type: ignore[attr-defined]
+
+        return [
+            WholeTensor(weight, "conv_weight", shape, load, weight if tuple(weight.shape) == shape else None)
+        ]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -379,10 +459,20 @@ class GatedDeltaNet(nn.Module):
 
 
 class Qwen3_5MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        gate_up_method: LinearMethod | None = None,
+        down_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, linear_method=gate_up_method
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, linear_method=down_method
+        )
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, hidden]: the MLP's output (reduce=True), or this rank's partial sum of it (reduce=False:
@@ -422,19 +512,26 @@ class Qwen3_5SparseMoeBlock(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, quant: Any = None) -> None:
+        """quant: the checkpoint's quantized format (layers/quantization/quant_config.quant_format) or
+        None; a MoE layer takes none (models/qwen3_5.py refuses a quantized MoE before building)."""
         super().__init__()
         _silu(str(getattr(config, "hidden_act", "silu")))
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_linear = config.layer_types[layer_idx] == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config, layer_idx)
+            self.linear_attn = GatedDeltaNet(config, layer_idx, quant)
         else:
-            self.self_attn = Qwen3_5Attention(config, layer_idx)
+            self.self_attn = Qwen3_5Attention(config, layer_idx, quant)
         if getattr(config, "num_experts", None):
             self.mlp: nn.Module = Qwen3_5SparseMoeBlock(config)
         else:
-            self.mlp = Qwen3_5MLP(hidden, int(config.intermediate_size))
+            self.mlp = Qwen3_5MLP(
+                hidden,
+                int(config.intermediate_size),
+                linear_method_of(quant, config, layer_idx, "mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+                linear_method_of(quant, config, layer_idx, "mlp", "down_proj", ("down_proj",)),
+            )
         self.input_layernorm = Qwen3_5RMSNorm(hidden, eps)
         self.post_attention_layernorm = Qwen3_5RMSNorm(hidden, eps)
 

@@ -11,6 +11,7 @@ A checkpoint may carry each layer's KV cache scales (`...layers.N.self_attn.k_sc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fitserve.layers.linear import WholeTensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -117,41 +120,76 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:
-    """Fills every floating-point parameter in place, reproducibly for a given seed and device.
+    """Fills every floating-point parameter in place, reproducibly for a given seed and device, with the
+    same model at every tensor-parallel size: each rank holds its own part of it.
 
-    Matrices (ndim >= 2) ~ N(0, DUMMY_STD); 1-D `*weight` (norm scales) = 1; 1-D `*bias` = 0. Matrices are
-    drawn on `device` (default: each parameter's own) and copied to a parameter that lives elsewhere, so
-    the layers --cpu-offload-gb keeps in CPU memory get the values they would have on the GPU.
+    Matrices (ndim >= 2) ~ N(0, DUMMY_STD); 1-D `*weight` (norm scales) = 1; 1-D `*bias` = 0. A matrix is
+    defined by its whole tensor as a checkpoint would hold it: the module's `whole_tensors()`
+    (layers/linear.WholeTensor: a packed layer's shards, the vocabulary's rows, one expert's tensors)
+    names them, each is drawn from a generator seeded by `seed` and its name (not by parameter order, nor
+    by the TP size), and the module's own loading logic cuts this rank's part of it: a split matrix's
+    ranks hold different values, a replicated one (no `whole_tensors`) the same. One whole tensor at a
+    time is drawn, on `device` (default: each parameter's own), and freed before the next; where this
+    rank holds all of it on that device, it is drawn in place. A parameter that lives elsewhere gets a
+    copy, so the layers --cpu-offload-gb keeps in CPU memory get the values they would have on the GPU.
 
     A layer whose linear method has `initialize_dummy` (an int4 checkpoint's layers,
     layers/quantization/int4_method.py) gets a random weight in its own form first, one layer at a time,
     made runnable as a loaded one is; its remaining floating-point parameters (a bias) follow the rules above.
     """
     draw_device = None if device is None else _indexed(torch.device(device))
-    generators: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         initialize = getattr(getattr(module, "linear_method", None), "initialize_dummy", None)
         if initialize is not None:
             initialize(module, seed, DUMMY_STD, draw_device)
+    drawn: set[int] = set()  # ids of the parameters whole tensors filled
+    on_cuda = False
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not param.is_floating_point():
+        for prefix, module in model.named_modules():
+            whole_tensors = getattr(module, "whole_tensors", None)
+            if whole_tensors is None:
                 continue
-            if param.ndim >= 2:
+            for whole in whole_tensors():
+                on = draw_device or whole.param.device
+                _draw_whole(whole, f"{prefix}.{whole.key}" if prefix else whole.key, seed, on)
+                drawn.add(id(whole.param))
+                on_cuda = on_cuda or on.type == "cuda"
+        for name, param in model.named_parameters():
+            if not param.is_floating_point() or id(param) in drawn:
+                continue
+            if param.ndim >= 2:  # replicated: every rank holds it whole
                 on = draw_device or param.device
-                generator = generators.get(on)
-                if generator is None:
-                    generator = torch.Generator(device=on).manual_seed(seed)
-                    generators[on] = generator
+                generator = torch.Generator(device=on).manual_seed(dummy_seed(seed, name))
                 if param.device == on:
                     param.normal_(0.0, DUMMY_STD, generator=generator)
                 else:
-                    drawn = torch.empty(param.shape, dtype=param.dtype, device=on)
-                    param.copy_(drawn.normal_(0.0, DUMMY_STD, generator=generator))
+                    drawn_tensor = torch.empty(param.shape, dtype=param.dtype, device=on)
+                    param.copy_(drawn_tensor.normal_(0.0, DUMMY_STD, generator=generator))
+                on_cuda = on_cuda or on.type == "cuda"
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 param.fill_(1.0)
+    if on_cuda:  # the whole tensors' blocks (an embedding's GBs) back to the device before it is profiled
+        torch.cuda.empty_cache()
+
+
+def dummy_seed(seed: int, name: str) -> int:
+    """The generator seed of the dummy tensor `name` (a parameter's name, with its shard or expert): the
+    same on every rank and at every TP size, different for every tensor."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes up to 2^63 - 1
+
+
+def _draw_whole(whole: WholeTensor, name: str, seed: int, on: torch.device) -> None:
+    """Draws the whole tensor on `on` and puts this rank's part of it in its parameter."""
+    generator = torch.Generator(device=on).manual_seed(dummy_seed(seed, name))
+    into = whole.into
+    if into is not None and into.device == on and into.is_contiguous():
+        into.normal_(0.0, DUMMY_STD, generator=generator)
+        return
+    tensor = torch.empty(whole.shape, dtype=whole.param.dtype, device=on)
+    whole.load(tensor.normal_(0.0, DUMMY_STD, generator=generator))
 
 
 def take_kv_scales(

@@ -15,6 +15,7 @@ from pathlib import Path
 from fitserve.capture_sizes import decode_capture_sizes
 from fitserve.config import EngineConfig
 from fitserve.kv_layers import cuda_graphs_unsupported
+from fitserve.planner.draft_plan import with_draft
 from fitserve.planner.formats import canonical_dtype
 from fitserve.planner.hardware import DeviceSpec, gpu_device_spec
 
@@ -40,7 +41,7 @@ def inputs_from_engine_config(
     sizes: tuple[int, ...] = ()
     if on_gpu and not compilation.enforce_eager and not cuda_graphs_unsupported(shape.model_type):
         sizes = decode_capture_sizes(compilation.cudagraph_capture_sizes, config.scheduler.max_num_seqs)
-    return MemoryInputs(
+    inputs = MemoryInputs(
         shape=shape,
         weights=weights,
         device=device,
@@ -59,3 +60,4 @@ def inputs_from_engine_config(
         cpu_kv_cache_space_gib=config.cache.cpu_kv_cache_space_gib,
         mamba_cache_mode=config.model.mamba_cache_mode if config.cache.enable_prefix_caching else "none",
     )
+    return with_draft(inputs, config.speculative, model.trust_remote_code, model.load_format)

@@ -17,6 +17,7 @@ from fitserve.args import EngineArgs
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, Choice
 from fitserve.cpu_kv_cache import FULL_LENGTH_REQUESTS, RAM_FRACTION
 from fitserve.kv_layers import cuda_graphs_unsupported
+from fitserve.planner.draft_plan import with_draft
 from fitserve.planner.fit_errors import (
     PlanError,
     check_block_size,
@@ -246,6 +247,8 @@ def _fit_at(
         cpu_kv_cache_space_gib=None if args.cpu_kv_cache_space is None else float(args.cpu_kv_cache_space),
         mamba_cache_mode=resolve_mamba_cache_mode(args, model.shape),
     )
+    # a draft model (speculative decoding) shares the device: its weights and KV per token are counted
+    inputs = with_draft(inputs, args.speculative_config, args.trust_remote_code, args.load_format)
     headroom = Headroom(
         max_utilization=min(d.free_bytes / d.total_bytes for d in used) if on_gpu else 1.0,
         num_gpus=len(devices) if on_gpu else 0,

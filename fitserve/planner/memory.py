@@ -48,6 +48,16 @@ SAMPLER_FP32_COPIES = 4
 
 
 @dataclass(frozen=True)
+class DraftFootprint:
+    """A draft model of speculative decoding (method draft_model) on the target's device: its weights,
+    and its keys and values per token, held beside the target's in a pool of as many blocks."""
+
+    name: str
+    weight_bytes: int
+    kv_elements_per_token: int
+
+
+@dataclass(frozen=True)
 class MemoryInputs:
     """Everything the plan depends on; the settings are resolved (no "auto" except kv_cache_dtype)."""
 
@@ -69,6 +79,7 @@ class MemoryInputs:
     cpu_kv_cache_space_gib: float | None = None  # None: sized by fitserve/cpu_kv_cache.py's rule
     # --mamba-cache-mode as resolved ("none" without prefix caching): a hybrid's state snapshots
     mamba_cache_mode: str = "none"
+    draft: DraftFootprint | None = None  # --speculative-config method draft_model
 
     @property
     def on_gpu(self) -> bool:
@@ -159,8 +170,9 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
     _check_inputs(inputs)
     on_disk = weight_bytes_per_gpu(inputs)
     offload, offload_note = offload_split(inputs)
+    draft_weights = inputs.draft.weight_bytes if inputs.draft is not None else 0
     estimated = MemoryTerms(
-        weights=on_disk - offload.gpu_bytes_saved,
+        weights=on_disk - offload.gpu_bytes_saved + draft_weights,
         activation=activation_peak_bytes(inputs),
         cuda_graphs=cuda_graph_bytes(inputs),
         runtime_overhead=runtime_overhead_bytes(inputs),
@@ -366,9 +378,35 @@ def kv_bytes_per_token(inputs: MemoryInputs) -> int:
     (fitserve/kv_groups.py), so a pool of N tokens holds N / max_model_len full-length requests."""
     groups = kv_groups(inputs)
     if not groups:
-        return kv_bytes_per_context_token(inputs)
+        return kv_bytes_per_context_token(inputs) + draft_kv_bytes_per_token(inputs)
     element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
-    return elements_per_request_token(groups, inputs.max_model_len, inputs.block_size) * element
+    target = elements_per_request_token(groups, inputs.max_model_len, inputs.block_size) * element
+    return target + draft_kv_bytes_per_token(inputs)
+
+
+def draft_kv_bytes_per_token(inputs: MemoryInputs) -> int:
+    """A draft model's keys and values per token (its pool has as many blocks as the target's); 0 without."""
+    if inputs.draft is None:
+        return 0
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
+    return inputs.draft.kv_elements_per_token * element
+
+
+def draft_footprint(
+    inputs: MemoryInputs, name: str, shape: ModelShape, weights: WeightInventory, quantization: str | None
+) -> DraftFootprint:
+    """The draft model `name` of these shapes and weights, on the target's device and dtype (one device:
+    the draft is not split across tensor-parallel ranks)."""
+    alone = replace(
+        inputs,
+        shape=shape,
+        weights=weights,
+        quantization=quantization,
+        tensor_parallel_size=1,
+        cpu_offload_gb=0.0,
+        draft=None,
+    )
+    return DraftFootprint(name, weight_bytes_total(alone), shape.kv_elements_per_token(1))
 
 
 def forward_activation_bytes(inputs: MemoryInputs, num_tokens: int) -> int:

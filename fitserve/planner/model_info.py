@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fitserve.planner.model_shape import ModelShape, ParamCounts
 from fitserve.planner.weights import (
+    SAFETENSORS_INDEX,
     WeightInventory,
     inventory_from_config,
     inventory_from_folder,
@@ -99,9 +100,15 @@ def weights_inventory(folder: Path, shape: ModelShape, hf_config: Any, dummy: bo
     if dummy:
         source = "config.json shapes (--load-format dummy)"
         weights = _config_inventory(shape, hf_config, quant, source, fmt)
+    elif not _holds_weight_files(folder):  # a config to plan (examples/models): as its checkpoint stores it
+        weights = _config_inventory(shape, hf_config, quant, "config.json shapes (no weight files)", fmt)
     else:
         weights = inventory_from_folder(folder, shape, quant)
     return _with_gpu_form(weights, fmt, hf_config)
+
+
+def _holds_weight_files(folder: Path) -> bool:
+    return (folder / SAFETENSORS_INDEX).is_file() or any(folder.glob("*.safetensors"))
 
 
 def _quantized_format(hf_config: Any) -> Any:

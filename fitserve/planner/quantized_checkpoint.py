@@ -7,7 +7,10 @@ from __future__ import annotations
 import logging
 
 from fitserve.layers.quantization.quant_config import Int4Format, check_layer_shapes, int4_format
+from fitserve.models.gemma4_config import refuse_quantized_experts
+from fitserve.models.qwen3_5_config import refuse_quantized_moe
 from fitserve.planner.bnb_headers import check_bnb_checkpoint
+from fitserve.planner.gemma4_shape import is_gemma4
 from fitserve.planner.model_info import ModelInfo
 
 logger = logging.getLogger("fitserve")
@@ -19,6 +22,10 @@ def check_quantized_checkpoint(model: ModelInfo, quantization: str | None) -> In
     fmt = int4_format(model.hf_config, quantization)
     if fmt is None:
         return None
+    if is_gemma4(model.hf_config):  # its MoE runs when the ignore list keeps the experts 16-bit
+        refuse_quantized_experts(model.hf_config, fmt)
+    else:
+        refuse_quantized_moe(model.hf_config, fmt)  # a Qwen3.5 MoE's experts hold 16-bit weights only
     check_layer_shapes(fmt, model.hf_config)
     if getattr(fmt, "prequantized", False) and model.resolved is not None and model.weights.file_bytes:
         check_bnb_checkpoint(fmt, model.resolved.model_path, model.hf_config)  # bitsandbytes: its headers

@@ -8,7 +8,13 @@ from fitserve.kv_layers import describe_kv_layers
 from fitserve.planner.fit import FitResult
 from fitserve.planner.formats import format_capability, kv_cache_bytes_per_element
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryPlan, cpu_kept_forms, kv_bytes_per_context_token, kv_groups
+from fitserve.planner.memory import (
+    MemoryPlan,
+    cpu_kept_forms,
+    draft_kv_bytes_per_token,
+    kv_bytes_per_context_token,
+    kv_groups,
+)
 
 _SETTING_WIDTH = 24
 _MEMORY_LABEL_WIDTH = 62
@@ -51,6 +57,15 @@ def plan_json(result: FitResult) -> dict[str, Any]:
         # (sliding-window groups count only their window's blocks: fitserve/kv_groups.py)
         "kv_bytes_per_token": kv_bytes_per_context_token(plan.inputs),
         "kv_bytes_per_request_token": plan.kv_bytes_per_token,
+        # speculative decoding's draft model (its weights are in weights_gib_per_gpu, its KV per token
+        # in kv_bytes_per_request_token); None without one
+        "draft_model": None
+        if plan.inputs.draft is None
+        else {
+            "name": plan.inputs.draft.name,
+            "weights_gib": round(plan.inputs.draft.weight_bytes / GiB, 3),
+            "kv_bytes_per_token": draft_kv_bytes_per_token(plan.inputs),
+        },
         "kv_groups": [
             {
                 "sliding_window": group.sliding_window,
@@ -99,14 +114,23 @@ def resolved_settings(plan: MemoryPlan) -> dict[str, Any]:
     }
 
 
+def _parameters(model: Any) -> str:
+    """The model's parameter count; for a quantized checkpoint, whose inventory counts its 16-bit tensors
+    only, the whole count from its shape and how many of them are quantized."""
+    loaded = model.weights.total_params
+    whole = model.shape.parameter_counts().total
+    if model.weights.stored_bytes and whole > loaded:
+        return f"{whole / 1e9:.2f} B parameters ({(whole - loaded) / 1e9:.2f} B quantized)"
+    return f"{loaded / 1e9:.2f} B parameters"
+
+
 def plan_text(result: FitResult) -> str:
     plan, model = result.plan, result.model
     inputs = plan.inputs
     lines = [
         f"Plan for {model.name or model.source}",
         f"  model    {model.shape.architecture or model.shape.model_type}, "
-        f"{model.weights.total_params / 1e9:.2f} B parameters{_active(model.shape)}, "
-        f"context {model.max_model_len:,} tokens",
+        f"{_parameters(model)}{_active(model.shape)}, context {model.max_model_len:,} tokens",
         f"  sizes    from {model.weights.source}",
         *_towers_line(model.shape),
         f"  devices  {_devices_line(result)}",
@@ -176,6 +200,8 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
     kept += ["fp16 head"] if forms.fp16_head else []  # beside the float32 one
     if kept:
         weights += f"; {', '.join(kept)}"
+    if inputs.draft is not None:  # speculative decoding's draft model, on the same device
+        weights += f"; draft {_short_name(inputs.draft.name)} {inputs.draft.weight_bytes / GiB:.2f} GiB"
     sizes = inputs.cudagraph_capture_sizes
     graphs = (
         f"CUDA graphs ({len(sizes)} sizes, {min(sizes)}-{max(sizes)})"
@@ -214,6 +240,11 @@ def recurrent_state_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
     return rows
 
 
+def _short_name(name: str) -> str:
+    """A model's folder or hub id as a table names it: the last part (a folder's own name)."""
+    return name.rstrip("/").rsplit("/", 1)[-1] or name
+
+
 def _active(shape: Any) -> str:
     return f" ({shape.active_params / 1e9:.2f} B active per token)" if shape.active_params else ""
 
@@ -237,6 +268,11 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
     else:
         formula = (
             f"2 (K, V) x {shape.num_layers} layers x {heads} KV heads x {shape.head_dim} x {element} bytes"
+        )
+    if inputs.draft is not None:
+        formula += (
+            f", + the draft model's {draft_kv_bytes_per_token(inputs) / 1024:g} KiB "
+            f"({_short_name(inputs.draft.name)}, a pool of as many blocks)"
         )
     if inputs.tensor_parallel_size > 1:
         # each rank keeps every token's K and V for its share of the KV heads

@@ -20,7 +20,6 @@ file, from the matrix types its cache record (fitserve_cache_entry.json) counts 
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import struct
@@ -59,8 +58,6 @@ INT4_GGUF_TYPES = frozenset({"Q4_0", "Q4_1"})
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / 32
 # One of those types in a GGUF file's name: "SmolLM2-135M-Instruct.Q4_1.gguf" -> Q4_1 (not Q4_K_M).
 _INT4_TYPE_IN_NAME = re.compile(r"(?<![A-Za-z0-9])Q4_[01](?![A-Za-z0-9])", re.IGNORECASE)
-# What fitserve's C int4 kernel needs (layers/cpu/c_kernels/int4_gemm.c is built with -march=native).
-_C_KERNEL_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 
 
 @dataclass(frozen=True)
@@ -173,22 +170,11 @@ def forms_kept_on_this_host(int4_params: int, fp16_head: bool, gguf_type: str) -
 
 def c_int4_kernel_expected() -> bool:
     """Whether fitserve's C int4 kernel should build here (layers/cpu/c_kernels/library.py decides by
-    building it; the plan goes by the switch, the machine, a compiler and the CPU's flags)."""
-    from fitserve.layers.cpu.c_kernels.library import build_blocker, kernels_enabled
+    building it; the plan goes by the switch, the machine, a compiler and the CPU's flags: an AVX2, AVX-VNNI
+    or AVX-512 kernel set)."""
+    from fitserve.layers.cpu.c_kernels.library import expected_set
 
-    return kernels_enabled() and build_blocker() is None and _cpu_flags() >= _C_KERNEL_CPU_FLAGS
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return expected_set() is not None
 
 
 def int4_row_block() -> int:

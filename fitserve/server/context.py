@@ -252,7 +252,13 @@ class ServingContext:
         except ValueError as exc:
             raise APIError(str(exc), param=_field_named_in(str(exc), values)) from exc
         if structured is not None:
-            check_structured_outputs(structured, _structured_field(request, tool_structured))
+            check_structured_outputs(
+                structured,
+                _structured_field(request, tool_structured),
+                max_tokens=max_tokens,
+                tokenizer=self.tokenizer,
+                **_output_limit_wording(request, max_tokens),
+            )
         return params
 
     async def add_request(
@@ -439,13 +445,39 @@ def _structured_field(request: SamplingRequest, tool_structured: dict[str, Any] 
     return next((name for name in GUIDED_FIELDS if getattr(request, name) is not None), "structured_outputs")
 
 
-def check_structured_outputs(structured: StructuredOutputsParams, field_name: str) -> None:
+def check_structured_outputs(
+    structured: StructuredOutputsParams,
+    field_name: str,
+    max_tokens: int | None = None,
+    tokenizer: Any = None,
+    limit: str | None = None,
+    fix: str | None = None,
+) -> None:
     """Builds the request's grammar once (no decoding): an invalid schema, regex or grammar, or a schema
-    feature the backend cannot enforce, is a 400 naming the reason."""
+    feature the backend cannot enforce, is a 400 naming the reason; so is a grammar whose every complete
+    output takes more than max_tokens tokens (with the tokenizer; fitserve/structured/min_tokens.py)."""
     try:
-        validate_structured(structured)
+        validate_structured(structured, max_tokens, tokenizer, limit, fix)
     except ValueError as exc:
         raise APIError(f"{field_name}: {exc}", param=field_name) from None
+
+
+def _output_limit_wording(request: SamplingRequest, max_tokens: int) -> dict[str, str | None]:
+    """How a too-small output limit is named: the field the request set (chat's max_completion_tokens or
+    max_tokens), or, when it set none, what the context and the model's default leave."""
+    if getattr(request, "max_completion_tokens", None) is not None:
+        return {
+            "limit": f"max_completion_tokens is {max_tokens}",
+            "fix": "raise max_completion_tokens to at least {needed}",
+        }
+    if getattr(request, "max_tokens", None) is not None:
+        return {"limit": None, "fix": None}
+    return {
+        "limit": f"max_tokens is not set, which leaves this request {max_tokens} tokens (what the context "
+        "holds after the prompt, or the model's default limit)",
+        "fix": "set max_tokens to at least {needed}, shortening the prompt or raising --max-model-len if the "
+        "context leaves less",
+    }
 
 
 # Sampling fields beam search does not use, with the value that means "off" (vLLM ignores them there; a

@@ -2,9 +2,13 @@
 `LLM(speculative_config=...)`), checked once into a frozen `SpeculativeConfig`.
 
 Keys: `method`, `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max` (ngram), `model`,
-`draft_tensor_parallel_size`, `disable_by_batch_size`. Methods fitserve runs: `ngram` (prompt lookup) and,
-for benchmarks only, `oracle` (drafts the tokens a first pass produced, fitserve/spec_decode/oracle.py).
-`draft_model`, `eagle` / `eagle3`, `mtp` and `suffix` are vLLM's other methods: refused with what runs.
+`draft_tensor_parallel_size`, `revision`, `quantization`, `max_model_len` (draft_model),
+`disable_by_batch_size`. Methods fitserve runs: `ngram` (prompt lookup), `draft_model` (a smaller model of
+the same vocabulary, fitserve/spec_decode/draft_model.py; also `model` given without `method`), `eagle3`
+(an EAGLE-3 draft head in its released checkpoint format reading the target's hidden states,
+fitserve/spec_decode/eagle3.py) and, for benchmarks only, `oracle` (drafts the tokens a first pass
+produced, fitserve/spec_decode/oracle.py). `eagle` (EAGLE-1), `mtp` and `suffix` are vLLM's other methods:
+refused with what runs.
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ from typing import Any
 # What each method needs, and the most draft tokens one step verifies (a verify step computes
 # batch x (k + 1) tokens; past 15 a miss wastes more than any acceptance saves).
 MAX_SPECULATIVE_TOKENS = 15
-RUNS = ("ngram", "oracle")
+RUNS = ("ngram", "draft_model", "eagle3", "oracle")
+# methods that load a second checkpoint named by "model"
+WITH_MODEL = ("draft_model", "eagle3")
 NOT_BUILT = {
-    "draft_model": "a draft model",
-    "eagle": "EAGLE draft heads",
-    "eagle3": "EAGLE-3 draft heads",
+    "eagle": "EAGLE-1 draft heads (fitserve runs EAGLE-3 heads: method eagle3)",
     "mtp": "the checkpoint's MTP layers",
     "deepseek_mtp": "the checkpoint's MTP layers",
     "qwen3_next_mtp": "the checkpoint's MTP layers",
@@ -52,6 +56,14 @@ class SpeculativeConfig:
     # No drafts for a step with more running requests than this (vLLM's key); None: fitserve's own
     # rule (fitserve/spec_decode/speculator.py) decides from the batch and the acceptance.
     disable_by_batch_size: int | None = None
+    # draft_model: the draft's folder or hub id, its revision and --quantization, its own context limit
+    # (None: its config's), and vLLM's draft_tensor_parallel_size (1 or the target's, which is 1: the
+    # draft runs on the target's one device)
+    model: str | None = None
+    revision: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def describe(self) -> str:
         if self.method == "ngram":
@@ -59,6 +71,10 @@ class SpeculativeConfig:
                 f"ngram, {self.num_speculative_tokens} draft tokens, prompt lookup "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max} tokens"
             )
+        if self.method == "draft_model":
+            return f"draft_model {self.model}, {self.num_speculative_tokens} draft tokens (greedy drafts)"
+        if self.method == "eagle3":
+            return f"eagle3 head {self.model}, {self.num_speculative_tokens} draft tokens (greedy drafts)"
         return f"{self.method}, {self.num_speculative_tokens} draft tokens"
 
 
@@ -96,17 +112,18 @@ def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | 
         method = "ngram"
     if method is None:
         raise ValueError(
-            '--speculative-config has no method: set "method" to ngram (prompt lookup), e.g. '
-            '\'{"method": "ngram", "num_speculative_tokens": 3}\''
+            '--speculative-config has no method: set "method" to ngram (prompt lookup) or draft_model '
+            '(with "model"), e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\''
         )
     if method in NOT_BUILT:
         raise ValueError(
             f"--speculative-config method {method!r} (speculation with {NOT_BUILT[method]}) is not built in "
-            f"fitserve yet: use method ngram (prompt lookup, no second model), or drop --speculative-config"
+            f"fitserve yet: use method ngram (prompt lookup, no second model), draft_model (a smaller "
+            f"model of the same vocabulary) or eagle3 (an EAGLE-3 head), or drop --speculative-config"
         )
     if method not in RUNS:
         raise ValueError(
-            f"--speculative-config method {method!r} is unknown: fitserve runs {', '.join(RUNS[:1])} "
+            f"--speculative-config method {method!r} is unknown: fitserve runs {', '.join(RUNS[:3])} "
             f"(vLLM's other methods: {', '.join(NOT_BUILT)})"
         )
     k = _positive_int(raw, "num_speculative_tokens")
@@ -132,13 +149,42 @@ def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | 
             f"--speculative-config prompt_lookup_min {lookup_min} is above prompt_lookup_max {lookup_max}: "
             "the lookup tries the longest match first, from prompt_lookup_max down to prompt_lookup_min"
         )
+    draft = _draft_keys(raw, method)
     return SpeculativeConfig(
         method=method,
         num_speculative_tokens=k,
         prompt_lookup_min=lookup_min,
         prompt_lookup_max=lookup_max,
         disable_by_batch_size=_positive_int(raw, "disable_by_batch_size"),
+        **draft,
     )
+
+
+def _draft_keys(raw: dict[str, Any], method: str) -> dict[str, Any]:
+    """draft_model's and eagle3's keys, checked: a model is required, draft_tensor_parallel_size is 1 (or
+    the target's size, checked by the engine against it: the draft runs on one device either way)."""
+    if method not in WITH_MODEL:
+        return {}
+    model = raw.get("model")
+    if method == "eagle3" and (not isinstance(model, str) or not model.strip()):
+        raise ValueError(
+            f'--speculative-config method eagle3 needs "model" (is {model!r}): the EAGLE-3 head\'s folder or '
+            'hub id, trained for this target, e.g. \'{"method": "eagle3", "model": '
+            '"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}\''
+        )
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(
+            f'--speculative-config method draft_model needs "model" (is {model!r}): the draft model\'s '
+            'folder or hub id, a smaller model of the same vocabulary, e.g. \'{"method": "draft_model", '
+            '"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_speculative_tokens": 3}\''
+        )
+    return {
+        "model": model,
+        "revision": raw.get("revision"),
+        "quantization": raw.get("quantization"),
+        "max_model_len": _positive_int(raw, "max_model_len"),
+        "draft_tensor_parallel_size": _positive_int(raw, "draft_tensor_parallel_size"),
+    }
 
 
 def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int, recurrent_layers: int) -> None:

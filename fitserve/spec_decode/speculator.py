@@ -1,9 +1,9 @@
 """Decides, step by step, whether to speculate, and drafts tokens for the running requests.
 
-Drafts are deterministic (prompt lookup, the oracle): a point-mass proposal, for which rejection
-sampling's rule (accept draft d with probability min(1, p(d) / q(d)), else draw from the residual)
-becomes: draw the target's own token at each position and accept the draft while the draw equals it.
-The output is then distributed exactly as without speculation, at any temperature
+Drafts are deterministic (prompt lookup, a draft model's greedy tokens, the oracle): a point-mass
+proposal, for which rejection sampling's rule (accept draft d with probability min(1, p(d) / q(d)), else
+draw from the residual) becomes: draw the target's own token at each position and accept the draft while
+the draw equals it. The output is then distributed exactly as without speculation, at any temperature
 (fitserve/spec_decode/verify.py).
 
 A speculative step needs the last step's tokens on the host (the drafts continue them), so it gives up
@@ -24,6 +24,7 @@ the asynchronous scheduler's overlap; and it computes batch x (k + 1) tokens. So
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,8 @@ from fitserve.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from fitserve.core.request import Request
+    from fitserve.core.scheduler import SchedulerOutput
+    from fitserve.spec_decode.draft_model import DraftModel
 
 MAX_VERIFY_TOKENS = 256
 WINDOW_STEPS = 4
@@ -57,9 +60,13 @@ class NgramProposer:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
+        """`draft`: the loaded draft model of method draft_model (fitserve/spec_decode/draft_model.py) or
+        the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3.py, a DraftModel), which drafts
+        for all the step's requests at once."""
         self.config = config
         self.k = config.num_speculative_tokens
+        self.draft = draft
         self.proposer: NgramProposer | OracleProposer = (
             OracleProposer(self.k) if config.method == "oracle" else NgramProposer(config)
         )
@@ -91,6 +98,7 @@ class Speculator:
         outputs) only the drafts its grammar accepts in a row (the verify rows are masked by the grammar
         after the drafts before each: worker/model_runner.py)."""
         drafted = 0
+        decoding = []
         for request in running:
             request.spec_token_ids = []
             if request.num_output_placeholders or request.num_computed_tokens != request.num_tokens - 1:
@@ -98,7 +106,13 @@ class Speculator:
             grammar = request.grammar
             if grammar is not None and grammar.is_terminated:
                 continue
-            drafts = self.proposer.propose(request)
+            decoding.append(request)
+        if self.draft is not None:  # one batched draft for all of them
+            proposals = self.draft.propose(decoding, {r.request_id for r in running})
+        else:
+            proposals = [self.proposer.propose(request) for request in decoding]
+        for request, drafts in zip(decoding, proposals):
+            grammar = request.grammar
             if drafts and grammar is not None:
                 drafts = drafts[: grammar.valid_prefix_len(drafts)]
             if drafts:
@@ -107,6 +121,19 @@ class Speculator:
         if not drafted:
             self._judge(0, len(running))
         return drafted
+
+    def after_launch(self, scheduler_output: SchedulerOutput) -> None:
+        """A target step was queued: an EAGLE-3 head keeps its hidden states (fitserve/spec_decode/
+        eagle3.py); nothing for the other methods."""
+        keep = getattr(self.draft, "after_launch", None)
+        if keep is not None:
+            keep(scheduler_output)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: a draft model gives their draft state back now (a preempted request's goes
+        at its next draft)."""
+        if self.draft is not None:
+            self.draft.release(request_ids)
 
     def record_step(self, results: list[tuple[int, int]], num_requests: int) -> None:
         """A verified step: (drafts checked, drafts accepted) per drafted request, over `num_requests`

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fitserve.structured import lark
+from fitserve.structured import lark, min_tokens
 from fitserve.structured.params import GrammarSpec, StructuredOutputsParams
 
 # JSON may hold this many whitespace characters between two tokens of its syntax (indentation up to
@@ -102,11 +102,23 @@ def _json_format(spec: GrammarSpec) -> dict[str, Any]:
     return {"any_whitespace": False, "separators": (", ", ": "), "strict_mode": True}
 
 
-def validate(params: StructuredOutputsParams) -> GrammarSpec:
+def validate(
+    params: StructuredOutputsParams,
+    max_tokens: int | None = None,
+    tokenizer: Any = None,
+    limit: str | None = None,
+    fix: str | None = None,
+) -> GrammarSpec:
     """The request's spec after building its grammar once (no tokenizer needed): every error a bad
-    schema, regex or grammar can raise is raised here, as ValueError."""
+    schema, regex or grammar can raise is raised here, as ValueError. With max_tokens and the tokenizer,
+    a grammar none of whose outputs fits in max_tokens is a ValueError too (min_tokens.check_max_tokens;
+    limit / fix: its wording when the limit is not the request's own max_tokens)."""
     spec = params.to_spec()
-    build_grammar(spec)
+    grammar = build_grammar(spec)
+    if max_tokens is not None and tokenizer is not None:
+        min_tokens.check_max_tokens(
+            spec, tokenizer, max_tokens, what=params.kind, grammar=grammar, limit=limit, fix=fix
+        )
     return spec
 
 

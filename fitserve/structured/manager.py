@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fitserve.structured.backend import GrammarCompiler, GrammarState, build_grammar, new_state, preload
 from fitserve.structured.lark import LarkGrammarState
+from fitserve.structured.min_tokens import check_max_tokens, token_costs
 from fitserve.structured.params import GrammarSpec, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -71,23 +72,42 @@ class StructuredOutputManager:
         self.cache_misses = 0
 
     def preload(self) -> Future:
-        """Imports xgrammar on the compile thread (once; later calls return the same job)."""
+        """Imports xgrammar on the compile thread (once; later calls return the same job), and measures
+        the tokenizer's token lengths for max_tokens checks (~50 ms for a 49k vocabulary)."""
         if self._preloading is None:
-            self._preloading = self._pool.submit(preload)
+            self._preloading = self._pool.submit(self._preload)
         return self._preloading
 
+    def _preload(self) -> None:
+        preload()
+        token_costs(self._tokenizer)
+
     # ---- compiling ----------------------------------------------------------------------------------
-    def submit(self, params: StructuredOutputsParams) -> Future:
+    def submit(
+        self,
+        params: StructuredOutputsParams,
+        max_tokens: int | None = None,
+        limit: str | None = None,
+        fix: str | None = None,
+    ) -> Future:
         """The compiled grammar of these params, as a future (a cached one when the spec was seen).
         A new spec is checked here (its grammar built: ~0.3 ms for a 10-field schema), so a bad
-        schema, regex or grammar raises ValueError now; the compile itself (~7 ms) runs in the pool."""
+        schema, regex or grammar raises ValueError now; the compile itself (~7 ms) runs in the pool.
+        With max_tokens, a grammar none of whose outputs fits in it raises ValueError too (its bound is
+        measured once per spec, ~1-10 ms, and cached; limit / fix: min_tokens.check_max_tokens's)."""
         spec = params.to_spec()
         future = self._cache.get(spec)
         if future is not None and not (future.done() and future.exception() is not None):
+            if max_tokens is not None:
+                check_max_tokens(spec, self._tokenizer, max_tokens, what=params.kind, limit=limit, fix=fix)
             self._cache.move_to_end(spec)
             self.cache_hits += 1
             return future
         grammar = build_grammar(spec)
+        if max_tokens is not None:
+            check_max_tokens(
+                spec, self._tokenizer, max_tokens, what=params.kind, grammar=grammar, limit=limit, fix=fix
+            )
         self.cache_misses += 1
         future = self._pool.submit(self._compile, spec, grammar)
         self._cache[spec] = future

@@ -23,6 +23,7 @@ from fitserve.kv_groups import group_num_blocks
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
 from fitserve.planner.memory import MemoryPlan
+from fitserve.spec_decode.draft_model import draft_kv_bytes_per_token
 from fitserve.spec_decode.verify import num_accepted, verify_rows
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.cuda_graphs import CudaGraphRunner
@@ -115,6 +116,10 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.weight_bytes = loaded_model_bytes(self.model)
+        # a draft model of speculative decoding loaded beside this one (set by the engine), and its
+        # keys and values per token: counted with this model's when the KV cache is sized
+        self.draft_weight_bytes = 0
+        self.draft_kv_bytes_per_token = draft_kv_bytes_per_token(config)
         logger.info(
             "Model loading took %.2f GiB and %.1f seconds",
             self.weight_bytes / GiB,
@@ -150,7 +155,7 @@ class ModelRunner:
         return self.config.cache.torch_kv_cache_dtype(self.config.model.dtype)
 
     def kv_bytes_per_block(self) -> int:
-        return self.config.kv_bytes_per_token * self.block_size
+        return (self.config.kv_bytes_per_token + self.draft_kv_bytes_per_token) * self.block_size
 
     def size_kv_cache(self) -> MemoryPlan:
         """The memory plan with the KV cache sized from what this process measured (the planner's

@@ -96,7 +96,7 @@ class CpuPlatform:
         if cache.num_gpu_blocks_override is None:
             check_fits_in_ram(cache.cpu_kv_cache_space_gib, available, ranks)
         host = cpu_device(probe_host())
-        weights = runner.weight_bytes
+        weights = runner.weight_bytes + runner.draft_weight_bytes
         if available is not None:  # the RAM before the weights loaded: what the plan subtracts them from
             host = dataclasses.replace(host, free_bytes=available + ranks * weights)
         # the process itself is in neither figure: the plan's estimate of it stands

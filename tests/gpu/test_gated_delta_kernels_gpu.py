@@ -162,6 +162,26 @@ def test_chunked_rule_matches_the_torch_op_on_cpu() -> None:
     assert relative(pool.cpu(), cpu_pool) < CHUNK_TOLERANCE
 
 
+def test_below_sm80_the_chunked_rule_takes_the_torch_ops() -> None:
+    """The chunk kernel needs more shared memory than a block has below 8.0: with that target forced, the
+    batched op on CUDA runs the torch path (no ValueError) and still matches the CPU."""
+    from fitserve.kernels.capability import forced_target
+
+    lengths, slots, initial = [70, 3], [1, 5], [False, True]
+    q, k, v, a, b, a_log, dt_bias, states = inputs(sum(lengths), 2)
+    g, beta = gating(a, b, a_log, dt_bias)
+    g, beta = g.float(), beta.to(b.dtype)
+    pool, cpu_pool = states.clone(), states.cpu()
+    args = (lengths, slots, initial)
+    with forced_target((7, 5)):
+        assert not gated_delta_chunk.runs_on(v.device)
+        out = ops.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, *args, l2norm=True, scale=SCALE)
+    cpu_inputs = (t.cpu() for t in (q, k, v, g, beta))
+    want = ops.chunk_gated_delta_rule_varlen(*cpu_inputs, cpu_pool, *args, l2norm=True, scale=SCALE)
+    assert relative(out.cpu(), want) < CHUNK_TOLERANCE
+    assert relative(pool.cpu(), cpu_pool) < CHUNK_TOLERANCE
+
+
 def test_fused_decode_step_matches_float64_loop() -> None:
     slots = torch.tensor([6, -1, 0, 3, 8, 1, 5], dtype=torch.int32, device=DEVICE)
     batch = slots.shape[0]

@@ -1,6 +1,6 @@
 """fitserve's C decode attention (fitserve/layers/cpu/c_kernels/decode_attention.c) against the CPU
 backend's general torch path: same outputs within float32 summation-order noise, the same cache contents
-bit for bit."""
+bit for bit; each test once per kernel set this CPU has."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import torch
 from fitserve.layers.attention.cpu_backend import CpuAttentionBackend
 from fitserve.layers.cpu.c_kernels import library
 from fitserve.layers.cpu.c_kernels.decode_attention import BoundDecodeAttention, DecodeAttention
+from tests.unit.cpu_kernel_sets import KERNEL_SET_NAMES, use_kernel_set
 from tests.unit.test_paged_decode import CASES, decode_step, general_path, run_layers
 
-KERNELS = library.load_cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="the C kernels do not build on this machine")
+
+@pytest.fixture(autouse=True, params=KERNEL_SET_NAMES)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> library.CpuKernels:
+    return use_kernel_set(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -39,8 +42,13 @@ def test_kernel_equals_the_general_path(case: str, monkeypatch: pytest.MonkeyPat
         assert torch.equal(kernel_cache, general_cache)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (16, 1, 16), (8, 2, 128)])
-def test_kernel_handles_head_groupings(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(4, 4, 32), (16, 1, 16), (8, 2, 128), (9, 3, 64), (12, 2, 64), (6, 1, 128)],
+)
+def test_kernel_handles_head_groupings(
+    kernels: library.CpuKernels, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     gen = torch.Generator().manual_seed(num_heads)
     block_size, num_blocks = 16, 12
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
@@ -51,7 +59,7 @@ def test_kernel_handles_head_groupings(num_heads: int, num_kv_heads: int, head_d
     k = torch.randn(3, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(3, num_kv_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    got = KERNELS.decode_attention(q, k, v, cache, slots, tables, seq_lens, scale)
+    got = kernels.decode_attention(q, k, v, cache, slots, tables, seq_lens, scale)
     flat = cache.view(2, -1, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
     for b, length in enumerate(seq_lens.tolist()):
@@ -64,7 +72,7 @@ def test_kernel_handles_head_groupings(num_heads: int, num_kv_heads: int, head_d
         torch.testing.assert_close(got[b].double(), want, atol=1e-5, rtol=1e-5)  # float32 sums
 
 
-def test_kernel_reads_strided_queries_and_keys() -> None:
+def test_kernel_reads_strided_queries_and_keys(kernels: library.CpuKernels) -> None:
     """q and k as the model hands them: views of one [T, heads + kv_heads, D] rotation output."""
     caches, metadata, _ = decode_step([[3, 8], [6]], [6, 2])
     gen = torch.Generator().manual_seed(5)
@@ -76,7 +84,7 @@ def test_kernel_reads_strided_queries_and_keys() -> None:
     got = backend.forward(q, k, v, caches[0], metadata, 0.3)
     contiguous_cache = caches[1]
     contiguous_cache.copy_(caches[0])  # both now hold the written k and v
-    want = KERNELS.decode_attention(
+    want = kernels.decode_attention(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),

@@ -1,5 +1,5 @@
 """fitserve's C RMSNorm and rotary kernels (fitserve/layers/cpu/c_kernels/elementwise.c) against the torch
-formulas they replace, and the layers that take them."""
+formulas they replace, and the layers that take them: each test once per kernel set this CPU has."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ from fitserve.layers.cpu.c_kernels import library
 from fitserve.layers.cpu.c_kernels.elementwise import Elementwise
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding
+from tests.unit.cpu_kernel_sets import KERNEL_SET_NAMES, use_kernel_set
 
-KERNELS = library.load_cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="the C kernels do not build on this machine")
+
+@pytest.fixture(autouse=True, params=KERNEL_SET_NAMES)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> library.CpuKernels:
+    return use_kernel_set(request.param, monkeypatch)
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """fitserve's C int4 GEMM (fitserve/layers/cpu/c_kernels/int4_gemm.c): its layout, its accuracy against the
-dequantized weights for every row count, the linear layers that use it, and how it is built or refused."""
+dequantized weights for every row count, the linear layers that use it (once per kernel set this CPU has),
+and how it is built or refused."""
 
 from __future__ import annotations
 
@@ -15,10 +16,15 @@ from fitserve.layers.cpu.c_kernels.int4_layout import pack_for_kernel, unpack_fr
 from fitserve.layers.cpu.int4_kernel_linear import Int4KernelCpuLinearMethod
 from fitserve.layers.cpu.int4_linear import Int4CpuLinearMethod, kernel_available
 from fitserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from tests.unit.cpu_kernel_sets import KERNEL_SET_NAMES, use_kernel_set
 from tests.unit.test_cpu_int4_linear import q4_matrix, q4_qkv_layer_with_bias
 
-KERNELS = library.load_cpu_kernels()
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the C kernels do not build on this machine")
+needs_kernels = pytest.mark.skipif(library.expected_set() is None, reason="no C kernel set for this machine")
+
+
+@pytest.fixture(params=KERNEL_SET_NAMES)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> library.CpuKernels:
+    return use_kernel_set(request.param, monkeypatch)
 
 
 def random_groups(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,38 +58,36 @@ def test_layout_refuses_shapes_it_cannot_hold() -> None:
         pack_for_kernel(codes, step, minimum)
 
 
-@needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_equals_the_dequantized_product(rows: int, with_bias: bool) -> None:
+def test_gemm_equals_the_dequantized_product(kernels: library.CpuKernels, rows: int, with_bias: bool) -> None:
     codes, step, minimum = random_groups(48, 96, seed=rows)
     packed, scales = pack_for_kernel(codes, step, minimum)
     gen = torch.Generator().manual_seed(100 + rows)
     wide = torch.randn(rows, 160, generator=gen)
     x = wide[:, 32:128]  # rows 160 apart in memory: the kernel reads rows through their stride
     bias = torch.randn(48, generator=gen) if with_bias else None
-    got = KERNELS.int4_gemm(x, packed, scales, 48, bias)
+    got = kernels.int4_gemm(x, packed, scales, 48, bias)
     want = x.double() @ dense(codes, step, minimum).T + (0 if bias is None else bias.double())
     # two int8 levels per activation: within ~1.6e-5 of each group's largest |x|
     assert float((got.double() - want).norm() / want.norm()) < 1e-4
 
 
-@needs_kernels
-def test_gemm_keeps_precision_next_to_an_outlier() -> None:
+def test_gemm_keeps_precision_next_to_an_outlier(kernels: library.CpuKernels) -> None:
     """An activation 1000x the others scales its whole group; the second int8 level keeps the rest."""
     codes, step, minimum = random_groups(32, 64, seed=3)
     packed, scales = pack_for_kernel(codes, step, minimum)
     x = torch.randn(2, 64)
     x[0, 5] = 1000.0
     weight = dense(codes, step, minimum)
-    got = KERNELS.int4_gemm(x, packed, scales, 32).double()
+    got = kernels.int4_gemm(x, packed, scales, 32).double()
     want = x.double() @ weight.T
     group_max = x.abs().view(2, 2, 32).amax(-1).double()  # [row, group]
     bound = (weight.abs().view(32, 2, 32).sum(-1) @ (group_max / (127 * 508)).T).T + 1e-4
     assert bool(((got - want).abs() <= bound).all())
 
 
-@needs_kernels
+@pytest.mark.usefixtures("kernels")
 def test_q4_layers_pack_for_the_kernel_and_match_their_loaded_weights() -> None:
     gate, up = q4_matrix(64, 64, seed=2), q4_matrix(128, 64, seed=3)
     merged = MergedColumnParallelLinear(64, [64, 128], bias=False)
@@ -105,7 +109,7 @@ def test_q4_layers_pack_for_the_kernel_and_match_their_loaded_weights() -> None:
         merged.weight_loader(merged.weight, gate, 0)
 
 
-@needs_kernels
+@pytest.mark.usefixtures("kernels")
 def test_qkv_layer_bias_and_three_dimensional_input() -> None:
     layer, _, bias = q4_qkv_layer_with_bias()
     assert isinstance(layer.linear_method, Int4KernelCpuLinearMethod)
@@ -128,7 +132,9 @@ def test_switch_off_uses_torch_int4_kernel(monkeypatch: pytest.MonkeyPatch) -> N
 
 def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, compiler: str) -> object:
     monkeypatch.setattr(library, "_loaded", {})
+    monkeypatch.setattr(library, "_failures", {})
     monkeypatch.setattr(library, "_answer", None)
+    monkeypatch.delenv(library.ENV_SWITCH, raising=False)
     monkeypatch.setenv("FITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", compiler)
     return library.load_cpu_kernels()

@@ -203,11 +203,12 @@ def test_real_configs_read_like_autoconfig(name):
         assert spec.num_kv_heads == override.get("num_key_value_heads", theirs["num_key_value_heads"])
 
 
-def test_quantization_is_refused_not_ignored(tmp_path):
+def test_quantization_is_honoured_not_ignored(tmp_path):
+    """A quantization_config builds the format's layers (tests/unit/test_gemma4_quant*.py load them)."""
+    from fitserve.layers.quantization.fp8_method import Fp8LinearMethod
+
     folder = write_config(tmp_path / "q", quantization_config={"quant_method": "fp8"})
     config = load_hf_config(str(folder))
-    with (
-        torch.device("meta"),
-        pytest.raises(ValueError, match="Gemma-4 runs unquantized.*without --quantization"),
-    ):
-        get_model_class(config)(config)
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.linear_method, Fp8LinearMethod)

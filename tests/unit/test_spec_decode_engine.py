@@ -190,7 +190,7 @@ def test_sampling_keeps_the_target_distribution(folder):
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}, "EAGLE-3 draft heads.*not built"),
+        ({"method": "eagle", "num_speculative_tokens": 3, "model": "x"}, "EAGLE-1 draft heads.*eagle3"),
         ({"method": "mtp", "num_speculative_tokens": 2}, "MTP layers.*not built"),
         ({"method": "medusa2", "num_speculative_tokens": 2}, "method 'medusa2' is unknown"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens is 0.*at least 1"),

@@ -1,10 +1,11 @@
 """CPU linear layers of 4-bit groups multiplied by fitserve's C kernel (c_kernels/int4_gemm.c).
 
 Preferred over torch's int4 kernel (int4_linear.py) wherever the C kernel builds (x86-64 with
-AVX-512 VNNI and a C compiler): a matrix of 4-bit groups (a converted Q4_1 GGUF's, found by
-`find_int4_groups`) is packed once as codes plus a float16 step and minimum per group of 32, and every
-call, whatever its rows, runs the kernel on float32 activations: no bf16 conversions around it, no
-float16 copy of the weight for long calls (the copy cost 2 bytes per weight, 212 MB for SmolLM2-135M).
+AVX-512 VNNI, AVX-VNNI or AVX2 + FMA, and a C compiler): a matrix of 4-bit groups (a converted Q4_1
+GGUF's, found by `find_int4_groups`) is packed once as codes plus a float16 step and minimum per group
+of 32, and every call, whatever its rows, runs the kernel on float32 activations: no bf16 conversions
+around it, no float16 copy of the weight for long calls (the copy cost 2 bytes per weight, 212 MB for
+SmolLM2-135M).
 
 What it computes: the exact product of the packed weights with the activations rounded per group of 32
 to two int8 levels (int4_gemm.c's header says how), summed in int32 per group and in float32 across
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from fitserve.layers.cpu.c_kernels.int4_gemm import BoundInt4Gemm
-from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
+from fitserve.layers.cpu.c_kernels.library import KernelSet, load_cpu_kernels
 from fitserve.layers.cpu.int4_linear import INT4_TOLERANCE, packable_shape
 
 logger = logging.getLogger("fitserve")
@@ -79,7 +80,7 @@ def convert_for_kernel(layer: nn.Module, values: torch.Tensor) -> Int4KernelCpuL
     out_features, in_features = layer.weight.shape
     layer.weight = nn.Parameter(packed.codes, requires_grad=False)
     layer.register_buffer("int4_scales", packed.scales, persistent=False)
-    _announce(packed.max_deviation)
+    _announce(packed.max_deviation, kernels.kernel_set)
     logger.debug(
         "%s: %d x %d weight kept as int4 for the C kernel (max deviation %.2g of a group's largest weight)",
         type(layer).__name__,
@@ -90,7 +91,7 @@ def convert_for_kernel(layer: nn.Module, values: torch.Tensor) -> Int4KernelCpuL
     return Int4KernelCpuLinearMethod(kernels.int4_gemm.bind(packed.codes, packed.scales, out_features))
 
 
-def _announce(max_deviation: float) -> None:
+def _announce(max_deviation: float, kernel_set: KernelSet) -> None:
     global _announced
     if _announced:
         return
@@ -98,7 +99,9 @@ def _announce(max_deviation: float) -> None:
     logger.info(
         "CPU weights: matrices that are 4-bit groups of 32 (a Q4_1 GGUF's, converted) stay int4 (0.5 byte "
         "per weight + float16 step and minimum per group; first matrix reproduced within %.2g of its groups' "
-        "largest weight), multiplied by fitserve's C kernel (activations rounded to two int8 levels per "
-        "group); FITSERVE_CPU_KERNELS=0 uses torch's int4 kernel instead",
+        "largest weight), multiplied by fitserve's C kernel, kernel set %s (%s; activations rounded to two "
+        "int8 levels per group); FITSERVE_CPU_KERNELS=0 uses torch's int4 kernel instead",
         max_deviation,
+        kernel_set.name,
+        kernel_set.description,
     )

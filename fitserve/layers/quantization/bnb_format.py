@@ -155,15 +155,23 @@ def check_bnb_flag(flag: str, raw: Mapping[str, Any] | None) -> None:
 def check_bnb_layer_shapes(fmt: BnbFormat, hf_config: Any) -> None:
     """ValueError when a quantized projection's input dim is odd, or (quantizing while loading) not a
     multiple of the block size: fitserve keeps every block inside one weight row."""
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inputs = {
-        "q_proj/k_proj/v_proj": hidden,
-        "o_proj": heads * head_dim,
-        "gate_proj/up_proj": hidden,
-        "down_proj": hf_config.intermediate_size,
-    }
+    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
+    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+
+    if is_qwen3_5(hf_config):  # each quantized module by its checkpoint name (its layers differ)
+        inputs = {name: k for name, (k, _) in qwen3_5_quantized(fmt, hf_config).items()}
+    elif is_gemma4(hf_config):
+        inputs = {name: k for name, (k, _) in gemma4_quantized(fmt, hf_config).items()}
+    else:
+        hidden = hf_config.hidden_size
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        inputs = {
+            "q_proj/k_proj/v_proj": hidden,
+            "o_proj": heads * head_dim,
+            "gate_proj/up_proj": hidden,
+            "down_proj": hf_config.intermediate_size,
+        }
     for names, k in inputs.items():
         if k % 2 or (not fmt.prequantized and k % fmt.blocksize):
             raise ValueError(

@@ -141,8 +141,14 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
     them: packed codes and zeros, g_idx (GPTQ writers store it even without act order), float16 scales)
     from config.json's shapes alone, for a folder without weight files (--load-format dummy); None for a
     config this does not size (MoE)."""
+    gemma4 = _gemma4_quantized(fmt, hf_config)
+    if gemma4 is not None:  # its experts stay 16-bit (a format quantizing them is refused)
+        return _stored_int4(fmt, gemma4.values())
     if is_moe(hf_config):
         return None
+    qwen3_5 = _qwen3_5_quantized(fmt, hf_config)
+    if qwen3_5 is not None:  # per-layer projections of its own (planner/qwen3_5_shape.py)
+        return _stored_int4(fmt, qwen3_5.values())
     shapes = projection_shapes(hf_config)
     params = stored = 0
     for layer in range(hf_config.num_hidden_layers):
@@ -166,6 +172,15 @@ def gpu_extra_from_config(fmt: Int4Format, hf_config: Any, dtype_bytes: int = 2)
     sized = stored_int4_from_config(fmt, hf_config)
     if sized is None:
         return 0
+    own = _qwen3_5_quantized(fmt, hf_config, fused=True)  # families with per-layer projections of their own
+    if own is None:
+        own = _gemma4_quantized(fmt, hf_config, fused=True)
+    if own is not None:
+        kept = sum(
+            packed_int4_bytes(k, n, fmt.group_for(k), dtype_bytes) + (8 * k if fmt.act_order else 0)
+            for k, n in own.values()
+        )
+        return max(0, kept - sized[1])
     fused = fused_projection_shapes(hf_config)
     kept = 0
     for layer in range(hf_config.num_hidden_layers):
@@ -174,3 +189,33 @@ def gpu_extra_from_config(fmt: Int4Format, hf_config: Any, dtype_bytes: int = 2)
                 kept += packed_int4_bytes(in_features, out_features, fmt.group_for(in_features), dtype_bytes)
                 kept += 8 * in_features if fmt.act_order else 0
     return max(0, kept - sized[1])
+
+
+def _qwen3_5_quantized(
+    fmt: Int4Format, hf_config: Any, fused: bool = False
+) -> dict[str, tuple[int, int]] | None:
+    """A Qwen3.5 config's quantized projections (planner/qwen3_5_shape.qwen3_5_quantized); None for any
+    other config."""
+    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+
+    return qwen3_5_quantized(fmt, hf_config, fused) if is_qwen3_5(hf_config) else None
+
+
+def _gemma4_quantized(
+    fmt: Int4Format, hf_config: Any, fused: bool = False
+) -> dict[str, tuple[int, int]] | None:
+    """A Gemma-4 config's quantized projections (planner/gemma4_shape.gemma4_quantized); None for any
+    other config."""
+    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
+
+    return gemma4_quantized(fmt, hf_config, fused) if is_gemma4(hf_config) else None
+
+
+def _stored_int4(fmt: Int4Format, shapes: Any) -> tuple[int, int]:
+    """(parameters, stored bytes) of the int4 projections of (in_features, out_features) `shapes`."""
+    params = stored = 0
+    for in_features, out_features in shapes:
+        params += in_features * out_features
+        for spec in param_specs(fmt, in_features, out_features).values():
+            stored += math.prod(spec.shape) * (2 if spec.dtype.is_floating_point else spec.dtype.itemsize)
+    return params, stored

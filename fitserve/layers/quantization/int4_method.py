@@ -38,7 +38,7 @@ from fitserve.layers.quantization.int4_tp import (
     rank_specs,
     select_groups,
 )
-from fitserve.layers.quantization.int4_weight import random_int4_weight
+from fitserve.layers.quantization.int4_weight import Int4Weight, random_int4_weight
 from fitserve.layers.quantization.method_base import QuantizedLinearMethod
 from fitserve.layers.quantization.placement import run_device
 from fitserve.layers.quantization.quant_config import Int4Format
@@ -198,15 +198,33 @@ class Int4LinearMethod(QuantizedLinearMethod):
         """--load-format dummy: a random int4 weight (random_int4_weight, dequantized std about `std`)
         instead of the checkpoint's tensors, drawn on `device` (default: the layer's parameters') from a
         generator seeded by `seed` and the layer's name, then made runnable on the parameters' device as a
-        loaded weight is (the same kernels run); a bias becomes 0. Only this layer's weight is ever drawn."""
+        loaded weight is (the same kernels run); a bias becomes 0.
+
+        The same model at every tensor-parallel size: each projection (shard) is drawn whole, from its own
+        generator, and this rank keeps its rows and columns of it (rank_slice, as a checkpoint's are cut);
+        a fused layer's shards are stacked. One projection is drawn at a time."""
         if self.runnable is not None:
             raise ValueError(f"{self.prefix}: dummy weights for a layer that was already loaded")
         home = next(iter(getattr(layer, name) for name in self.specs)).device
         on = home if device is None else torch.device(device)
-        generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
-        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
-        group = self.fmt.group_for(columns)
-        weight = random_int4_weight(rows, columns, group, self.fmt.symmetric, std, generator, on)
+        parts = []
+        for shard_id in tuple(getattr(layer, "shard_ids", ())) or (None,):
+            name = self.prefix if shard_id is None else f"{self.prefix}.{shard_id}"
+            part = rank_slice(layer, shard_id, name)
+            generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, name))
+            group = self.fmt.group_for(part.whole_columns)
+            whole = random_int4_weight(
+                part.whole_rows, part.whole_columns, group, self.fmt.symmetric, std, generator, on
+            )
+            parts.append(_rank_cut(whole, part))
+        weight = parts[0]
+        if len(parts) > 1:
+            weight = Int4Weight(
+                torch.cat([p.codes for p in parts]),
+                torch.cat([p.scales for p in parts]),
+                torch.cat([p.zeros for p in parts]),
+                weight.group_size,
+            )
         if layer.bias is not None:
             with torch.no_grad():
                 layer.bias.zero_()
@@ -223,6 +241,25 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing: the layer repacks itself once its last tensor arrives (see the module doc)."""
+
+
+def _rank_cut(whole: Int4Weight, part: RankSlice) -> Int4Weight:
+    """This rank's rows and columns of a whole projection's Int4Weight: its columns start on a group
+    boundary (create_weights checked); a per-channel weight keeps its one group's scale and zero point."""
+    codes = whole.codes.narrow(0, part.rows_start, part.rows)
+    scales = whole.scales.narrow(0, part.rows_start, part.rows)
+    zeros = whole.zeros.narrow(0, part.rows_start, part.rows)
+    group = whole.group_size
+    if part.splits_columns:
+        codes = codes.narrow(1, part.columns_start, part.columns)
+        if group == part.whole_columns:  # per channel
+            group = part.columns
+        else:
+            scales = scales.narrow(1, part.columns_start // group, part.columns // group)
+            zeros = zeros.narrow(1, part.columns_start // group, part.columns // group)
+    weight = Int4Weight(codes.contiguous(), scales.contiguous(), zeros.contiguous(), group)
+    weight.check()
+    return weight
 
 
 def _layer_seed(seed: int, name: str) -> int:

@@ -250,16 +250,24 @@ def check_layer_shapes(fmt: Int4Format | Fp8Format, hf_config: Any) -> None:
     if isinstance(fmt, BnbFormat):
         check_bnb_layer_shapes(fmt, hf_config)
         return
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    inputs = {
-        "q_proj/k_proj/v_proj": (hidden, (heads + 2 * kv_heads) * head_dim),
-        "o_proj": (heads * head_dim, hidden),
-        "gate_proj/up_proj": (hidden, hf_config.intermediate_size),
-        "down_proj": (hf_config.intermediate_size, hidden),
-    }
+    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
+    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+
+    if is_qwen3_5(hf_config):  # each quantized module by its checkpoint name (its layers differ)
+        inputs = qwen3_5_quantized(fmt, hf_config)
+    elif is_gemma4(hf_config):  # per-layer head dims, KV sharing, the E models' per-layer inputs
+        inputs = gemma4_quantized(fmt, hf_config)
+    else:
+        hidden = hf_config.hidden_size
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        inputs = {
+            "q_proj/k_proj/v_proj": (hidden, (heads + 2 * kv_heads) * head_dim),
+            "o_proj": (heads * head_dim, hidden),
+            "gate_proj/up_proj": (hidden, hf_config.intermediate_size),
+            "down_proj": (hf_config.intermediate_size, hidden),
+        }
     for names, (in_features, out_features) in inputs.items():
         if fmt.group_size != -1 and in_features % fmt.group_size:
             raise ValueError(

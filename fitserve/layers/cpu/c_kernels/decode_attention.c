@@ -13,32 +13,40 @@
  * with token strides k_stride and v_stride (heads contiguous, D contiguous, D % 16 == 0); kv_cache
  * [2][num_blocks][block_size][KVH][D] contiguous; slots int64 [B]; block_tables int32 [B][max_blocks];
  * seq_lens int32 [B] (the new token included); out [B][H][D] contiguous.
+ *
+ * Written on vec16.h's 16-lane vectors, so the AVX2 build computes the same bits; it has 16 registers of 8
+ * floats where AVX-512 has 32 of 16, so there the value sums go one head at a time (VALUE_HEADS_*).
  */
-#if !defined(__AVX512F__)
-#error "this CPU lacks AVX-512 F, which the decode attention is written for"
-#endif
-
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec16.h"
 #include "vector_exp.h"
+
+/* query heads whose value sums are kept in registers at once, for heads of 64 and 128 dims */
+#if FS_AVX512
+#define VALUE_HEADS_64 4
+#define VALUE_HEADS_128 2
+#else
+#define VALUE_HEADS_64 1
+#define VALUE_HEADS_128 1
+#endif
 
 #define MAX_GROUP 16 /* query heads per key/value head */
 
 /* scores[0..len) := exp(scores - top); returns their sum */
 static float exp_and_sum(float *scores, int64_t len, float top) {
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
+  const v16f shift = v16_set1(top);
+  v16f sum = v16_zero();
   for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 live = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), shift));
-    _mm512_mask_storeu_ps(scores + t, live, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+    const int64_t live = len - t; /* lanes past it are not the row's: neither stored nor summed */
+    const v16f e = exp16(v16_sub(v16_load_first(scores + t, live), shift));
+    v16_store_first(scores + t, e, live);
+    sum = v16_add(sum, v16_keep_first(e, live));
   }
-  return _mm512_reduce_add_ps(sum);
+  return v16_reduce_add(sum);
 }
 
 /* One query head's scores over its sequence into scores[0..len), softmaxed in place; returns their sum
@@ -46,17 +54,17 @@ static float exp_and_sum(float *scores, int64_t len, float top) {
 static inline __attribute__((always_inline)) float head_scores(
     const int64_t chunks, const float *query, const float *keys, const int32_t *table, int64_t len,
     int64_t block_size, int64_t block_elems, int64_t token_elems, float scale, float *scores) {
-  __m512 q[16];
-  for (int64_t c = 0; c < chunks; c++) q[c] = _mm512_loadu_ps(query + 16 * c);
+  v16f q[16];
+  for (int64_t c = 0; c < chunks; c++) q[c] = v16_load(query + 16 * c);
   const int64_t used_blocks = (len + block_size - 1) / block_size;
   float top = -INFINITY;
   for (int64_t j = 0, t = 0; j < used_blocks; j++) {
     const float *key = keys + (int64_t)table[j] * block_elems;
     const int64_t n = len - t < block_size ? len - t : block_size;
     for (int64_t i = 0; i < n; i++, t++, key += token_elems) {
-      __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
-      for (int64_t c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), acc);
-      const float s = scale * _mm512_reduce_add_ps(acc);
+      v16f acc = v16_mul(q[0], v16_load(key));
+      for (int64_t c = 1; c < chunks; c++) acc = v16_fmadd(q[c], v16_load(key + 16 * c), acc);
+      const float s = scale * v16_reduce_add(acc);
       scores[t] = s;
       top = s > top ? s : top;
     }
@@ -71,24 +79,24 @@ static inline __attribute__((always_inline)) void group_values(
     const int64_t group, const int64_t chunks, const float *values, const int32_t *table, int64_t len,
     int64_t block_size, int64_t block_elems, int64_t token_elems, const float *scores, const float *totals,
     float *result) {
-  __m512 out[64]; /* group * chunks of them are used: at most 16 on the paths attend_group takes */
-  for (int64_t a = 0; a < group * chunks; a++) out[a] = _mm512_setzero_ps();
+  v16f out[64]; /* group * chunks of them are used: at most 16 on the paths attend_group takes */
+  for (int64_t a = 0; a < group * chunks; a++) out[a] = v16_zero();
   const int64_t used_blocks = (len + block_size - 1) / block_size;
   for (int64_t j = 0, t = 0; j < used_blocks; j++) {
     const float *value = values + (int64_t)table[j] * block_elems;
     const int64_t n = len - t < block_size ? len - t : block_size;
     for (int64_t i = 0; i < n; i++, t++, value += token_elems) {
       for (int64_t c = 0; c < chunks; c++) {
-        const __m512 row = _mm512_loadu_ps(value + 16 * c);
+        const v16f row = v16_load(value + 16 * c);
         for (int64_t g = 0; g < group; g++)
-          out[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * len + t]), row, out[g * chunks + c]);
+          out[g * chunks + c] = v16_fmadd(v16_set1(scores[g * len + t]), row, out[g * chunks + c]);
       }
     }
   }
   for (int64_t g = 0; g < group; g++) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / totals[g]);
+    const v16f inverse = v16_set1(1.0f / totals[g]);
     for (int64_t c = 0; c < chunks; c++)
-      _mm512_storeu_ps(result + g * chunks * 16 + 16 * c, _mm512_mul_ps(out[g * chunks + c], inverse));
+      v16_store(result + g * chunks * 16 + 16 * c, v16_mul(out[g * chunks + c], inverse));
   }
 }
 
@@ -150,15 +158,15 @@ int fs_paged_decode_attention(const float *q, int64_t q_stride, const float *k, 
     const float *queries = q + b * q_stride + kv_head * group * D;
     float *result = out + (b * H + kv_head * group) * D;
     const float *head_keys = keys + kv_head * D, *head_values = values + kv_head * D;
-    /* value sums for up to 16 registers of 16 floats: 4 heads of 64 dims, 2 of 128 */
+    /* value sums in registers: with AVX-512 up to 16 of 16 floats, 4 heads of 64 dims or 2 of 128 */
     switch (D) {
       case 64:
-        attend_group(4, 4, group, queries, head_keys, head_values, table, len, block_size, block_elems,
-                     token_elems, scale, scores, result);
+        attend_group(4, VALUE_HEADS_64, group, queries, head_keys, head_values, table, len, block_size,
+                     block_elems, token_elems, scale, scores, result);
         break;
       case 128:
-        attend_group(8, 2, group, queries, head_keys, head_values, table, len, block_size, block_elems,
-                     token_elems, scale, scores, result);
+        attend_group(8, VALUE_HEADS_128, group, queries, head_keys, head_values, table, len, block_size,
+                     block_elems, token_elems, scale, scores, result);
         break;
       default:
         attend_group(D / 16, 1, group, queries, head_keys, head_values, table, len, block_size, block_elems,

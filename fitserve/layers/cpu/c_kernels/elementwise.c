@@ -5,16 +5,13 @@
  * Built with -ffp-contract=off (library.py), so a * b + c * d is two roundings of products and one of
  * the sum, as torch computes it: the rotary kernel gives StepRope.rotate's values bit for bit. The RMSNorm
  * sums squares in another order than torch's reduction, and SiLU's exponential is vector_exp.h's (float32
- * noise in the last bits).
+ * noise in the last bits). Written on vec16.h's 16-lane vectors: the AVX-512 and AVX2 builds give the same
+ * bits.
  */
-#if !defined(__AVX512F__)
-#error "this CPU lacks AVX-512 F, which the elementwise kernels are written for"
-#endif
-
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "vec16.h"
 #include "vector_exp.h"
 
 /* Rows of H floats (row strides in elements). With `residual` (may be NULL): summed = x + residual,
@@ -30,20 +27,20 @@ void fs_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_
       const float *rr = residual + r * residual_stride;
       float *sr = summed_out + r * H;
       for (int64_t d = 0; d < H; d += 16)
-        _mm512_storeu_ps(sr + d, _mm512_add_ps(_mm512_loadu_ps(xr + d), _mm512_loadu_ps(rr + d)));
+        v16_store(sr + d, v16_add(v16_load(xr + d), v16_load(rr + d)));
       source = sr;
     }
-    __m512 squares = _mm512_setzero_ps();
+    v16f squares = v16_zero();
     for (int64_t d = 0; d < H; d += 16) {
-      const __m512 v = _mm512_loadu_ps(source + d);
-      squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+      const v16f v = v16_load(source + d);
+      squares = v16_add(squares, v16_mul(v, v));
     }
-    const float inverse_rms = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)H + eps);
-    const __m512 scale = _mm512_set1_ps(inverse_rms);
+    const float inverse_rms = 1.0f / sqrtf(v16_reduce_add(squares) / (float)H + eps);
+    const v16f scale = v16_set1(inverse_rms);
     float *o = out + r * H;
     for (int64_t d = 0; d < H; d += 16) {
-      const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(source + d), scale);
-      _mm512_storeu_ps(o + d, _mm512_mul_ps(normed, _mm512_loadu_ps(weight + d)));
+      const v16f normed = v16_mul(v16_load(source + d), scale);
+      v16_store(o + d, v16_mul(normed, v16_load(weight + d)));
     }
   }
 }
@@ -59,14 +56,13 @@ void fs_rotary(float *x, int64_t tokens, int64_t heads, int64_t D, int64_t token
     for (int64_t h = 0; h < heads; h++) {
       float *v = x + t * token_stride + h * D;
       for (int64_t d = 0; d < half; d += 16) {
-        const __m512 first = _mm512_loadu_ps(v + d), second = _mm512_loadu_ps(v + half + d);
+        const v16f first = v16_load(v + d), second = v16_load(v + half + d);
         /* out[d] = x[d] cos[d] + x[d + half] sin[d]; out[d + half] = x[d + half] cos[d + half] + x[d] sin[d + half] */
-        const __m512 new_first = _mm512_add_ps(_mm512_mul_ps(first, _mm512_loadu_ps(c + d)),
-                                               _mm512_mul_ps(second, _mm512_loadu_ps(s + d)));
-        const __m512 new_second = _mm512_add_ps(_mm512_mul_ps(second, _mm512_loadu_ps(c + half + d)),
-                                                _mm512_mul_ps(first, _mm512_loadu_ps(s + half + d)));
-        _mm512_storeu_ps(v + d, new_first);
-        _mm512_storeu_ps(v + half + d, new_second);
+        const v16f new_first = v16_add(v16_mul(first, v16_load(c + d)), v16_mul(second, v16_load(s + d)));
+        const v16f new_second =
+            v16_add(v16_mul(second, v16_load(c + half + d)), v16_mul(first, v16_load(s + half + d)));
+        v16_store(v + d, new_first);
+        v16_store(v + half + d, new_second);
       }
     }
   }
@@ -75,14 +71,14 @@ void fs_rotary(float *x, int64_t tokens, int64_t heads, int64_t D, int64_t token
 /* x [rows][2 d] (row stride in elements) -> out [rows][d] contiguous: silu(gate) * up with gate the first
  * d values of a row and up the last d; silu(g) = g / (1 + e^-g). d % 16 == 0. */
 void fs_silu_and_mul(const float *x, int64_t rows, int64_t d, int64_t x_stride, float *out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const v16f one = v16_set1(1.0f);
   for (int64_t r = 0; r < rows; r++) {
     const float *gate = x + r * x_stride, *up = gate + d;
     float *o = out + r * d;
     for (int64_t i = 0; i < d; i += 16) {
-      const __m512 g = _mm512_loadu_ps(gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      const v16f g = v16_load(gate + i);
+      const v16f silu = v16_div(g, v16_add(one, exp16(v16_sub(v16_zero(), g))));
+      v16_store(o + i, v16_mul(silu, v16_load(up + i)));
     }
   }
 }

@@ -10,22 +10,19 @@
  * float16 as stored. The weight is such a matrix when no deviation is above `tolerance` (and every value
  * is finite); the torch version takes about a dozen passes over the weight and was most of the default model's
  * load time. Built with -ffp-contract=off, so every product and sum rounds as torch's do; a group of 32
- * is two AVX-512 registers.
+ * is two of vec16.h's 16-lane vectors (the same bytes from the AVX-512 and the AVX2 build).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "vec16.h"
 
 #define GROUP 32
 #define BLOCK_COLUMNS 16
 
 /* 16 weights as float32: from float32, or from bfloat16 (its upper 16 bits, exactly) */
-static inline __m512 load16(const void *w, int64_t index, int bf16) {
-  if (bf16) {
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-  return _mm512_loadu_ps((const float *)w + index);
+static inline v16f load16(const void *w, int64_t index, int bf16) {
+  return bf16 ? v16_load_bf16((const uint16_t *)w + index) : v16_load((const float *)w + index);
 }
 
 static inline float round_to_half(float value, uint16_t *half) {
@@ -47,14 +44,11 @@ int fs_int4_pack(const void *w, int bf16, int64_t N, int64_t K, float tolerance,
     const int64_t block = n / BLOCK_COLUMNS, column = n % BLOCK_COLUMNS;
     for (int64_t g = 0; g < groups; g++) {
       const int64_t first = n * K + g * GROUP;
-      const __m512 zero = _mm512_setzero_ps();
-      const __m512 a = load16(w, first, bf16), b = load16(w, first + 16, bf16);
-      /* v - v is 0 exactly for finite v, NaN for an infinity or a NaN */
-      const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(a, a), zero, _CMP_EQ_OQ) &
-                               _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_EQ_OQ);
-      saw_non_finite |= finite != 0xFFFF;
-      const float low = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
-      const float high = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+      const v16f zero = v16_zero();
+      const v16f a = load16(w, first, bf16), b = load16(w, first + 16, bf16);
+      saw_non_finite |= !(v16_all_finite(a) && v16_all_finite(b));
+      const float low = v16_reduce_min(v16_min(a, b));
+      const float high = v16_reduce_max(v16_max(a, b));
       const float step = (high - low) / 15.0f;
       const float divisor = step > 0.0f ? step : 1.0f;
       uint16_t step_half, low_half;
@@ -62,22 +56,22 @@ int fs_int4_pack(const void *w, int bf16, int64_t N, int64_t K, float tolerance,
       const float stored_low = round_to_half(low, &low_half);
       float magnitude = fabsf(low) > fabsf(high) ? fabsf(low) : fabsf(high);
       magnitude = magnitude > 1.17549435e-38f ? magnitude : 1.17549435e-38f; /* float32's smallest normal */
-      const __m512 low_v = _mm512_set1_ps(low), divisor_v = _mm512_set1_ps(divisor);
-      const __m512 stored_step_v = _mm512_set1_ps(stored_step), stored_low_v = _mm512_set1_ps(stored_low);
-      const __m512 magnitude_v = _mm512_set1_ps(magnitude), fifteen = _mm512_set1_ps(15.0f);
-      const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC; /* ties to even, as torch.round */
-      __m512 code_a = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(a, low_v), divisor_v), nearest);
-      __m512 code_b = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(b, low_v), divisor_v), nearest);
-      code_a = _mm512_min_ps(_mm512_max_ps(code_a, zero), fifteen); /* a NaN (a refused group) becomes 0 */
-      code_b = _mm512_min_ps(_mm512_max_ps(code_b, zero), fifteen);
-      const __m512 off_a = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(code_a, stored_step_v), stored_low_v), a);
-      const __m512 off_b = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(code_b, stored_step_v), stored_low_v), b);
-      const float deviation = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_div_ps(_mm512_abs_ps(off_a), magnitude_v),
-                                                                 _mm512_div_ps(_mm512_abs_ps(off_b), magnitude_v)));
+      const v16f low_v = v16_set1(low), divisor_v = v16_set1(divisor);
+      const v16f stored_step_v = v16_set1(stored_step), stored_low_v = v16_set1(stored_low);
+      const v16f magnitude_v = v16_set1(magnitude), fifteen = v16_set1(15.0f);
+      /* ties to even, as torch.round */
+      v16f code_a = v16_round(v16_div(v16_sub(a, low_v), divisor_v));
+      v16f code_b = v16_round(v16_div(v16_sub(b, low_v), divisor_v));
+      code_a = v16_min(v16_max(code_a, zero), fifteen); /* a NaN (a refused group) becomes 0 */
+      code_b = v16_min(v16_max(code_b, zero), fifteen);
+      const v16f off_a = v16_sub(v16_add(v16_mul(code_a, stored_step_v), stored_low_v), a);
+      const v16f off_b = v16_sub(v16_add(v16_mul(code_b, stored_step_v), stored_low_v), b);
+      const float deviation = v16_reduce_max(
+          v16_max(v16_div(v16_abs(off_a), magnitude_v), v16_div(v16_abs(off_b), magnitude_v)));
       worst = deviation > worst ? deviation : worst;
       uint8_t code[GROUP];
-      _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code_a)));
-      _mm_storeu_si128((__m128i *)(code + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code_b)));
+      v16_store_bytes(code, code_a);
+      v16_store_bytes(code + 16, code_b);
       /* codes [N / 16][K / 8][64]: byte 4 column + i holds k = 8 chunk + i (low) and 8 chunk + 4 + i */
       for (int c = 0; c < GROUP / 8; c++) {
         uint8_t *out = codes + ((block * chunks) + g * (GROUP / 8) + c) * 64 + 4 * column;

@@ -1,0 +1,157 @@
+"""Every Triton kernel variant fitserve launches compiles for sm_70, sm_75, sm_80, sm_86, sm_89 and sm_90 and
+fits that GPU's shared memory and registers (issue 35). No GPU needed: kernels/variants.py runs the launchers
+on CPU tensors with the capability forced and compiles instead of launching (Triton's bundled ptxas 12.8).
+
+The default run compiles the representative subset (the auto-fit dtype, head dims 80 / 128 / 256 / 512, the
+config choosers' thresholds) for the two tightest targets: sm_75 (64 KB of shared memory a block, no cp.async)
+and sm_86 (99 KB, with cp.async stages). An attention variant takes 10 to 60 s to compile on a busy 2-core
+machine, so that is several minutes (Triton's cache makes reruns fast). FITSERVE_KERNEL_TARGETS=all (or a
+comma-separated list) adds targets; FITSERVE_KERNEL_TARGETS_FULL=1 runs the whole sweep (every head dim, GQA
+group, dtype, KV dtype and window). tests/gpu/test_kernel_targets_gpu.py runs all six targets at once on the
+GPU machine's cores. Each target compiles in a child process: the harness swaps Triton's driver and
+torch.cuda's device queries while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_TARGETS = ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+_CHOSEN = os.environ.get("FITSERVE_KERNEL_TARGETS", "sm_75,sm_86")
+TARGET_NAMES = ALL_TARGETS if _CHOSEN == "all" else tuple(name.strip() for name in _CHOSEN.split(","))
+FULL = os.environ.get("FITSERVE_KERNEL_TARGETS_FULL") == "1"
+
+pytest.importorskip("triton")
+
+
+def compile_target(name: str, full: bool, cases: tuple[str, ...] = ()) -> list[dict]:
+    """The JSON rows of `python -m fitserve.kernels.variants` for one target."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("FITSERVE_KERNEL_TARGET", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "fitserve.kernels.variants", *(["--full"] if full else []), name, *cases]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def describe(row: dict) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in row["options"].items() if k not in ("launch_pdl", "error"))
+    where = f"[{row.get('signature', '')}] from {row['case']}"
+    return f"{row['kernel']}({options}) {where}: {'; '.join(row['problems'])}"
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_every_variant_compiles_and_fits(name: str) -> None:
+    rows = compile_target(name, FULL)
+    failed = [describe(row) for row in rows if row["problems"]]
+    assert not failed, f"{len(failed)} of {len(rows)} variants do not launch on {name}:\n" + "\n".join(failed)
+    kernels = {row["kernel"] for row in rows}
+    # every launch case reached its kernels (a case that stopped early would hide the rest)
+    for kernel in ("_decode_partition_kernel", "_prefill_kernel", "_rms_norm_kernel", "_int4_gemv_kernel"):
+        assert kernel in kernels, f"{kernel} was not compiled for {name}: {sorted(kernels)}"
+    pdl = {row["options"].get("USE_PDL") for row in rows if "USE_PDL" in row["options"]}
+    assert pdl == ({True} if name == "sm_90" else {False}), f"USE_PDL on {name}: {pdl}"
+
+
+def test_the_check_catches_a_variant_that_does_not_fit() -> None:
+    from fitserve.kernels import variants
+
+    t4, h100 = variants.TARGETS_BY_NAME["sm_75"], variants.TARGETS_BY_NAME["sm_90"]
+    big = variants.Usage(shared=140 * 1024, registers=96, local=0, num_warps=4)
+    assert variants.launch_problems(big, h100) == []
+    assert "shared memory 143360 B > 65536 B" in variants.launch_problems(big, t4)[0]
+    # 255 registers x 8 warps: 65536 registers, exactly an SM's; 16 warps of 129 (136 allocated) do not fit
+    assert variants.launch_problems(variants.Usage(0, 255, 0, 8), t4) == []
+    assert "registers" in variants.launch_problems(variants.Usage(0, 129, 0, 16), t4)[0]
+
+
+def test_forced_target_picks_the_small_gpu_configs() -> None:
+    from fitserve.kernels import capability, decode_attention
+
+    assert capability.parse_target("sm75") == capability.parse_target("sm_75") == (7, 5)
+    assert capability.parse_target("7.5") == (7, 5) and capability.parse_target("sm_120") == (12, 0)
+    with pytest.raises(ValueError, match="FITSERVE_KERNEL_TARGET"):
+        capability.parse_target("turing")
+    import torch
+
+    cpu = torch.device("cpu")
+    assert capability.kernel_capability(cpu) is None
+    with capability.forced_target((7, 5)):
+        assert capability.kernel_capability(cpu) == (7, 5)
+        assert capability.shared_memory_per_block((7, 5)) == 64 * 1024
+    assert capability.shared_memory_per_block((8, 7)) == 163 * 1024
+    assert capability.shared_memory_per_block((12, 0)) == 99 * 1024
+    h100 = capability.SHARED_MEMORY_PER_BLOCK[(9, 0)]
+    assert decode_attention.choose_config(8, 8, 1, 132, 128, h100) is decode_attention.WHOLE_CONTEXT_CONFIG
+    t4 = capability.SHARED_MEMORY_PER_BLOCK[(7, 5)]
+    assert decode_attention.choose_config(8, 8, 1, 40, 128, t4) is decode_attention.DEFAULT_DECODE_CONFIG
+
+
+def test_forced_target_from_the_environment() -> None:
+    code = (
+        "import torch; from fitserve.kernels import capability, dependent_launch as d;"
+        "print(capability.kernel_capability(torch.device('cpu')), d.pdl_kwargs(torch.device('cpu')))"
+    )
+    for value, expected in (("sm75", "(7, 5) {'USE_PDL': False"), ("sm_90", "(9, 0) {'USE_PDL': True")):
+        env = dict(os.environ, FITSERVE_KERNEL_TARGET=value, PYTHONPATH=str(REPO))
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith(expected), done.stdout
+
+
+@pytest.mark.parametrize("target", ["sm_75", "sm_86", "sm_90"])
+def test_int4_and_prefill_tiles_fit_each_gpu_and_the_h100_keeps_its_own(target: str) -> None:
+    from fitserve.kernels import capability, int4_gemm, prefill_attention
+
+    cap = capability.parse_target(target)
+    shared = capability.shared_memory_per_block(cap)
+    for rows in (1, 16, 32, 64, 128, 512, 4096):
+        config = int4_gemm.choose_config(rows, 4096, 4096, 132, shared)
+        assert config.kernel == "gemv" or int4_gemm.dot_shared_bytes(config) <= shared, (target, rows, config)
+        if target == "sm_90":
+            assert config == int4_gemm.choose_config(rows, 4096, 4096, 132), rows
+    for head_dim in (64, 128, 256, 512):
+        for tokens, seqs in ((64, 8), (4096, 1)):
+            config = prefill_attention.choose_prefill_config(tokens, seqs, head_dim, shared, cap >= (8, 0))
+            if cap < (8, 0):
+                block_n = config.block_n if head_dim <= 128 else min(config.block_n, 32)
+                assert prefill_attention.fma_dot_shared_bytes(config.block_m, block_n, head_dim) <= shared
+            if target == "sm_90":
+                assert config is prefill_attention.choose_prefill_config(tokens, seqs, head_dim)
+
+
+def test_chunked_gated_delta_kernel_refuses_gpus_below_sm80() -> None:
+    import torch
+
+    from fitserve.kernels import capability, gated_delta_chunk
+
+    cpu = torch.device("cpu")
+    assert gated_delta_chunk.runs_on(cpu)  # the interpreter's
+    with capability.forced_target((8, 6)):
+        assert gated_delta_chunk.runs_on(cpu)
+        assert gated_delta_chunk.default_block_v(128, capability.shared_memory_per_block((8, 6))) == 32
+    assert gated_delta_chunk.default_block_v(128, capability.SHARED_MEMORY_PER_BLOCK[(9, 0)]) == 64
+    with capability.forced_target((7, 5)):
+        assert not gated_delta_chunk.runs_on(cpu)
+        q = torch.zeros(4, 2, 128)
+        with pytest.raises(ValueError, match="needs compute capability 8.0 .* 7.5 GPU"):
+            gated_delta_chunk.chunk_gated_delta_rule_kernel(
+                q,
+                q,
+                torch.zeros(4, 4, 128),
+                torch.zeros(4, 4),
+                torch.zeros(4, 4),
+                torch.zeros(1, 4, 128, 128),
+                [4],
+                [0],
+                [False],
+            )
