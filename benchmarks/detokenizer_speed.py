@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
-from fitserve.engine.token_bytes import token_byte_table
+from fitserve.token_bytes import token_byte_table
 
 TOKENIZER = "/work/shared/tokenizers/smollm2"
 NUM_SEQUENCES = 256  # tokens per engine step: one per running sequence

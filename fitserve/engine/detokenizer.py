@@ -1,6 +1,6 @@
 """Incremental detokenization and stop-string matching for one sequence.
 
-Fast path: when the tokenizer has a token byte table (fitserve/engine/token_bytes.py: byte-level BPE
+Fast path: when the tokenizer has a token byte table (fitserve/token_bytes.py: byte-level BPE
 and sentencepiece-style decoders), each token's raw bytes go through an incremental UTF-8 decoder,
 O(1) per token; bytes of an unfinished character are held back (at most 3). The text equals
 `tokenizer.decode` of the output ids (after `finish`), except for the documented byte-fallback case
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitserve.core.sampling_params import SamplingParams
-from fitserve.engine.token_bytes import TokenByteStream, token_byte_table
+from fitserve.token_bytes import TokenByteStream, token_byte_table
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first output token, for leading-space context.

@@ -21,7 +21,6 @@ from fitserve.core.state_slots import with_state_slots
 from fitserve.engine.detokenizer import IncrementalDetokenizer
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
 from fitserve.engine.step_failures import StepFailures
-from fitserve.engine.token_bytes import token_byte_table
 from fitserve.kv_groups import group_num_blocks
 from fitserve.kv_layers import LINEAR
 from fitserve.logger import configure_default_logging
@@ -42,6 +41,7 @@ from fitserve.spec_decode.eagle3 import (
 )
 from fitserve.spec_decode.speculator import Speculator
 from fitserve.structured.manager import StructuredOutputManager
+from fitserve.token_bytes import token_byte_table
 from fitserve.worker.executor import create_executor
 from fitserve.worker.model_runner import LaunchedStep, RequestsFailedError
 from fitserve.worker.rank_failure import RankFailedError

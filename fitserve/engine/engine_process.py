@@ -185,9 +185,9 @@ def _how_it_ended(process: multiprocessing.process.BaseProcess) -> str:
 
 def _load_tokenizer(config: Any) -> Any:
     """The tokenizer as the Engine loads it (fitserve/engine/engine.py)."""
-    from fitserve.engine.token_bytes import token_byte_table
     from fitserve.models.loader import load_tokenizer
     from fitserve.models.resolve import resolve_tokenizer_path
+    from fitserve.token_bytes import token_byte_table
 
     model = config.model
     folder = resolve_tokenizer_path(model.tokenizer, model.tokenizer_revision)

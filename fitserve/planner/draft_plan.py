@@ -41,12 +41,16 @@ def _eagle3_footprint(
     buffer of the three layers' hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows);
     its KV: one layer's K and V per token."""
     from fitserve.models.loader import load_hf_config
-    from fitserve.spec_decode.draft_model import _resolve_draft
-    from fitserve.spec_decode.eagle3 import _read_keys, _weight_files, eagle3_parameter_count
+    from fitserve.planner.draft_checkpoint import (
+        eagle3_parameter_count,
+        read_keys,
+        resolve_draft,
+        weight_files,
+    )
 
-    path, _ = _resolve_draft(speculative.model, speculative.revision)
+    path, _ = resolve_draft(speculative.model, speculative.revision)
     config = load_hf_config(path, trust_remote_code=trust_remote_code)
-    keys = set() if load_format == "dummy" else _read_keys(_weight_files(path))
+    keys = set() if load_format == "dummy" else read_keys(weight_files(path))
     element = DTYPE_BYTES[inputs.dtype]
     weights = eagle3_parameter_count(config, "embed_tokens.weight" in keys) * element
     draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)

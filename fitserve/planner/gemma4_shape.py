@@ -11,11 +11,11 @@ serves the text model only.
 
 `active` counts the experts a token runs (top_k_experts of num_experts), as "26B-A4B" names 3.8 B.
 
-A quantized checkpoint (layers/quantization): `gemma4_projections` sizes every linear the checkpoint may
-store quantized by the name it gives it (attention, dense MLP, the E models' per-layer input gate,
-projection and model projection, the MoE router), and `gemma4_quantized` keeps those the format stores
-quantized, its ignore list honoured as the model honours it (models/gemma4_layers.quantized_method), for
-the bytes the planner counts and the shape checks made before loading. The MoE experts are not sized: a
+A quantized checkpoint: layers/quantization/layer_projections.py's `gemma4_projections` sizes every linear
+the checkpoint may store quantized by the name it gives it (attention, dense MLP, the E models' per-layer
+input gate, projection and model projection, the MoE router), and `gemma4_quantized` keeps those the format
+stores quantized, its ignore list honoured as the model honours it (models/gemma4_layers.quantized_method),
+for the bytes the planner counts and the shape checks made before loading. The MoE experts are not sized: a
 checkpoint that quantizes them is refused (gemma4_config.refuse_quantized_experts).
 """
 
@@ -63,61 +63,3 @@ def gemma4_counts(config: Any) -> ArchitectureCounts:
         experts=experts,
         active_experts=active_experts,
     )
-
-
-def is_gemma4(config: Any) -> bool:
-    """A Gemma-4 text config as gemma4_config.py flattens it."""
-    return str(getattr(config, "model_type", "")) == "gemma4_text"
-
-
-def gemma4_projections(config: Any, fused: bool = False) -> dict[str, tuple[int, int]]:
-    """Every linear outside the experts that a quantized checkpoint may store quantized, by the module
-    name the checkpoint gives it (under `weights_prefix`: `model.language_model.` for the
-    ConditionalGeneration form) -> (in_features, out_features). `fused`: q/k/v and gate/up as the one
-    layer fitserve fuses each into, keyed by q_proj's and gate_proj's names."""
-    specs = kv_layer_specs(config)
-    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
-    per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
-    prefix = getattr(config, "weights_prefix", "model.")
-    k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
-    shapes: dict[str, tuple[int, int]] = {}
-    for index, spec in enumerate(specs):
-        layer = f"{prefix}layers.{index}."
-        shared = not spec.owns_cache(index)
-        q, kv = heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        kv_names = (
-            () if shared else ("k_proj",) if k_eq_v and spec.layer_type == FULL else ("k_proj", "v_proj")
-        )
-        if fused:
-            shapes[f"{layer}self_attn.q_proj"] = (hidden, q + kv * len(kv_names))
-        else:
-            shapes[f"{layer}self_attn.q_proj"] = (hidden, q)
-            shapes.update({f"{layer}self_attn.{name}": (hidden, kv) for name in kv_names})
-        shapes[f"{layer}self_attn.o_proj"] = (q, hidden)
-        double = bool(getattr(config, "use_double_wide_mlp", False)) and shared
-        inter = int(config.intermediate_size) * (2 if double else 1)
-        if fused:
-            shapes[f"{layer}mlp.gate_proj"] = (hidden, 2 * inter)
-        else:
-            shapes[f"{layer}mlp.gate_proj"] = shapes[f"{layer}mlp.up_proj"] = (hidden, inter)
-        shapes[f"{layer}mlp.down_proj"] = (inter, hidden)
-        if per_layer:
-            shapes[f"{layer}per_layer_input_gate"] = (hidden, per_layer)
-            shapes[f"{layer}per_layer_projection"] = (per_layer, hidden)
-        if getattr(config, "enable_moe_block", False):
-            shapes[f"{layer}router.proj"] = (hidden, int(config.num_experts))
-    if per_layer:
-        shapes[f"{prefix}per_layer_model_projection"] = (hidden, int(config.num_hidden_layers) * per_layer)
-    return shapes
-
-
-def gemma4_quantized(fmt: Any, config: Any, fused: bool = False) -> dict[str, tuple[int, int]]:
-    """The projections (gemma4_projections) that the quantized format `fmt` holds quantized: those its
-    ignore list leaves out under neither the checkpoint's name nor the name fitserve reads it as
-    (`model.layers...`), as the model decides."""
-    prefix = getattr(config, "weights_prefix", "model.")
-    return {
-        name: shape
-        for name, shape in gemma4_projections(config, fused).items()
-        if fmt.quantizes(name) and fmt.quantizes("model." + name.removeprefix(prefix))
-    }

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 
+from fitserve.layers.quantization.layer_projections import is_gemma4
 from fitserve.layers.quantization.quant_config import Int4Format, check_layer_shapes, int4_format
 from fitserve.models.gemma4_config import refuse_quantized_experts
 from fitserve.models.qwen3_5_config import refuse_quantized_moe
 from fitserve.planner.bnb_headers import check_bnb_checkpoint
-from fitserve.planner.gemma4_shape import is_gemma4
 from fitserve.planner.model_info import ModelInfo
 
 logger = logging.getLogger("fitserve")

@@ -14,10 +14,11 @@ parallel each rank holds 1/n of it (the heads split evenly: planner/memory.py st
 Every DeltaNet parameter splits by heads with its layer (conv1d, A_log, dt_bias included), though `replicated`
 counts them whole: a few KB per layer, counted on every rank.
 
-A quantized checkpoint (layers/quantization): `qwen3_5_projections` sizes each decoder linear by the name the
-checkpoint gives it, and `qwen3_5_quantized` keeps those the format stores quantized (its ignore list
-honoured as the model honours it), for the bytes the planner counts (int4_formats, fp8_shapes, bnb_sizes)
-and the shape checks made before loading (quant_config.check_layer_shapes, bnb_checks).
+A quantized checkpoint: layers/quantization/layer_projections.py's `qwen3_5_projections` sizes each decoder
+linear by the name the checkpoint gives it, and `qwen3_5_quantized` keeps those the format stores quantized
+(its ignore list honoured as the model honours it), for the bytes the planner counts (int4_formats,
+fp8_shapes, bnb_sizes) and the shape checks made before loading (quant_config.check_layer_shapes,
+bnb_checks).
 """
 
 from __future__ import annotations
@@ -76,76 +77,3 @@ def qwen3_5_counts(config: Any) -> Qwen3_5Counts:
         conv_state_elements=conv_elements,
         recurrent_state_elements=recurrent_elements,
     )
-
-
-def is_qwen3_5(config: Any) -> bool:
-    """A Qwen3.5 / Qwen3.6 text config as qwen3_5_config.py flattens it (dense or MoE)."""
-    return str(getattr(config, "model_type", "")) in ("qwen3_5_text", "qwen3_5_moe_text")
-
-
-def qwen3_5_projections(config: Any) -> dict[str, tuple[int, int]]:
-    """Every linear of the decoder layers that a quantized checkpoint may store quantized, by the module name
-    the checkpoint gives it (under `weights_prefix`: `model.language_model.layers.<i>...` for the
-    ConditionalGeneration form, as its quantization_config's ignore list names them) -> (in_features,
-    out_features). A dense model's MLP only: the MoE's experts are not sized here (a quantized MoE is
-    refused, models/qwen3_5.py)."""
-    hidden, head_dim = int(config.hidden_size), int(config.head_dim)
-    heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads) * int(config.head_dim)
-    key_size = int(config.linear_num_key_heads) * int(config.linear_key_head_dim)
-    value_heads = int(config.linear_num_value_heads)
-    value_size = value_heads * int(config.linear_value_head_dim)
-    prefix = f"{getattr(config, 'weights_prefix', 'model.')}layers."
-    full = {
-        "self_attn.q_proj": (hidden, 2 * heads * head_dim),  # query and gate
-        "self_attn.k_proj": (hidden, kv),
-        "self_attn.v_proj": (hidden, kv),
-        "self_attn.o_proj": (heads * head_dim, hidden),
-    }
-    delta_net = {
-        "linear_attn.in_proj_qkv": (hidden, 2 * key_size + value_size),
-        "linear_attn.in_proj_z": (hidden, value_size),
-        "linear_attn.in_proj_b": (hidden, value_heads),
-        "linear_attn.in_proj_a": (hidden, value_heads),
-        "linear_attn.out_proj": (value_size, hidden),
-    }
-    mlp: dict[str, tuple[int, int]] = {}
-    if not getattr(config, "num_experts", None):
-        inter = int(config.intermediate_size)
-        mlp = {
-            "mlp.gate_proj": (hidden, inter),
-            "mlp.up_proj": (hidden, inter),
-            "mlp.down_proj": (inter, hidden),
-        }
-    shapes: dict[str, tuple[int, int]] = {}
-    for index, kind in enumerate(config.layer_types):
-        for suffix, shape in {**(full if kind == FULL_ATTENTION else delta_net), **mlp}.items():
-            shapes[f"{prefix}{index}.{suffix}"] = shape
-    return shapes
-
-
-def qwen3_5_fused_projections(config: Any) -> dict[str, tuple[int, int]]:
-    """qwen3_5_projections with gate_proj and up_proj as the one layer fitserve fuses them into (keyed by
-    gate_proj's name): the layers an int4 GPU form repacks one by one."""
-    shapes = qwen3_5_projections(config)
-    fused: dict[str, tuple[int, int]] = {}
-    for name, (in_features, out_features) in shapes.items():
-        if name.endswith(".mlp.up_proj"):
-            continue
-        if name.endswith(".mlp.gate_proj"):
-            out_features *= 2
-        fused[name] = (in_features, out_features)
-    return fused
-
-
-def qwen3_5_quantized(fmt: Any, config: Any, fused: bool = False) -> dict[str, tuple[int, int]]:
-    """The projections (qwen3_5_projections, or qwen3_5_fused_projections when `fused`) that the quantized
-    format `fmt` holds quantized: those its ignore list leaves out under neither the checkpoint's name nor
-    the name fitserve reads it as (`model.layers...`), as the model decides (models/qwen3_5_layers.py
-    linear_method_of)."""
-    shapes = qwen3_5_fused_projections(config) if fused else qwen3_5_projections(config)
-    prefix = getattr(config, "weights_prefix", "model.")
-    return {
-        name: shape
-        for name, shape in shapes.items()
-        if fmt.quantizes(name) and fmt.quantizes("model." + name.removeprefix(prefix))
-    }

@@ -41,6 +41,7 @@ from fitserve.core.scheduler import ScheduledRequest
 from fitserve.kv_groups import kv_cache_groups
 from fitserve.kv_layers import LINEAR, kv_layer_specs
 from fitserve.layers.attention.metadata import forward_context
+from fitserve.planner.draft_checkpoint import resolve_draft
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.kv_allocation import layer_caches
 from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
@@ -78,7 +79,7 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
             "run the target on one GPU (--tensor-parallel-size 1), or use method ngram with tensor "
             "parallelism"
         )
-    path, source = _resolve_draft(spec.model, spec.revision)
+    path, source = resolve_draft(spec.model, spec.revision)
     hf_config = load_hf_config(path, trust_remote_code=config.model.trust_remote_code)
     _check_vocab(config, spec.model, path, hf_config)
     context = model_max_length(hf_config)
@@ -120,13 +121,6 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
         revision=spec.revision,
         quantization=spec.quantization,
     )
-
-
-def _resolve_draft(model: str, revision: str | None) -> tuple[str, str]:
-    from fitserve.models.resolve import resolve_model
-
-    resolved = resolve_model(model, revision, log=False)
-    return resolved.model_path, resolved.source
 
 
 def _check_vocab(config: EngineConfig, name: str, path: str, hf_config: Any) -> None:
@@ -194,7 +188,7 @@ def _draft_kv_elements(model: str, revision: str | None, trust_remote_code: bool
     if key not in _KV_ELEMENTS:
         from fitserve.models.loader import load_hf_config
 
-        path, _ = _resolve_draft(model, revision)
+        path, _ = resolve_draft(model, revision)
         specs = kv_layer_specs(load_hf_config(path, trust_remote_code=trust_remote_code))
         owned = [spec for index, spec in enumerate(specs) if spec.owns_cache(index)]
         _KV_ELEMENTS[key] = sum(2 * spec.num_kv_heads * spec.head_dim for spec in owned)

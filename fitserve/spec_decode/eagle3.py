@@ -35,7 +35,6 @@ steps run eagerly (one host sync per draft, the tokens' copy).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
@@ -54,7 +53,8 @@ from fitserve.layers.rotary_embedding import RotaryEmbedding, rope_settings_from
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.decoder_blocks import DecoderAttention, DecoderSpec, GatedMLP, head_dim_of
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.spec_decode.draft_model import DraftModel, _DraftSequence, _resolve_draft
+from fitserve.planner.draft_checkpoint import read_keys, resolve_draft, weight_files
+from fitserve.spec_decode.draft_model import DraftModel, _DraftSequence
 from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
 
 if TYPE_CHECKING:
@@ -93,26 +93,6 @@ class Eagle3Checkpoint:
     draft_vocab_size: int
     has_embedding: bool
     d2t: torch.Tensor | None = field(default=None, compare=False)  # int64 [draft_vocab] offsets
-
-
-def _weight_files(path: str) -> list[Path]:
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    return files or sorted(folder.glob("pytorch_model*.bin"))
-
-
-def _read_keys(files: list[Path]) -> set[str]:
-    """The tensor names, from the safetensors headers (a .bin checkpoint is read whole: EAGLE-3 heads are
-    one small file)."""
-    keys: set[str] = set()
-    for file in files:
-        if file.suffix == ".safetensors":
-            with open(file, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                keys.update(k for k in json.loads(f.read(size)) if k != "__metadata__")
-        else:
-            keys.update(torch.load(file, map_location="cpu", weights_only=True))
-    return keys
 
 
 def _read_tensor(files: list[Path], key: str) -> torch.Tensor | None:
@@ -169,7 +149,7 @@ def read_eagle3_checkpoint(
     spec = config.speculative
     assert spec is not None and spec.model is not None
     name = spec.model
-    path, _ = _resolve_draft(name, spec.revision)
+    path, _ = resolve_draft(name, spec.revision)
     hf_config = load_hf_config(path, trust_remote_code=trust_remote_code)
     target = config.model.hf_config
     architectures = list(getattr(hf_config, "architectures", None) or [])
@@ -205,13 +185,13 @@ def read_eagle3_checkpoint(
             f"the EAGLE-3 head {name} reads the target's layers {list(aux_ids)}: it needs three of 0.."
             f"{num_layers} (the target has {num_layers} layers); pick the head trained for this target"
         )
-    files = [] if dummy else _weight_files(path)
+    files = [] if dummy else weight_files(path)
     if not dummy and not files:
         raise ValueError(
             f"the EAGLE-3 head {name} has no weights in {path} (*.safetensors or pytorch_model*.bin): "
             "download it again"
         )
-    keys = frozenset(_read_keys(files)) if files else frozenset()
+    keys = frozenset(read_keys(files)) if files else frozenset()
     if files:
         missing = [k for k in REQUIRED_KEYS if k not in keys]
         if missing:
@@ -285,28 +265,10 @@ def eagle3_kv_elements(config: EngineConfig) -> int:
     from fitserve.models.loader import load_hf_config
 
     spec = config.speculative
-    path, _ = _resolve_draft(spec.model, spec.revision)
+    path, _ = resolve_draft(spec.model, spec.revision)
     c = load_hf_config(path, trust_remote_code=config.model.trust_remote_code)
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * int(heads) * int(head_dim_of(c))
-
-
-def eagle3_parameter_count(hf_config: Any, with_embedding: bool) -> int:
-    """The head's weights (elements): midlayer, fc, norm, lm_head, and its embedding when it has one."""
-    c = hf_config
-    hidden = int(c.hidden_size)
-    target_hidden = int(getattr(c, "target_hidden_size", None) or hidden)
-    heads = int(c.num_attention_heads)
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(head_dim_of(c))
-    draft_vocab = int(getattr(c, "draft_vocab_size", None) or c.vocab_size)
-    attention = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    mlp = 3 * hidden * int(c.intermediate_size)
-    norms = 4 * hidden
-    total = attention + mlp + norms + 3 * target_hidden * hidden + draft_vocab * hidden
-    if with_embedding:
-        total += int(c.vocab_size) * hidden
-    return total
 
 
 def aux_buffer_rows(config: EngineConfig) -> int:

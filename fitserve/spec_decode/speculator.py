@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -37,7 +37,6 @@ from fitserve.spec_decode.stats import SpecDecodeStats
 if TYPE_CHECKING:
     from fitserve.core.request import Request
     from fitserve.core.scheduler import SchedulerOutput
-    from fitserve.spec_decode.draft_model import DraftModel
 
 MAX_VERIFY_TOKENS = 256
 WINDOW_STEPS = 4
@@ -47,6 +46,15 @@ MIN_GAIN_LARGE = 0.6
 PAUSE_STEPS = 16
 PAUSE_GROWTH = 4
 MAX_PAUSE_STEPS = 1024
+
+
+class Drafter(Protocol):
+    """A model that drafts (spec_decode/draft_model.py's DraftModel, eagle3.py's head, which run in the
+    worker layer beside the target's runner)."""
+
+    def propose(self, requests: list[Request], running_ids: set[str]) -> list[list[int]]: ...
+
+    def release(self, request_ids: Iterable[str]) -> None: ...
 
 
 class NgramProposer:
@@ -60,7 +68,7 @@ class NgramProposer:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None) -> None:
         """`draft`: the loaded draft model of method draft_model (fitserve/spec_decode/draft_model.py) or
         the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3.py, a DraftModel), which drafts
         for all the step's requests at once."""

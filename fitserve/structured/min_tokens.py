@@ -251,8 +251,8 @@ _token_costs_lock = threading.Lock()
 
 def token_costs(tokenizer: Any) -> TokenCosts | None:
     """The costs for this tokenizer (built once, ~50 ms for a 49k vocabulary), None when it has no token
-    byte table (fitserve/engine/token_bytes.py): then no bound is given."""
-    from fitserve.engine.token_bytes import token_byte_table
+    byte table (fitserve/token_bytes.py): then no bound is given."""
+    from fitserve.token_bytes import token_byte_table
 
     entry = _token_costs.get(id(tokenizer))
     if entry is not None and entry[0]() is tokenizer:

@@ -20,7 +20,7 @@ from fitserve.engine.detokenizer import (
     IncrementalDetokenizer,
     decode_token,
 )
-from fitserve.engine.token_bytes import CLEANUP_PROBE_TEXT, decode_with_table, token_byte_table
+from fitserve.token_bytes import CLEANUP_PROBE_TEXT, decode_with_table, token_byte_table
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 
 SMOLLM2 = str(SMOLLM2_TOKENIZER_DIR)
@@ -268,7 +268,7 @@ def test_invalid_bytes_are_flushed_after_a_bounded_wait(sp_tokenizer: Any) -> No
     assert detok.output_text.count("\ufffd") == MAX_PENDING_TOKENS + 2
 
 
-# ---- fast path: token byte tables (fitserve/engine/token_bytes.py) -------------------------------
+# ---- fast path: token byte tables (fitserve/token_bytes.py) -------------------------------
 # ASCII, Latin, Greek, Cyrillic, Arabic, Indic, Thai, kana, CJK, Hangul, emoji, math, CJK extension B.
 SCRIPTS = [(32, 126), (0xA0, 0x6FF), (0x900, 0xE7F), (0x3040, 0x9FFF), (0xAC00, 0xD7A3), (0x1F300, 0x2A6DF)]
 

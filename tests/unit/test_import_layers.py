@@ -22,7 +22,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("fitserve.cli", "fitserve.__main__")),
     ("entrypoints", ("fitserve.server", "fitserve.bench")),
     ("engine", ("fitserve.engine",)),
-    ("worker", ("fitserve.worker",)),
+    # the speculative decoders that run a second model beside the target's runner
+    ("worker", ("fitserve.worker", "fitserve.spec_decode.draft_model", "fitserve.spec_decode.eagle3")),
     ("planner", ("fitserve.planner",)),
     ("models", ("fitserve.models",)),
     ("layers", ("fitserve.layers",)),
@@ -46,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fitserve.kv_groups",
             "fitserve.spec_decode.config",
             "fitserve.structured",
+            "fitserve.token_bytes",
         ),
     ),
 )

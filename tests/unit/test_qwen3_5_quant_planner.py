@@ -14,13 +14,13 @@ import torch
 
 from fitserve.layers.linear import UnquantizedLinearMethod
 from fitserve.layers.quantization.int4_method import Int4LinearMethod
+from fitserve.layers.quantization.layer_projections import qwen3_5_quantized
 from fitserve.layers.quantization.methods import stored_from_config
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.registry import get_model_class
 from fitserve.planner.model_info import inspect_model
 from fitserve.planner.quantized_checkpoint import check_quantized_checkpoint
-from fitserve.planner.qwen3_5_shape import qwen3_5_quantized
 from tests.paths import MODELS_DIR
 from tests.unit.tp_helpers import on_rank
 

@@ -19,12 +19,12 @@ import torch
 
 from fitserve.cli.main import main
 from fitserve.engine.engine import _load_tokenizer_and_table
-from fitserve.engine.token_bytes import _tables
 from fitserve.models import loader
 from fitserve.models.gguf_convert import collector_on
 from fitserve.server import startup_gc
 from fitserve.server.api_server import GRAMMAR_PRELOAD_DELAY_S, freeze_startup_heap, preload_grammar_backend
 from fitserve.structured.manager import StructuredOutputManager
+from fitserve.token_bytes import _tables
 from tests.paths import REPO_DIR, SMOLLM2_TOKENIZER_DIR
 from tests.unit.server_helpers import smollm2_tokenizer
 from tests.unit.test_engine_vs_hf import save_tiny_model

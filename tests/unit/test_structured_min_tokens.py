@@ -15,11 +15,11 @@ import pytest
 import xgrammar as xgr
 
 from fitserve import LLM, SamplingParams
-from fitserve.engine.token_bytes import token_byte_table
 from fitserve.structured import StructuredOutputsParams
 from fitserve.structured import min_tokens as mt
 from fitserve.structured.backend import build_grammar, validate
 from fitserve.structured.manager import StructuredOutputManager
+from fitserve.token_bytes import token_byte_table
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.server_helpers import build_test_client, smollm2_tokenizer

@@ -28,8 +28,12 @@ def check_bnb_tensors(
 ) -> None:
     """`tensors`: every checkpoint tensor's name -> (safetensors dtype, shape). ValueError on the first
     quantized projection that does not hold what a bitsandbytes 4-bit checkpoint of config.json holds."""
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_quantized,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_quantized,
+    )
 
     if is_qwen3_5(hf_config):  # each quantized module by its checkpoint name (its layers differ)
         for module, (k, n) in qwen3_5_quantized(fmt, hf_config).items():

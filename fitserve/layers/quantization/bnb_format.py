@@ -155,8 +155,12 @@ def check_bnb_flag(flag: str, raw: Mapping[str, Any] | None) -> None:
 def check_bnb_layer_shapes(fmt: BnbFormat, hf_config: Any) -> None:
     """ValueError when a quantized projection's input dim is odd, or (quantizing while loading) not a
     multiple of the block size: fitserve keeps every block inside one weight row."""
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_quantized,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_quantized,
+    )
 
     if is_qwen3_5(hf_config):  # each quantized module by its checkpoint name (its layers differ)
         inputs = {name: k for name, (k, _) in qwen3_5_quantized(fmt, hf_config).items()}

@@ -22,8 +22,12 @@ def held_bytes(params: int, blocksize: int = DEFAULT_BLOCKSIZE) -> int:
 def stored_bnb_from_config(fmt: BnbFormat, hf_config: Any) -> tuple[int, int] | None:
     """(parameters the quantized projections hold, the bytes fitserve holds them in); None for a config
     this does not size (MoE)."""
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_quantized,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_quantized,
+    )
 
     if is_gemma4(hf_config):  # its experts stay 16-bit (a format quantizing them is refused)
         params = sum(k * n for k, n in gemma4_quantized(fmt, hf_config).values())

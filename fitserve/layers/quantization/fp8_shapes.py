@@ -38,8 +38,12 @@ def stored_fp8_from_config(fmt: Fp8Format, hf_config: Any) -> tuple[int, int] | 
     """(parameters its fp8 projections hold, the bytes fitserve keeps for them) from config.json's
     shapes; None for a config this does not size (MoE). Fused projections are counted one by one, which
     is the same sum."""
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_quantized,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_quantized,
+    )
 
     if is_gemma4(hf_config):  # its experts stay 16-bit (a format quantizing them is refused)
         quantized = gemma4_quantized(fmt, hf_config).values()
@@ -63,8 +67,12 @@ def stored_fp8_from_config(fmt: Fp8Format, hf_config: Any) -> tuple[int, int] | 
 
 def fp8_scale_bytes(hf_config: Any) -> int:
     """--quantization fp8: the per-channel float32 scales of every decoder projection (4 bytes a row)."""
-    from fitserve.planner.gemma4_shape import gemma4_projections, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_projections
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_projections,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_projections,
+    )
 
     if is_gemma4(hf_config):
         return 4 * sum(out for _, out in gemma4_projections(hf_config).values())

@@ -147,7 +147,7 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
     if is_moe(hf_config):
         return None
     qwen3_5 = _qwen3_5_quantized(fmt, hf_config)
-    if qwen3_5 is not None:  # per-layer projections of its own (planner/qwen3_5_shape.py)
+    if qwen3_5 is not None:  # per-layer projections of its own (layer_projections.py)
         return _stored_int4(fmt, qwen3_5.values())
     shapes = projection_shapes(hf_config)
     params = stored = 0
@@ -194,9 +194,9 @@ def gpu_extra_from_config(fmt: Int4Format, hf_config: Any, dtype_bytes: int = 2)
 def _qwen3_5_quantized(
     fmt: Int4Format, hf_config: Any, fused: bool = False
 ) -> dict[str, tuple[int, int]] | None:
-    """A Qwen3.5 config's quantized projections (planner/qwen3_5_shape.qwen3_5_quantized); None for any
+    """A Qwen3.5 config's quantized projections (layer_projections.qwen3_5_quantized); None for any
     other config."""
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import is_qwen3_5, qwen3_5_quantized
 
     return qwen3_5_quantized(fmt, hf_config, fused) if is_qwen3_5(hf_config) else None
 
@@ -204,9 +204,9 @@ def _qwen3_5_quantized(
 def _gemma4_quantized(
     fmt: Int4Format, hf_config: Any, fused: bool = False
 ) -> dict[str, tuple[int, int]] | None:
-    """A Gemma-4 config's quantized projections (planner/gemma4_shape.gemma4_quantized); None for any
+    """A Gemma-4 config's quantized projections (layer_projections.gemma4_quantized); None for any
     other config."""
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
+    from fitserve.layers.quantization.layer_projections import gemma4_quantized, is_gemma4
 
     return gemma4_quantized(fmt, hf_config, fused) if is_gemma4(hf_config) else None
 

@@ -250,8 +250,12 @@ def check_layer_shapes(fmt: Int4Format | Fp8Format, hf_config: Any) -> None:
     if isinstance(fmt, BnbFormat):
         check_bnb_layer_shapes(fmt, hf_config)
         return
-    from fitserve.planner.gemma4_shape import gemma4_quantized, is_gemma4
-    from fitserve.planner.qwen3_5_shape import is_qwen3_5, qwen3_5_quantized
+    from fitserve.layers.quantization.layer_projections import (
+        gemma4_quantized,
+        is_gemma4,
+        is_qwen3_5,
+        qwen3_5_quantized,
+    )
 
     if is_qwen3_5(hf_config):  # each quantized module by its checkpoint name (its layers differ)
         inputs = qwen3_5_quantized(fmt, hf_config)
