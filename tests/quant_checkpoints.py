@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,40 @@ def write_quantized(folder: Path, hf_model: nn.Module, spec: QuantSpec, seed: in
         shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
     checkpoint.dequantized_model = dequantized_model.eval()
     return checkpoint
+
+
+def write_hf_checkpoint(
+    folder: Path,
+    hf_model: nn.Module,
+    quantize: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+    quantizes: Callable[[str], bool],
+    quantization_config: dict[str, Any] | None,
+) -> tuple[nn.Module, list[str]]:
+    """Writes config.json (with `quantization_config` when given), model.safetensors and the tokenizer:
+    each `.weight` whose module `quantizes` stored as `quantize(module, weight)` gives it (tensors by
+    suffix, and the dequantized weight), the rest as they are. Returns the HF model with the dequantized
+    weights (the reference) and the modules stored quantized."""
+    folder.mkdir(parents=True, exist_ok=True)
+    reference = copy.deepcopy(hf_model).eval()
+    reference_state = reference.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: list[str] = []
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and quantizes(module)):
+            tensors[name] = tensor.detach().clone().contiguous()
+            continue
+        parts, dequantized = quantize(module, tensor.detach())
+        with torch.no_grad():
+            reference_state[name].copy_(dequantized)
+        for suffix, value in parts.items():
+            tensors[f"{module}{suffix}"] = value.contiguous()
+        quantized.append(module)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = hf_model.config.to_dict()
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    return reference, quantized

@@ -57,6 +57,25 @@ GiB = 1 << 30
 
 
 # ---- checks and the draft's configuration (before any weight loads) ---------------------------------
+def check_one_device(config: EngineConfig, method: str, drafter: str) -> None:
+    """Refuses tensor parallelism for a method that runs a second model (`drafter`: "draft", "head") on
+    the target's one device, and a draft_tensor_parallel_size other than 1 or the target's."""
+    tp = config.parallel.tensor_parallel_size
+    draft_tp = config.speculative.draft_tensor_parallel_size
+    if draft_tp is not None and draft_tp not in (1, tp):
+        raise ValueError(
+            f"--speculative-config draft_tensor_parallel_size is {draft_tp}: it must be 1 or the target's "
+            f"--tensor-parallel-size ({tp}); fitserve runs the {drafter} on one device, so set 1 or drop "
+            "the key"
+        )
+    if tp > 1:
+        raise ValueError(
+            f"--speculative-config method {method} with --tensor-parallel-size {tp} is not built yet: "
+            "run the target on one GPU (--tensor-parallel-size 1), or use method ngram with tensor "
+            "parallelism"
+        )
+
+
 def draft_model_config(config: EngineConfig) -> ModelConfig:
     """The draft's ModelConfig (the target's dtype, max_model_len, load format when dummy, seed), after
     refusing what cannot run: tensor parallelism, a vocabulary other than the target's, a context shorter
@@ -66,19 +85,7 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
 
     spec = config.speculative
     assert spec is not None and spec.model is not None
-    tp = config.parallel.tensor_parallel_size
-    draft_tp = spec.draft_tensor_parallel_size
-    if draft_tp is not None and draft_tp not in (1, tp):
-        raise ValueError(
-            f"--speculative-config draft_tensor_parallel_size is {draft_tp}: it must be 1 or the target's "
-            f"--tensor-parallel-size ({tp}); fitserve runs the draft on one device, so set 1 or drop the key"
-        )
-    if tp > 1:
-        raise ValueError(
-            f"--speculative-config method draft_model with --tensor-parallel-size {tp} is not built yet: "
-            "run the target on one GPU (--tensor-parallel-size 1), or use method ngram with tensor "
-            "parallelism"
-        )
+    check_one_device(config, "draft_model", "draft")
     path, source = resolve_draft(spec.model, spec.revision)
     hf_config = load_hf_config(path, trust_remote_code=config.model.trust_remote_code)
     _check_vocab(config, spec.model, path, hf_config)

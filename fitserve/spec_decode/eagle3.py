@@ -54,7 +54,7 @@ from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddi
 from fitserve.models.decoder_blocks import DecoderAttention, DecoderSpec, GatedMLP, head_dim_of
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.planner.draft_checkpoint import read_keys, resolve_draft, weight_files
-from fitserve.spec_decode.draft_model import DraftModel, _DraftSequence
+from fitserve.spec_decode.draft_model import DraftModel, _DraftSequence, check_one_device
 from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
 
 if TYPE_CHECKING:
@@ -238,19 +238,7 @@ def check_eagle3_target(config: EngineConfig) -> None:
     from fitserve.models.decoder_blocks import DecoderForCausalLM
     from fitserve.models.registry import get_model_class
 
-    spec = config.speculative
-    tp = config.parallel.tensor_parallel_size
-    draft_tp = spec.draft_tensor_parallel_size
-    if draft_tp is not None and draft_tp not in (1, tp):
-        raise ValueError(
-            f"--speculative-config draft_tensor_parallel_size is {draft_tp}: it must be 1 or the target's "
-            f"--tensor-parallel-size ({tp}); fitserve runs the head on one device, so set 1 or drop the key"
-        )
-    if tp > 1:
-        raise ValueError(
-            f"--speculative-config method eagle3 with --tensor-parallel-size {tp} is not built yet: run the "
-            "target on one GPU (--tensor-parallel-size 1), or use method ngram with tensor parallelism"
-        )
+    check_one_device(config, "eagle3", "head")
     model_class = get_model_class(config.model.hf_config)
     if not issubclass(model_class, DecoderForCausalLM):
         raise ValueError(

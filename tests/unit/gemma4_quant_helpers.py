@@ -13,8 +13,6 @@ as the published checkpoints keep them.
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from fitserve.layers.attention.metadata import forward_context
@@ -32,7 +30,6 @@ from fitserve.models.registry import get_model_class
 from tests import bnb_checkpoints, fp8_checkpoints, quant_checkpoints
 from tests.bnb_checkpoints import BnbSpec
 from tests.fp8_checkpoints import Fp8Spec
-from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.quant_checkpoints import QuantSpec
 from tests.unit.gemma4_helpers import BASE, CASES, F, S, build_hf, conditional_config
 
@@ -105,29 +102,13 @@ def write_checkpoint(
 ) -> QuantizedGemma:
     """Writes config.json (with `quantization_config`), model.safetensors and the tokenizer: each
     projection not `skip`ped stored as `quantize(module, weight)` gives it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    reference = copy.deepcopy(hf_model).eval()
-    reference_state = reference.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    quantized: list[str] = []
-    for name, tensor in sorted(hf_model.state_dict().items()):
-        module = name.removesuffix(".weight")
-        if not _is_projection(name) or skip(module):
-            tensors[name] = tensor.detach().clone().contiguous()
-            continue
-        parts, dequantized = quantize(module, tensor.detach())
-        with torch.no_grad():
-            reference_state[name].copy_(dequantized)
-        for suffix, value in parts.items():
-            tensors[f"{module}{suffix}"] = value.contiguous()
-        quantized.append(module)
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = hf_model.config.to_dict()
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    reference, quantized = quant_checkpoints.write_hf_checkpoint(
+        folder,
+        hf_model,
+        quantize,
+        lambda module: _is_projection(module + ".weight") and not skip(module),
+        quantization_config,
+    )
     return QuantizedGemma(folder, reference, quantized)
 
 

@@ -12,21 +12,17 @@ one rank and on each of two). in_proj_b and in_proj_a (4 rows, too few for int4'
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from tests import bnb_checkpoints, fp8_checkpoints, quant_checkpoints
 from tests.bnb_checkpoints import BnbSpec
 from tests.fp8_checkpoints import Fp8Spec
-from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.quant_checkpoints import QuantSpec
 from tests.unit.qwen3_5_helpers import build_hf, make_config
 
@@ -78,29 +74,13 @@ def write_checkpoint(
 ) -> QuantizedQwen:
     """Writes config.json (with `quantization_config`), model.safetensors and the tokenizer: each decoder
     projection not `skip`ped stored as `quantize(module, weight)` gives it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    reference = copy.deepcopy(hf_model).eval()
-    reference_state = reference.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    quantized: list[str] = []
-    for name, tensor in sorted(hf_model.state_dict().items()):
-        module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS) or skip(module):
-            tensors[name] = tensor.detach().clone().contiguous()
-            continue
-        parts, dequantized = quantize(module, tensor.detach())
-        with torch.no_grad():
-            reference_state[name].copy_(dequantized)
-        for suffix, value in parts.items():
-            tensors[f"{module}{suffix}"] = value.contiguous()
-        quantized.append(module)
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = hf_model.config.to_dict()
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    reference, quantized = quant_checkpoints.write_hf_checkpoint(
+        folder,
+        hf_model,
+        quantize,
+        lambda module: module.split(".")[-1] in PROJECTIONS and not skip(module),
+        quantization_config,
+    )
     return QuantizedQwen(folder, reference, quantized)
 
 
