@@ -131,7 +131,8 @@ class EngineArgs:
         "auto",
         "KV cache dtype. auto: the model dtype. fp8 (= fp8_e4m3, as in vLLM) or fp8_e5m2: one byte per "
         "element, twice the tokens of a 16-bit cache, at a small accuracy cost; per-layer k/v scales come "
-        "from the checkpoint, else 1.0. On CUDA, fp8_e4m3 needs compute capability 8.9.",
+        "from the checkpoint, else 1.0. On CUDA, float8 caches need compute capability 7.0; below 8.9 the "
+        "kernels convert e4m3 from its bytes.",
         choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
     )
     tensor_parallel_size: int = _flag(
@@ -143,7 +144,10 @@ class EngineArgs:
         aliases=["-tp"],
     )
     pipeline_parallel_size: int = _flag(
-        1, "Pipeline stages (only 1 supported yet).", type=int, aliases=["-pp"]
+        1,
+        "Pipeline stages on one machine (Llama, Mistral, Qwen2, Qwen3; tp x pp GPUs).",
+        type=int,
+        aliases=["-pp"],
     )
     enforce_eager: bool = _flag(False, "Never capture CUDA graphs; run every step eagerly.", **_BOOL)
     trust_remote_code: bool = _flag(False, "Allow the model's own Python code from the hub.", **_BOOL)

@@ -45,17 +45,13 @@ def refuse_unsupported(args: EngineArgs) -> None:
             f"drop --quantization; {CLOSEST_QUANTIZATION}",
             f"delete that key; {CLOSEST_QUANTIZATION}",
         ),
-        (
-            "pipeline_parallel_size",
-            args.pipeline_parallel_size > 1,
-            f"--pipeline-parallel-size {args.pipeline_parallel_size}",
-            "set --pipeline-parallel-size 1",
-            "set it to 1",
-        ),
+        *_pipeline_refusals(args),
         (
             "distributed_executor_backend",
             args.distributed_executor_backend is not None
-            and not _local_backend(args.distributed_executor_backend, args.tensor_parallel_size),
+            and not _local_backend(
+                args.distributed_executor_backend, args.tensor_parallel_size * args.pipeline_parallel_size
+            ),
             f"--distributed-executor-backend {args.distributed_executor_backend}",
             "drop it or set --distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as "
             "processes of this host",
@@ -175,10 +171,47 @@ def refuse_unsupported(args: EngineArgs) -> None:
         logger.info("%s: %s (results are unchanged)", flag, note)
 
 
-def _local_backend(backend: str, tensor_parallel_size: int) -> bool:
+def _local_backend(backend: str, num_ranks: int) -> bool:
     """vLLM's executor backends fitserve's own matches: mp (a process per rank on this host), and uni
     (one process) while there is one rank."""
-    return backend == "mp" or (backend == "uni" and tensor_parallel_size == 1)
+    return backend == "mp" or (backend == "uni" and num_ranks == 1)
+
+
+def _pipeline_refusals(args: EngineArgs) -> list[tuple[str, bool, str, str, str]]:
+    """--pipeline-parallel-size runs (worker/pipeline_stage.py), but not combined with these."""
+    stages = args.pipeline_parallel_size
+    flag = f"--pipeline-parallel-size {stages}"
+    one_stage = "or set --pipeline-parallel-size 1"
+    return [
+        (
+            "pipeline_parallel_size",
+            stages > 1 and args.speculative_config is not None,
+            f"{flag} with --speculative-config",
+            f"drop --speculative-config (the drafters run beside a whole model), {one_stage}",
+            f"delete speculative_config (the drafters run beside a whole model), {one_stage}",
+        ),
+        (
+            "pipeline_parallel_size",
+            stages > 1 and args.enable_expert_parallel,
+            f"{flag} with --enable-expert-parallel",
+            f"drop --enable-expert-parallel (experts then split across --tensor-parallel-size), {one_stage}",
+            f"delete enable_expert_parallel (experts then split across tensor-parallel ranks), {one_stage}",
+        ),
+        (
+            "pipeline_parallel_size",
+            stages > 1 and args.cpu_offload_gb > 0,
+            f"{flag} with --cpu-offload-gb {args.cpu_offload_gb}",
+            f"drop --cpu-offload-gb: each stage's GPU holds only its layers; raise the stages, {one_stage}",
+            f"delete cpu_offload_gb: each stage's GPU holds only its layers; raise the stages, {one_stage}",
+        ),
+        (
+            "pipeline_parallel_size",
+            stages > 1 and args.data_parallel_size > 1,
+            f"{flag} with --data-parallel-size {args.data_parallel_size}",
+            f"set --data-parallel-size 1 (each replica would need its own {stages} stages), {one_stage}",
+            f"set data_parallel_size to 1 (each replica would need its own {stages} stages), {one_stage}",
+        ),
+    ]
 
 
 def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:

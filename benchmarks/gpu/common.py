@@ -138,3 +138,15 @@ def run_figure_process(script: str, figure_args: list[str], timeout_s: float) ->
     if not lines:
         return {"error": (done.stderr or done.stdout)[-3000:]}
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def random_prompts(rng, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` random token ids below 30,000 (every tokenizer here has them)."""
+    return [[rng.randint(0, 30000) for _ in range(length)] for _ in range(n)]
+
+
+def greedy_params(max_tokens: int):
+    """Greedy sampling of exactly max_tokens tokens (eos ignored)."""
+    from fitserve import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

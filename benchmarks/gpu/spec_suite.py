@@ -35,12 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, machine, save  # noqa: I001
+from common import MODELS, TOKENIZER, greedy_params, machine, random_prompts, run_figure_process, save  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
@@ -72,29 +71,19 @@ def _llama(**kwargs):
     )
 
 
-def _prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
-    return [[rng.randint(0, 30000) for _ in range(length)] for _ in range(n)]
-
-
-def _greedy(max_tokens: int):
-    from fitserve import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def _batch1(llm, prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
     """Seconds per request (the first, a warm-up, not counted) and every request's tokens."""
     times, outputs = [], []
     for prompt in prompts:
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], _greedy(256), use_tqdm=False)[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy_params(256), use_tqdm=False)[0]
         times.append(time.perf_counter() - start)
         outputs.append(list(out.outputs[0].token_ids))
     return times[1:], outputs
 
 
 def _concurrent(llm, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(256), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(256), use_tqdm=False)
     tpots = []
     for out in outs:
         m = out.metrics
@@ -104,14 +93,14 @@ def _concurrent(llm, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
 
 def _workload() -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(0)
-    return _prompts(rng, 4, 128), _prompts(rng, 32, 512)
+    return random_prompts(rng, 4, 128), random_prompts(rng, 32, 512)
 
 
 def baseline8b(work: Path) -> dict:
     single, c32 = _workload()
     llm = _llama()
     times, single_out = _batch1(llm, single)
-    llm.generate([{"prompt_token_ids": c32[0][:64]}], _greedy(8), use_tqdm=False)  # warm
+    llm.generate([{"prompt_token_ids": c32[0][:64]}], greedy_params(8), use_tqdm=False)  # warm
     tpot, c32_out = _concurrent(llm, c32)
     (work / "answers.json").write_text(json.dumps({"single": single_out, "c32": c32_out}))
     return {
@@ -236,7 +225,7 @@ def _draft_cost(llm, name: str) -> dict:
     for batch in (1, 8):
         requests = [
             Request(f"d{batch}-{i}", f"d{batch}-{i}", 0, p, SamplingParams(max_tokens=256), frozenset())
-            for i, p in enumerate(_prompts(rng, batch, 128))
+            for i, p in enumerate(random_prompts(rng, batch, 128))
         ]
         ids = {r.request_id for r in requests}
         draft.propose(requests, ids)  # the prompts' catch-up; each later draft recomputes the last token
@@ -251,10 +240,10 @@ def _draft_cost(llm, name: str) -> dict:
         draft.propose([], set())  # gives their blocks back
     # the target alone: speculation off for this engine, graphs on
     engine.speculator = None
-    prompt = _prompts(rng, 1, 128)[0]
-    llm.generate([{"prompt_token_ids": prompt}], _greedy(16), use_tqdm=False)  # warm
+    prompt = random_prompts(rng, 1, 128)[0]
+    llm.generate([{"prompt_token_ids": prompt}], greedy_params(16), use_tqdm=False)  # warm
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], _greedy(256), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompt}], greedy_params(256), use_tqdm=False)
     step_ms = 1000 * (time.perf_counter() - start) / 256
     engine.speculator = speculator
     result["target_step_ms_batch1"] = round(step_ms, 3)
@@ -279,20 +268,8 @@ def main() -> None:
         return
     figures: dict = {}
     for figure in args.figures.split(","):
-        command = [sys.executable, __file__, "one", "--figure", figure, "--work", str(work)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.figure_timeout_s)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            figures[figure] = (
-                json.loads(lines[-1][len("RESULT ") :])
-                if lines
-                else {"error": (done.stderr or done.stdout)[-3000:]}
-            )
-        except subprocess.TimeoutExpired as expired:
-            figures[figure] = {
-                "error": f"timed out after {args.figure_timeout_s} s",
-                "tail": str(expired.stderr)[-2000:],
-            }
+        figure_args = ["one", "--figure", figure, "--work", str(work)]
+        figures[figure] = run_figure_process(__file__, figure_args, args.figure_timeout_s)
         print(figure, json.dumps(figures[figure]), flush=True)
     base, oracle = figures.get("baseline8b", {}), figures.get("oracle8b", {})
     if "single8b_tok_per_s" in base and "oracle_k3_single8b_tok_per_s" in oracle:

@@ -210,7 +210,8 @@ class KVCacheManager:
             num_full = min(total_tokens, request.num_tokens) // self.block_size
             start = self.req_num_cached_blocks.get(request_id, 0)
             if num_full > start:
-                hashes = self._block_hashes(request, total_tokens)
+                # only known tokens: a verify step's total counts drafts that may be refused
+                hashes = self._block_hashes(request, num_full * self.block_size)
                 for i in range(start, num_full):
                     self.pool.cache(blocks[i], hashes[i])
                 self.req_num_cached_blocks[request_id] = num_full

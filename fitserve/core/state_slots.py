@@ -17,7 +17,8 @@ Prefix caching (`--mamba-cache-mode`, vLLM's values):
   last boundary it crosses (`align_chunk`; one reaching the prompt's last token, to the last boundary
   before that token), so a prompt of 2000 tokens is computed as 1984 + 16 and the state after 1984 tokens
   is kept (a prompt of 2048 as 2032 + 16: a hit always leaves a token to compute); decode steps end on a
-  boundary every block_size tokens and keep it there too. A snapshot lives in one of the pool's snapshot
+  boundary every block_size tokens and keep it there too (not a speculative verify step: its state
+  after the drafts may not be kept; worker/state_rings.py). A snapshot lives in one of the pool's snapshot
   slots (rows after the live ones), keyed by the chained hash of the block it ends (the KV cache's own
   hash, core/kv_cache.py). `get_computed_blocks` returns the longest KV prefix hit whose last block has a
   snapshot; the request's first step starts its layers from that snapshot (copied into its live slot on
@@ -55,6 +56,12 @@ STATE_SLOT_ATTR = "state_slot"
 STATE_RESTORE_ATTR = "state_restore"
 # [(tokens computed at the end of the step that writes it, snapshot slot)]: snapshots not findable yet
 STATE_SAVES_ATTR = "state_saves"
+# (block boundary, snapshot slot): a speculative verify step's tokens cross this boundary; the snapshot is
+# kept if the step's accepted tokens reach it
+STATE_VERIFY_SAVE_ATTR = "state_verify_save"
+# (block boundary, snapshot slot, tokens computed when it was found accepted): copied from the verify
+# step's ring row by the request's next step (worker/state_rings.py), findable after that step
+STATE_KEEP_ATTR = "state_keep"
 # Slots beyond max_num_seqs: slot 0, which no request gets (worker/recurrent_state.py)
 SPARE_STATE_SLOTS = 1
 # vLLM's --mamba-cache-mode values
@@ -62,6 +69,12 @@ MAMBA_CACHE_MODES = ("none", "align", "all")
 DEFAULT_MAMBA_CACHE_MODE = "align"
 SNAPSHOTS_PER_SEQ = 2  # see num_snapshot_slots
 MAX_SNAPSHOT_SLOTS = 16
+
+
+def num_ring_rows(max_num_seqs: int, speculative_tokens: int) -> int:
+    """State pool rows beyond the live and snapshot slots: under speculative decoding each live slot owns
+    a ring of k + 1 rows (worker/state_rings.py), itself and k of these; 0 without speculation."""
+    return max_num_seqs * speculative_tokens
 
 
 def num_state_slots(max_num_seqs: int) -> int:
@@ -266,7 +279,15 @@ class StateSlotKVManager:
             self._pinned[request_id] = slot
             setattr(request, STATE_RESTORE_ATTR, (request.num_computed_tokens, slot))
         end = request.num_computed_tokens + num_new_tokens
-        if self.caches_state and end % self.block_size == 0:
+        # a verify step's drafts (end past the known tokens) are not known to be kept: its boundary's
+        # snapshot is reserved now and kept only if the accepted tokens reach it (`_settle`)
+        verifies = end > request.num_tokens_with_placeholders
+        boundary = end // self.block_size * self.block_size
+        if self.caches_state and verifies and boundary > request.num_computed_tokens:
+            slot = self.snapshots.take(self._reachable)
+            if slot is not None:
+                setattr(request, STATE_VERIFY_SAVE_ATTR, (boundary, slot))
+        if self.caches_state and end % self.block_size == 0 and not verifies:
             slot = self.snapshots.take(self._reachable)
             if slot is not None:
                 saves = getattr(request, STATE_SAVES_ATTR, None) or []
@@ -279,6 +300,7 @@ class StateSlotKVManager:
         for _, slot in getattr(request, STATE_SAVES_ATTR, None) or ():
             self.snapshots.give_back(slot)  # its tokens never became known (a step past a stop)
         setattr(request, STATE_SAVES_ATTR, None)
+        self._drop_verify_snapshots(request)
         setattr(request, STATE_RESTORE_ATTR, None)
         request_id = request.request_id
         self._pending_hits.pop(request_id, None)
@@ -304,7 +326,16 @@ class StateSlotKVManager:
                 else:
                     kept.append((end, slot))
             setattr(request, STATE_SAVES_ATTR, kept)
+        if request is not None:
+            self._drop_verify_snapshots(request)  # a verify step's, or the copy the failed step was to make
         return self._inner.uncache_unwritten(request_id, first_block)
+
+    def _drop_verify_snapshots(self, request: Request) -> None:
+        for attr in (STATE_VERIFY_SAVE_ATTR, STATE_KEEP_ATTR):
+            entry = getattr(request, attr, None)
+            if entry is not None:
+                self.snapshots.give_back(entry[1])
+                setattr(request, attr, None)
 
     def _settle(self, request: Request) -> None:
         """At a request's next scheduling (or its end): the steps scheduled before have been launched, so
@@ -312,6 +343,7 @@ class StateSlotKVManager:
         slot = self._pinned.pop(request.request_id, None)
         if slot is not None:
             self.snapshots.unpin(slot)
+        self._settle_verify(request)
         saves = getattr(request, STATE_SAVES_ATTR, None)
         if not saves:
             return
@@ -321,14 +353,39 @@ class StateSlotKVManager:
             if end > done:
                 kept.append((end, slot))
                 continue
-            block_hash = self._hashes(request, end)[end // self.block_size - 1]
-            self.snapshots.publish(block_hash, slot)
-            if end > request.num_prompt_tokens:  # a decode boundary: the one before is superseded
-                older = self._latest_decode.get(request.request_id)
-                if older is not None and older != block_hash:
-                    self.snapshots.evict_first(older)
-                self._latest_decode[request.request_id] = block_hash
+            self._publish(request, end, slot)
         setattr(request, STATE_SAVES_ATTR, kept)
+
+    def _settle_verify(self, request: Request) -> None:
+        """A verify step's boundary snapshot: given back if the accepted tokens stop short of it, else
+        copied by the request's step scheduled now (worker/state_rings.py) and findable from the
+        scheduling after it (once the request has computed more)."""
+        keep = getattr(request, STATE_KEEP_ATTR, None)
+        if keep is not None and request.num_computed_tokens > keep[2]:  # the copying step was launched
+            setattr(request, STATE_KEEP_ATTR, None)
+            self._publish(request, keep[0], keep[1])
+        pending = getattr(request, STATE_VERIFY_SAVE_ATTR, None)
+        if pending is None:
+            return
+        setattr(request, STATE_VERIFY_SAVE_ATTR, None)
+        boundary, slot = pending
+        if boundary > request.num_computed_tokens:
+            self.snapshots.give_back(slot)
+            return
+        older = getattr(request, STATE_KEEP_ATTR, None)
+        if older is not None:  # not copied yet (never: a pending save follows the copying step)
+            self.snapshots.give_back(older[1])
+        setattr(request, STATE_KEEP_ATTR, (boundary, slot, request.num_computed_tokens))
+
+    def _publish(self, request: Request, end: int, slot: int) -> None:
+        """The snapshot in `slot` (the state after the request's first `end` tokens) becomes findable."""
+        block_hash = self._hashes(request, end)[end // self.block_size - 1]
+        self.snapshots.publish(block_hash, slot)
+        if end > request.num_prompt_tokens:  # a decode boundary: the one before is superseded
+            older = self._latest_decode.get(request.request_id)
+            if older is not None and older != block_hash:
+                self.snapshots.evict_first(older)
+            self._latest_decode[request.request_id] = block_hash
 
     def _hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first num_tokens tokens: the KV cache's
@@ -357,6 +414,9 @@ class StepStateSlots(list):
         super().__init__(slots)
         self.restores: dict[int, int] = {}
         self.saves: dict[int, int] = {}
+        # (pool row, snapshot slot): a verify step's accepted boundary state, copied before the forward
+        # with the restores (worker/state_rings.py fills it)
+        self.keeps: list[tuple[int, int]] = []
 
 
 def with_state_slots(kv_manager: Any, model_config: Any, max_num_seqs: int) -> Any:

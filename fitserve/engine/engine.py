@@ -39,6 +39,7 @@ from fitserve.spec_decode.eagle3 import (
     check_eagle3_target,
     read_eagle3_checkpoint,
 )
+from fitserve.spec_decode.mtp import MtpCheckpoint, MtpDrafter, read_mtp_checkpoint
 from fitserve.spec_decode.speculator import Speculator
 from fitserve.structured.manager import StructuredOutputManager
 from fitserve.token_bytes import token_byte_table
@@ -117,6 +118,8 @@ class Engine:
                 draft_config = read_eagle3_checkpoint(
                     config, mc.trust_remote_code, dummy=mc.load_format == "dummy"
                 )
+            elif config.speculative.method == "mtp":
+                draft_config = read_mtp_checkpoint(config, dummy=mc.load_format == "dummy")
             logger.info("Speculative decoding: %s", config.speculative.describe())
         draft = None
         tokenizer = tokenizer_loader.submit(
@@ -127,6 +130,10 @@ class Engine:
             if isinstance(draft_config, Eagle3Checkpoint):  # reads the target's layers, so built after it
                 draft = Eagle3Drafter(config, draft_config, self.executor.runner.model)
                 self.executor.runner.draft_weight_bytes = draft.weight_bytes
+            elif isinstance(draft_config, MtpCheckpoint):  # the target's MTP layer, reading its rows
+                draft = MtpDrafter(config, draft_config, self.executor.runner.model)
+                self.executor.runner.draft_weight_bytes = draft.weight_bytes
+                self.executor.runner.draft_kv_bytes_per_token = draft.kv_bytes_per_token
             elif draft_config is not None:  # loaded before the KV cache is sized, which counts it
                 draft = DraftModel(config, draft_config)
                 self.executor.runner.draft_weight_bytes = draft.weight_bytes

@@ -1,9 +1,11 @@
-"""Shape, dtype and layout checks shared by the paged-attention launchers (plain torch)."""
+"""Shape, dtype and layout checks, the cache view and the scales that the paged-attention and cache-write
+launchers share (plain torch)."""
 
 from __future__ import annotations
 
 import torch
 
+from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
@@ -42,3 +44,13 @@ def kv_cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> t
     if is_fp8_kv_cache(kv_cache.dtype):
         return float(k_scale), float(v_scale)
     return 1.0, 1.0
+
+
+def kv_cache_for_kernels(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache tensor the kernels take: a float8 e4m3 cache viewed as its bytes (uint8) where Triton has
+    no e4m3 conversion (compute capability below 8.9, or the target FITSERVE_KERNEL_TARGET forces), which
+    the kernels then encode and decode in integer operations (kernels/fp8_bits.py); any other cache as
+    it is. The bytes are the same either way."""
+    if kv_cache.dtype == torch.float8_e4m3fn and not has_e4m3_conversion(kernel_capability(kv_cache.device)):
+        return kv_cache.view(torch.uint8)
+    return kv_cache

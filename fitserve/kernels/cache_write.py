@@ -1,25 +1,32 @@
 """Write a step's new keys and values into the paged KV cache (reshape_and_cache).
 
 A float8 cache stores clamp(x * (1 / scale), -max, max), rounded to nearest even (the convention in
-kv_format.py); the reciprocal scales are runtime arguments.
+kv_format.py); the reciprocal scales are runtime arguments. Below compute capability 8.9 an e4m3 cache
+comes as its bytes (uint8) and the kernel encodes them itself (kernels/fp8_bits.py).
 
 Reference: fitserve.kernels.reference.reshape_and_cache_reference.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import kv_cache_scales
+from fitserve.kernels.attention_inputs import kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fp8_bits import to_cache
 from fitserve.kernels.grid_math import next_power_of_2
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
+# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
+_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
-@fast_launch
+
+@_host_launched
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
@@ -66,8 +73,8 @@ def _reshape_and_cache_kernel(
         value = tl.minimum(tl.maximum(value.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     dst = cache_ptr + block * stride_cache_block + offset * stride_cache_slot
     dst = dst + heads[:, None] * stride_cache_head + dims[None, :]
-    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_cache_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(key, cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_cache_kv, to_cache(value, cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -100,7 +107,7 @@ def reshape_and_cache(
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
-        kv_cache,
+        kv_cache_for_kernels(kv_cache),
         slot_mapping,
         1.0 / k_scale,
         1.0 / v_scale,

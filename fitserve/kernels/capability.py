@@ -37,6 +37,9 @@ SHARED_MEMORY_PER_BLOCK: dict[tuple[int, int], int] = {
 }
 REGISTERS_PER_SM = 64 * 1024
 MAX_REGISTERS_PER_THREAD = 255
+# Triton converts float8 e4m3 (its fp8e4nv type) from this capability on; below it the kernels convert a
+# float8 e4m3 KV cache's bytes themselves (kernels/fp8_bits.py). e5m2 converts on every target.
+E4M3_CONVERSION_MIN_CAPABILITY = (8, 9)
 
 _forced: tuple[int, int] | None = None
 
@@ -100,3 +103,9 @@ def shared_memory_per_block(capability: tuple[int, int] | None) -> int:
         return SHARED_MEMORY_PER_BLOCK[(9, 0)]
     known = [cap for cap in SHARED_MEMORY_PER_BLOCK if cap <= capability]
     return SHARED_MEMORY_PER_BLOCK[max(known)] if known else SHARED_MEMORY_PER_BLOCK[(7, 5)]
+
+
+def has_e4m3_conversion(capability: tuple[int, int] | None) -> bool:
+    """Whether Triton converts float8 e4m3 on `capability` (None: not a CUDA device, such as the unit
+    tests' interpreter, which converts it on the CPU)."""
+    return capability is None or capability >= E4M3_CONVERSION_MIN_CAPABILITY

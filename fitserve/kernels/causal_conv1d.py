@@ -11,6 +11,9 @@ K - 1] (the model dtype).
   the state shifted by one in place. CUDA-graph safe (slots a device tensor; a negative slot marks a
   padded row: no state read or written, a zero output).
 
+- `causal_conv1d_chain`: a speculative verify step's rows, each request's tokens in order in one program,
+  the state after each token written to its own slot (worker/state_rings.py says why).
+
 Float32 accumulation, the output rounded once to x's dtype. Reference:
 fitserve.layers.gated_delta_rule.causal_conv1d and causal_conv1d_step. Imports triton: CUDA code paths
 only; under TRITON_INTERPRET=1 it also runs on CPU tensors.
@@ -190,6 +193,60 @@ def _conv_update_kernel(
     tl.store(tile + taps[None, :], shifted, mask=from_state)
 
 
+@_host_launched
+@triton.jit
+def _conv_chain_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    state_ptr,
+    slot_ptr,
+    source_ptr,
+    length_ptr,
+    stride_x_tok,
+    stride_out_tok,
+    stride_weight,
+    stride_state_slot,
+    stride_state_chan,
+    channels,
+    WIDTH: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    first = tl.program_id(0).to(tl.int64)
+    # the rows of the chain this row starts (0: a later row of a chain, computed by its first row's program)
+    length = tl.load(length_ptr + first)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_in = chans < channels
+    taps = tl.arange(0, BLOCK_W)
+    from_state = chan_in[:, None] & (taps < WIDTH - 1)[None, :]
+    weight = tl.load(
+        weight_ptr + chans[:, None] * stride_weight + taps[None, :],
+        mask=chan_in[:, None] & (taps < WIDTH)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    current = tl.load(source_ptr + first).to(tl.int64)
+    for t in range(0, length):  # the chain's tokens in order, each state read from the row the last wrote
+        row = first + t
+        tile = state_ptr + current * stride_state_slot + chans[:, None] * stride_state_chan
+        x = tl.load(x_ptr + row * stride_x_tok + chans, mask=chan_in, other=0.0)
+        window = tl.load(tile + taps[None, :], mask=from_state, other=0.0)
+        window = tl.where((taps == WIDTH - 1)[None, :], x[:, None].to(window.dtype), window)
+        shifted = tl.load(tile + 1 + taps[None, :], mask=from_state & (taps < WIDTH - 2)[None, :], other=0.0)
+        shifted = tl.where((taps == WIDTH - 2)[None, :], x[:, None].to(shifted.dtype), shifted)
+        acc = tl.sum(window.to(tl.float32) * weight, axis=1)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + row * stride_out_tok + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_in)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        tl.debug_barrier()  # every thread has read the state before any overwrites it (a plain row's slot)
+        target = state_ptr + slot * stride_state_slot + chans[:, None] * stride_state_chan
+        tl.store(target + taps[None, :], shifted, mask=from_state)
+        tl.debug_barrier()  # ... and has written it before the next token reads it
+        current = slot
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, name: str) -> None:
     channels, width = weight.shape
     problems = []
@@ -317,6 +374,57 @@ def causal_conv1d_update(
             out,
             states,
             slots,
+            x.stride(0),
+            out.stride(0),
+            weight.stride(0),
+            states.stride(0),
+            states.stride(1),
+            channels,
+        ),
+        {"WIDTH": width, "SILU": silu, "BLOCK_W": next_power_of_2(width), "BLOCK_C": UPDATE_BLOCK_C},
+    )
+    return out
+
+
+def causal_conv1d_chain(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    sources: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    silu: bool = True,
+) -> torch.Tensor:
+    """A speculative verify step's decode rows (models/delta_net_chain.py): x [B, channels] -> out [B,
+    channels] (x's dtype). A row that starts a chain of n rows (lengths[row] = n; 0 for the chain's later
+    rows, which follow it) reads states[sources[row]], and token t of the chain writes its new state to
+    states[slots[row + t]], which token t + 1 reads: one program per chain and block of channels. A plain
+    decode row is a chain of 1 whose source is its own slot. slots, sources, lengths [B] int device
+    tensors; no host sync."""
+    _check(x, weight, states, "causal_conv1d_chain")
+    batch, channels = x.shape
+    for name, index in (("slots", slots), ("sources", sources), ("lengths", lengths)):
+        if index.shape != (batch,) or index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"causal_conv1d_chain: {name} must be int32/int64 [{batch}], got {index.dtype} "
+                f"{tuple(index.shape)}"
+            )
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    width = weight.shape[1]
+    _launch(
+        _conv_chain_kernel,
+        (batch, cdiv(channels, UPDATE_BLOCK_C)),
+        (
+            x,
+            weight,
+            out,
+            states,
+            slots,
+            sources,
+            lengths,
             x.stride(0),
             out.stride(0),
             weight.stride(0),

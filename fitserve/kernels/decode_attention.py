@@ -18,7 +18,8 @@ loaded (their block-table entries may be the null block 0, whose memory another 
 Without a window (HAS_WINDOW False) the kernels compile to the code they had before windows existed.
 
 A float8 cache: keys and values are converted to the query dtype (exact for e4m3 and e5m2); k_scale
-is folded into the score scale and v_scale multiplies the output, both runtime float arguments.
+is folded into the score scale and v_scale multiplies the output, both runtime float arguments. Below
+compute capability 8.9 an e4m3 cache comes as its bytes (uint8), decoded by kernels/fp8_bits.py.
 
 Reference: fitserve.kernels.reference.paged_attention_reference.
 """
@@ -34,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fp8_bits import kv_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 # fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
@@ -176,8 +178,8 @@ def _decode_partition_kernel(
         block = tl.load(block_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
         rows = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = kv_values(tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
+        v = kv_values(tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -377,7 +379,7 @@ def paged_decode_attention(
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _decode_partition_kernel[(num_kv_heads, num_seqs, num_partitions)](
         q,
-        kv_cache,
+        kv_cache_for_kernels(kv_cache),
         block_tables,
         seq_lens,
         out,

@@ -7,7 +7,9 @@ attention layer (1.0 unless the checkpoint carries them): a write stores clamp(x
 the float8 type (max = 448 for e4m3, 57344 for e5m2), a read gives stored * scale.
 
 Plain torch, any device: the CPU attention backend writes through `write_kv_cache`, the Triton kernels
-(cache_write.py, rotary_cache_write.py) store the same bytes, and reference.py reads them back.
+(cache_write.py, rotary_cache_write.py) store the same bytes, and reference.py reads them back. Where
+Triton has no e4m3 conversion (compute capability below 8.9) the kernels get an e4m3 cache as uint8 and
+encode and decode those same bytes themselves (fp8_bits.py): rounded to nearest even, saturated at +-448.
 """
 
 from __future__ import annotations

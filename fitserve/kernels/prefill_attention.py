@@ -7,7 +7,8 @@ BLOCK_M rows are BLOCK_Q query tokens x the QUERIES_PER_KV heads sharing that KV
 values are loaded once per group, and a decode row in a mixed batch still fills several rows.
 Keys are tiled by BLOCK_N with an online softmax; the causal bound stops the key loop at the last
 query's position. A float8 cache is read as in the decode kernel: keys and values converted to the
-query dtype, k_scale folded into the score scale, v_scale applied to the output (runtime floats).
+query dtype, k_scale folded into the score scale, v_scale applied to the output (runtime floats); below
+compute capability 8.9 an e4m3 cache comes as its bytes (uint8), decoded by kernels/fp8_bits.py.
 That read is exact (every e4m3/e5m2 value is a bf16/fp16 value), so the only rounding is the one a bf16
 cache has too: p rounded to the query dtype for the P @ V dot, which moves an output element by at most
 2**-8 * max|V| for bf16 (tests/gpu/test_kernels_fp8.py sets its tolerance from that).
@@ -31,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_scales
+from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fp8_bits import kv_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 # fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
@@ -218,8 +220,10 @@ def _prefill_kernel(
             block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
             key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
             kv_mask = key_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            k = kv_values(k, q.dtype)
+            v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v = kv_values(v, q.dtype)
             scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
             scores = tl.where(keys[None, :] > query_pos[:, None] - window, scores, float("-inf"))
             m_i, l_i, acc = _online_softmax_update(scores, v, m_i, l_i, acc)
@@ -228,13 +232,13 @@ def _prefill_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         if EVEN_D:
-            k = tl.load(k_base + key_rows[:, None] + dims[None, :]).to(q.dtype)
-            v = tl.load(v_base + key_rows[:, None] + dims[None, :]).to(q.dtype)
+            k = kv_values(tl.load(k_base + key_rows[:, None] + dims[None, :]), q.dtype)
+            v = kv_values(tl.load(v_base + key_rows[:, None] + dims[None, :]), q.dtype)
         else:
             k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
             v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            k = kv_values(k, q.dtype)
+            v = kv_values(v, q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -250,8 +254,8 @@ def _prefill_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = kv_values(tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
+        v = kv_values(tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         visible = (keys[None, :] <= query_pos[:, None]) & key_mask[None, :]
         if HAS_WINDOW:
@@ -329,7 +333,7 @@ def paged_prefill_attention(
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q,
-        kv_cache,
+        kv_cache_for_kernels(kv_cache),
         block_tables,
         seq_lens,
         query_start_loc,

@@ -3,7 +3,8 @@ straight into the paged cache. Qwen3's per-head RMSNorm of q and k (before the r
 
 The attention kernels read every key from the cache, so the rotated k never has to exist outside it:
 one program per token loads its cos/sin row once, rotates q's heads in place and stores k's rotated
-heads and v's heads at the token's slot (float8 as cache_write.py stores it). A negative slot
+heads and v's heads at the token's slot (float8 as cache_write.py stores it, e4m3 below compute
+capability 8.9 encoded from its bits by kernels/fp8_bits.py). A negative slot
 (CUDA-graph padding) writes nothing to the cache. The rotary dims must cover the whole head.
 
 With the q/k norm weights, each head is normalised first, rounded as kernels/norm.py rounds; separate,
@@ -28,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import kv_cache_scales
+from fitserve.kernels.attention_inputs import kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fp8_bits import to_cache
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
@@ -45,7 +47,7 @@ HEAD_TILE_ELEMENTS = 2048  # heads x half-head values per program when split
 def _store_cache_heads(dst, values, inv_scale, mask, FP8_MAX: tl.constexpr):
     if FP8_MAX > 0.0:
         values = tl.minimum(tl.maximum(values.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
-    tl.store(dst, values.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(values, dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -222,7 +224,7 @@ def rotary_cache_write(
         k,
         v,
         cos_sin_cache,
-        kv_cache,
+        kv_cache_for_kernels(kv_cache),
         slot_mapping,
         q_norm_weight,
         k_norm_weight,

@@ -19,8 +19,8 @@ doing so. Registers never stop a launch in practice (Triton gives ptxas the bloc
 instead), but the check stays.
 
 Dtypes: fp16 activations on every target, bf16 from sm_80 (fitserve's auto-fit picks fp16 below 8.0);
-KV caches in the activation dtype, float8 e5m2 on every target and e4m3 from sm_89 (Triton has no e4m3
-type below 8.9, and the planner refuses it there: planner/fit_errors.py FP8_E4M3_MIN_CAPABILITY).
+KV caches in the activation dtype, float8 e5m2 and e4m3 on every target (Triton converts e4m3 from sm_89
+on; below, the launchers pass the cache as uint8 and kernels/fp8_bits.py converts its bytes).
 Below sm_80 Triton 3.6 lowers tl.dot to FMAs (no mma.sync for sm_70 or sm_75): those kernels run, on CUDA
 cores, with their operands staged as float32 in shared memory, which sizes the choosers' tiles there.
 """

@@ -8,6 +8,12 @@ Parameter names follow HF checkpoints, except that q/k/v live in one `qkv_proj` 
 `gate_up_proj`; `load_weights` maps the checkpoint's names onto them through `packed_modules_mapping`.
 An int4 checkpoint (config.json's quantization_config) gives the projections it quantizes an int4 linear
 method (layers/quantization), whose parameters carry the checkpoint's names (qweight, scales, ...).
+
+Pipeline parallel (distributed/pipeline.py): a stage builds only its range of decoder layers (the others
+are parameterless `MissingLayer`s, so every name and index stays the checkpoint's), the first stage the
+embedding, the last the final norm and the LM head (and the embedding too when the head is tied to it);
+a stage after the first starts from the (hidden, residual) the one before sent, and a stage before the
+last returns them instead of normalised hidden states.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitserve.distributed.parallel_state import pp
+from fitserve.distributed.pipeline import this_stage_layers
 from fitserve.layers.activation import SiluAndMul
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.layernorm import RMSNorm
@@ -240,20 +248,39 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never run."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("a decoder layer of another pipeline stage was run here: a fitserve bug")
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        stage = pp()
+        self.pipelined = stage.size > 1  # read once, as built: forward takes the stage path
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = None
+        if stage.is_first or (stage.is_last and tie):  # a tied LM head reads the embedding's matrix
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), rope_settings_from_config(config), config.max_position_embeddings
         )
         windows = sliding_windows_of(config)
         quant = int4_format(config)  # a quantized checkpoint's format (layers/quantization), else None
+        self.start_layer, self.end_layer = this_stage_layers(config.num_hidden_layers)
+
+        def build(i: int) -> nn.Module:
+            if not self.start_layer <= i < self.end_layer:
+                return MissingLayer()
+            return DecoderLayer(config, spec, i, windows[i], quant)
+
         # make_layers: --cpu-offload-gb moves the first layers to CPU memory as they are built
-        self.layers = make_layers(
-            config.num_hidden_layers, lambda i: DecoderLayer(config, spec, i, windows[i], quant)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = make_layers(config.num_hidden_layers, build)
+        # this stage's layers (all of them without pipeline parallel), in order; a tuple, not registered
+        self.stage_layers = tuple(self.layers[self.start_layer : self.end_layer])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         # EAGLE-3 speculation (fitserve/spec_decode/eagle3.py): {layer index: slot} of the residual
         # streams each forward copies into `aux_hidden` [rows, slots x hidden]; empty: nothing is kept.
         self.aux_slots: dict[int, int] = {}
@@ -287,7 +314,17 @@ class DecoderModel(nn.Module):
         else:
             torch.add(hidden[:rows], residual[:rows], out=out)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        """hidden [T, hidden] after the final norm; with pipeline stages, a stage after the first starts
+        from `intermediate` (the previous stage's (hidden, residual)) and one before the last returns its
+        own (hidden, residual) instead."""
+        if self.pipelined:
+            return self._stage_forward(input_ids, positions, intermediate)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
         residual = None
@@ -300,6 +337,24 @@ class DecoderModel(nn.Module):
             return hidden
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Any:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        rope = self.rotary_emb.rope_for_step(positions, hidden.dtype)
+        for layer in self.stage_layers:
+            hidden, residual = layer(hidden, residual, rope)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -359,9 +414,11 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, self.decoder_spec(config))
         tie = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
-        )
+        self.lm_head = None  # on the last pipeline stage only
+        if pp().is_last:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, tie_to=self.model.embed_tokens if tie else None
+            )
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -369,10 +426,28 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """The attention of this stage's layers (every layer's without pipeline parallel)."""
+        model = self.model
+        return [layer.self_attn.attn for layer in model.layers[model.start_layer : model.end_layer]]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    @property
+    def kv_scale_layers(self) -> list[Any]:
+        """Indexed by decoder layer: where a checkpoint's KV cache scales go (models/weights.py
+        take_kv_scales); a layer of another pipeline stage gets a stand-in that keeps them unused."""
+        return [
+            layer.self_attn.attn if isinstance(layer, DecoderLayer) else _UnusedScales()
+            for layer in self.model.layers
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        if intermediate is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def forward_in_pieces(
         self, input_ids: torch.Tensor, positions: torch.Tensor, q_out: torch.Tensor, attn_out: torch.Tensor
@@ -389,14 +464,31 @@ class DecoderForCausalLM(nn.Module):
         for packed, shard_id in self.packed_modules_mapping.values():
             expected_shards.setdefault(packed, set()).add(shard_id)
         for name, tensor in weights:
-            if name.endswith(self.skipped_weight_suffixes):
+            if name.endswith(self.skipped_weight_suffixes) or not self._held_here(name):
                 continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
-            if self.lm_head.tied and name.startswith("lm_head."):
+            if self.lm_head is not None and self.lm_head.tied and name.startswith("lm_head."):
                 continue  # tied: the head reads the embedding, loaded under its own name
             target, packed, shard_id = self._map_checkpoint_name(name)
             loads.load(name, target, tensor, shard_id, expected_shards.get(packed, ()))
         return loads.loaded
+
+    def _held_here(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds (always, without
+        pipeline parallel)."""
+        model = self.model
+        if not model.pipelined:
+            return True
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return model.start_layer <= index < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def _map_checkpoint_name(self, name: str) -> tuple[str, str, ShardId | None]:
         """hf name -> (parameter name, packed module name or "", shard id or None)."""
@@ -405,3 +497,10 @@ class DecoderForCausalLM(nn.Module):
             if marker in name:
                 return name.replace(marker, f".{packed}."), packed, shard_id
         return name, "", None
+
+
+class _UnusedScales:
+    """Takes the KV cache scales of a layer another pipeline stage holds."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0

@@ -201,7 +201,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         if load_format == "dummy":
             initialize_dummy_weights(model, model_config.seed, device)
         else:
-            tensors = take_kv_scales(iterate_safetensors(files), getattr(model, "attention_layers", []))
+            # indexed by decoder layer (kv_scale_layers: pipeline stages hold only some of them)
+            scale_layers = getattr(model, "kv_scale_layers", None) or getattr(model, "attention_layers", [])
+            tensors = take_kv_scales(iterate_safetensors(files), scale_layers)
             loaded = model.load_weights(tensors)
             _require_all_loaded(model, loaded, model_config.model_path)
     logger.info(

@@ -14,9 +14,13 @@ outside the forward (`copy_states`, called by the model runner), so decode steps
 graphs (worker/cuda_graphs.py: a static slots buffer, padded rows -1).
 
 Weights: a ConditionalGeneration checkpoint keeps the text model under `model.language_model.`, read as
-`model.`; the vision tower (`model.visual.`) and the multi-token-prediction layers (`mtp.`) are skipped,
-each with one log line (MTP speculative decoding is not served yet). MoE experts load from either the
-per-expert form (`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`).
+`model.`; the vision tower (`model.visual.`) and the multi-token-prediction layers (`mtp.`) are skipped
+here, each with one log line: the MTP layers load into their own module (models/qwen3_5_mtp.py) when
+--speculative-config method mtp runs them. MoE experts load from either the per-expert form
+(`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`).
+
+MTP speculation (fitserve/spec_decode/mtp.py) reads the model's output hidden states (after the final
+norm, what the LM head reads): `keep_output_hidden` makes every forward copy them into a fixed buffer.
 
 Tensor parallel: every layer splits across the ranks (qwen3_5_layers.py says how); each rank reads the
 whole checkpoint and keeps its part, and its state pool holds its heads' states only. A
@@ -91,13 +95,28 @@ class Qwen3_5Model(nn.Module):
         self.layers = make_layers(config.num_hidden_layers, lambda i: Qwen3_5DecoderLayer(config, i, quant))
         self.norm = Qwen3_5RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # MTP speculation: [rows, hidden] the output hidden states are copied into (None: not kept)
+        self.output_hidden: torch.Tensor | None = None
+
+    def keep_output_hidden(self, max_rows: int) -> torch.Tensor:
+        """From now on every forward copies its output (after the final norm) into one preallocated
+        [max_rows, hidden] buffer, row for row with the step's tokens: a copy inside the forward, so CUDA
+        graphs captured after this call replay it (the engine builds the drafter before capturing). Rows
+        past max_rows (a step larger than any the engine runs) are not kept."""
+        weight = self.norm.weight
+        self.output_hidden = torch.zeros(max_rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        return self.output_hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = PartialRope(positions, self.inv_freq.float(), hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, rope)
-        return self.norm(hidden)
+        out = self.norm(hidden)
+        if self.output_hidden is not None:
+            rows = min(out.shape[0], self.output_hidden.shape[0])
+            self.output_hidden[:rows].copy_(out[:rows])
+        return out
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -163,7 +182,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(self.weights_prefix)
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
-            if ".mlp.experts." in name and self._load_expert(name, tensor, loads, experts):
+            if ".mlp.experts." in name and load_expert(self, name, tensor, loads, experts):
                 continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             target, shard_id = _map_name(name)
@@ -183,8 +202,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             )
         if skipped["mtp"]:
             logger.info(
-                "Skipped %d multi-token-prediction (mtp.*) tensors: MTP speculative decoding is not served "
-                "for Qwen3.5 yet",
+                "Skipped %d multi-token-prediction (mtp.*) tensors here: they load only for "
+                "--speculative-config method mtp, into the drafter",
                 skipped["mtp"],
             )
         return loads.loaded
@@ -199,41 +218,46 @@ class Qwen3_5ForCausalLM(nn.Module):
             return None
         return layer
 
-    def _load_expert(
-        self, name: str, tensor: torch.Tensor, loads: ParameterLoads, experts: dict[str, set[tuple[int, str]]]
-    ) -> bool:
-        """A per-expert checkpoint tensor (`...mlp.experts.<e>.<gate|up|down>_proj.weight`) copied into
-        its rows of the fused parameters, this rank's part of it (layers/moe.py: under expert parallel
-        only the rank's experts, whole; else every expert's slice of the intermediate dim); False for the
-        fused form, which loads by name."""
-        prefix, _, rest = name.partition(".mlp.experts.")
-        parts = rest.split(".")
-        if len(parts) != 3 or not parts[0].isdigit():
-            return False
-        expert, projection = int(parts[0]), parts[1]
-        base = f"{prefix}.mlp.experts."
-        gate_up, down = loads.param(name, base + "gate_up_proj"), loads.param(name, base + "down_proj")
-        module = self.get_submodule(base.removesuffix("."))
-        local = expert - module.first_expert
-        width = down.shape[-1]
-        # the intermediate rows this rank holds (all of them under expert parallel or on one rank)
-        start = 0 if module.expert_parallel else module.tp_rank * width
-        if projection not in ("gate_proj", "up_proj", "down_proj"):
-            raise ValueError(f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj")
-        with torch.no_grad():
-            if not 0 <= local < module.local_experts:
-                pass  # another rank's expert (expert parallel): counted as loaded, not kept
-            elif projection == "gate_proj":
-                gate_up[local, :width].copy_(rank_rows(tensor, 0, start, width))
-            elif projection == "up_proj":
-                gate_up[local, width:].copy_(rank_rows(tensor, 0, start, width))
-            else:
-                down[local].copy_(rank_rows(tensor, 1, start, width))
-        seen = experts.setdefault(base, set())
-        seen.add((expert, projection))
-        if len(seen) == 3 * module.num_experts:
-            loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
-        return True
+
+def load_expert(
+    root: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    loads: ParameterLoads,
+    experts: dict[str, set[tuple[int, str]]],
+) -> bool:
+    """A per-expert checkpoint tensor (`...mlp.experts.<e>.<gate|up|down>_proj.weight`) of `root` (the
+    model, or the MTP module: models/qwen3_5_mtp.py) copied into its rows of the fused parameters, this
+    rank's part of it (layers/moe.py: under expert parallel only the rank's experts, whole; else every
+    expert's slice of the intermediate dim); False for the fused form, which loads by name."""
+    prefix, _, rest = name.partition(".mlp.experts.")
+    parts = rest.split(".")
+    if len(parts) != 3 or not parts[0].isdigit():
+        return False
+    expert, projection = int(parts[0]), parts[1]
+    base = f"{prefix}.mlp.experts."
+    gate_up, down = loads.param(name, base + "gate_up_proj"), loads.param(name, base + "down_proj")
+    module = root.get_submodule(base.removesuffix("."))
+    local = expert - module.first_expert
+    width = down.shape[-1]
+    # the intermediate rows this rank holds (all of them under expert parallel or on one rank)
+    start = 0 if module.expert_parallel else module.tp_rank * width
+    if projection not in ("gate_proj", "up_proj", "down_proj"):
+        raise ValueError(f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj")
+    with torch.no_grad():
+        if not 0 <= local < module.local_experts:
+            pass  # another rank's expert (expert parallel): counted as loaded, not kept
+        elif projection == "gate_proj":
+            gate_up[local, :width].copy_(rank_rows(tensor, 0, start, width))
+        elif projection == "up_proj":
+            gate_up[local, width:].copy_(rank_rows(tensor, 0, start, width))
+        else:
+            down[local].copy_(rank_rows(tensor, 1, start, width))
+    seen = experts.setdefault(base, set())
+    seen.add((expert, projection))
+    if len(seen) == 3 * module.num_experts:
+        loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
+    return True
 
 
 def _map_name(name: str) -> tuple[str, ShardId | None]:

@@ -84,6 +84,7 @@ from fitserve.layers.linear import (
 from fitserve.layers.moe import FusedExperts
 from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, rank_rows, split_evenly
+from fitserve.models.delta_net_chain import ChainedStepSlots, chained_decode
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.qwen3_5_config import LINEAR_ATTENTION, delta_net_heads_per_rank
 
@@ -395,19 +396,34 @@ class GatedDeltaNet(nn.Module):
         if step.decode_slots is not None:
             rows = step.decode_rows
             qkv_d, a_d, b_d = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])
-            decode_out = gated_delta_net_decode(
-                qkv_d,
-                a_d,
-                b_d,
-                self.A_log,
-                self.dt_bias,
-                self.conv_weight,
-                self.conv_states,
-                self.recurrent_states,
-                step.decode_slots,
-                self.num_k_heads,
-                self.k_dim,
-            )
+            if isinstance(step, ChainedStepSlots):  # a verify step: each request's rows in order
+                decode_out = chained_decode(
+                    qkv_d,
+                    a_d,
+                    b_d,
+                    self.A_log,
+                    self.dt_bias,
+                    self.conv_weight,
+                    self.conv_states,
+                    self.recurrent_states,
+                    step,
+                    self.num_k_heads,
+                    self.k_dim,
+                )
+            else:
+                decode_out = gated_delta_net_decode(
+                    qkv_d,
+                    a_d,
+                    b_d,
+                    self.A_log,
+                    self.dt_bias,
+                    self.conv_weight,
+                    self.conv_states,
+                    self.recurrent_states,
+                    step.decode_slots,
+                    self.num_k_heads,
+                    self.k_dim,
+                )
         if step.prefill_query_lens:
             rows = step.prefill_rows
             qkv_p, a_p, b_p = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])

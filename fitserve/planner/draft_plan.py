@@ -1,12 +1,13 @@
-"""Speculative decoding's draft model (or EAGLE-3 head) in the memory plan: its weights and its KV per
-token, read from its config.json and weight headers (nothing loads), so the KV cache's tokens and max
-concurrency stay right."""
+"""Speculative decoding's draft model (or EAGLE-3 head, or the target's own MTP layer) in the memory plan:
+its weights and its KV per token, read from its config.json and weight headers (nothing loads), so the KV
+cache's tokens and max concurrency stay right."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from fitserve.config import Choice
 from fitserve.planner.memory import DTYPE_BYTES, DraftFootprint, MemoryInputs, draft_footprint
 from fitserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
@@ -23,8 +24,12 @@ def with_draft(
 
     if not isinstance(speculative, SpeculativeConfig):
         speculative = parse_speculative_config(speculative)
+    if speculative is not None:  # a hybrid's state pool keeps k more rows a request (worker/state_rings.py)
+        inputs = replace(inputs, speculative_tokens=speculative.num_speculative_tokens)
     if speculative is not None and speculative.method == "eagle3" and speculative.model is not None:
         return replace(inputs, draft=_eagle3_footprint(inputs, speculative, trust_remote_code, load_format))
+    if speculative is not None and speculative.method == "mtp":
+        return replace(inputs, draft=mtp_footprint(inputs, speculative.num_speculative_tokens))
     if speculative is None or speculative.method != "draft_model" or speculative.model is None:
         return inputs
     dummy = "dummy" if load_format == "dummy" else "auto"
@@ -61,3 +66,96 @@ def _eagle3_footprint(
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return DraftFootprint(speculative.model, weights, 2 * int(heads) * int(head_dim))
+
+
+def mtp_footprint(inputs: MemoryInputs, k: int) -> DraftFootprint:
+    """The target's MTP layer (fitserve/spec_decode/mtp.py) in the target's dtype (the checkpoints keep it
+    unquantized): one layer of the target's full-attention kind with fc and its norms, and the target's
+    buffer of its output hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows); its KV:
+    one full-attention layer's K and V per token."""
+    from fitserve.planner.qwen3_5_shape import qwen3_5_mtp_parameter_count
+
+    shape = inputs.shape
+    if not shape.model_type.startswith("qwen3_5"):
+        raise ValueError(
+            f"--speculative-config method mtp (the checkpoint's own MTP layers) on "
+            f"{shape.architecture or shape.model_type} is not built: fitserve runs those of Qwen3.5 / "
+            "Qwen3.6 checkpoints; use method ngram, draft_model or eagle3 for this model"
+        )
+    count = qwen3_5_mtp_parameter_count(shape)
+    element = DTYPE_BYTES[inputs.dtype]
+    rows = max(inputs.max_num_batched_tokens, inputs.max_num_seqs * (k + 1))
+    weights = (count + rows * shape.hidden_size) * element
+    return DraftFootprint("MTP layer", weights, 2 * shape.num_kv_heads * shape.head_dim)
+
+
+# ---- auto-MTP ---------------------------------------------------------------------------------------
+# A checkpoint with an MTP layer speculates with it when --speculative-config is not given: the switch.
+# The user turns it off with --speculative-config '{}' (speculation off) or any other config (which runs
+# as given); vLLM itself never turns speculation on unasked.
+AUTO_MTP = True
+# draft tokens auto-MTP verifies per step (Qwen's recommendation for its MTP layer, vLLM recipes' 3)
+AUTO_MTP_TOKENS = 3
+AUTO_MTP_OFF = "--speculative-config '{}' turns it off"
+
+
+@dataclass(frozen=True)
+class AutoMtp:
+    """Auto-MTP's decision for a checkpoint with an MTP layer: `config` is the --speculative-config to run
+    (None: speculation stays off), `reason` says why, for the plan report."""
+
+    config: dict[str, Any] | None
+    reason: str
+
+    def choice(self) -> Choice:
+        value = "mtp" if self.config is not None else "off"
+        return Choice("speculative_config", value, self.reason)
+
+
+def auto_mtp(
+    speculative_config: Any,
+    hf_config: Any,
+    model_path: str | None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    load_format: str = "auto",
+) -> AutoMtp | None:
+    """Whether a checkpoint with an MTP layer (Qwen3.5 / Qwen3.6's `mtp.*`) speculates with it: None when
+    auto-MTP does not apply (the switch is off, --speculative-config was given, '{}' included, or the model
+    has no MTP layer fitserve runs); else on with AUTO_MTP_TOKENS draft tokens, or off with the reason (a
+    setting method mtp does not run with, weights without the mtp tensors, a model whose verify steps are
+    not built)."""
+    from fitserve.kv_layers import LINEAR, kv_layer_specs
+    from fitserve.models.qwen3_5_mtp import missing_mtp_keys, mtp_keys, mtp_layer_count, runs_mtp
+    from fitserve.spec_decode.config import check_speculative_model
+
+    if not AUTO_MTP or speculative_config is not None:
+        return None
+    if not runs_mtp(hf_config) or mtp_layer_count(hf_config) != 1:
+        return None
+    off = "the checkpoint's MTP layer is not used for speculation"
+    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+        return AutoMtp(None, f"{off}; method mtp runs on one GPU, not with tensor or pipeline parallel")
+    if load_format == "dummy":
+        return AutoMtp(None, f"{off}; dummy weights: a random MTP layer's drafts are never accepted")
+    if model_path is None:
+        return AutoMtp(None, f"{off}; the weights are not local, so their mtp.* tensors are not checked")
+    from fitserve.models.weights import list_safetensors_files
+
+    try:
+        missing = missing_mtp_keys(mtp_keys(list_safetensors_files(model_path))[1])
+    except ValueError:  # no safetensors files (a .bin or GGUF checkpoint)
+        missing = ["mtp.fc"]
+    if missing:
+        return AutoMtp(None, f"{off}; the weights have no {missing[0]} (the export dropped the MTP layer)")
+    config = {"method": "mtp", "num_speculative_tokens": AUTO_MTP_TOKENS}
+    recurrent = sum(1 for spec in kv_layer_specs(hf_config) if spec.layer_type == LINEAR)
+    try:
+        check_speculative_model(parse_speculative_config(config), 1, recurrent)
+    except ValueError as error:
+        return AutoMtp(None, f"{off}; {error}")
+    return AutoMtp(
+        config,
+        f"the checkpoint has an MTP layer: method mtp, {AUTO_MTP_TOKENS} draft tokens a step "
+        f"({AUTO_MTP_OFF})",
+    )

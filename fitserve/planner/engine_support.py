@@ -4,8 +4,9 @@ The planner plans every setting vLLM has, so that its advice holds for both engi
 engine refuses some of them ("not supported yet" in fitserve/args.py). Every suggestion or note that
 names such a setting says so, in these words, and the planner lists the settings fitserve runs first.
 CPU offload (--cpu-offload-gb), fp8 KV cache (--kv-cache-dtype fp8), int4 AWQ / GPTQ checkpoints
-(without offload) and tensor parallel (--tensor-parallel-size: ranks on GPUs with NCCL, or CPU ranks with
-gloo) count as run.
+(without offload), tensor parallel (--tensor-parallel-size: ranks on GPUs with NCCL, or CPU ranks with
+gloo) and pipeline parallel (--pipeline-parallel-size, the Llama, Mistral, Qwen2 and Qwen3 families)
+count as run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 # EngineArgs field -> why a run with it needs vLLM for now.
 NOT_RUN_BY_FITSERVE: dict[str, str] = {
     "quantization": "fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does",
-    "pipeline_parallel_size": "fitserve does not run pipeline parallel yet; vLLM does",
 }
 
 

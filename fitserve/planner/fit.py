@@ -84,7 +84,11 @@ def auto_fit(
     """Raises PlanError (a ValueError) when the model cannot run as asked, with the fix. `serving`: plan
     for `fitserve serve` (its defaults), else for offline generation (`fitserve generate`, LLM).
     tensor_parallel_size, unset with several GPUs visible, is auto-fit's (planner/fit_parallel.py)."""
-    user_tp = "tensor_parallel_size" in explicit or args.tensor_parallel_size != 1
+    user_tp = (
+        "tensor_parallel_size" in explicit
+        or args.tensor_parallel_size != 1
+        or args.pipeline_parallel_size > 1
+    )
     on_gpus = bool(devices) and devices[0].kind == "cuda"
     if on_gpus and args.data_parallel_size > 1 and not user_tp:
         # each data-parallel engine is planned on its share of the GPUs, as `fitserve serve` starts it
@@ -240,9 +244,14 @@ def _fit_at(
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         cpu_offload_gb=float(args.cpu_offload_gb) if on_gpu else 0.0,
         gpu_memory_utilization=utilization,
-        cudagraph_capture_sizes=initial_capture_sizes(args, on_gpu, model.shape.model_type),
+        cudagraph_capture_sizes=(
+            initial_capture_sizes(args, on_gpu, model.shape.model_type)
+            if args.pipeline_parallel_size == 1
+            else ()  # pipeline stages run eagerly
+        ),
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         cpu_kv_cache_space_gib=None if args.cpu_kv_cache_space is None else float(args.cpu_kv_cache_space),
         mamba_cache_mode=resolve_mamba_cache_mode(args, model.shape),
@@ -484,6 +493,8 @@ def _late_choices(
             choices.append(Choice("cudagraph_capture_sizes", (), "--enforce-eager: no CUDA graphs", True))
         elif unsupported:
             choices.append(Choice("cudagraph_capture_sizes", (), f"none: {unsupported}"))
+        elif args.pipeline_parallel_size > 1:
+            choices.append(Choice("cudagraph_capture_sizes", (), "none: pipeline stages run eagerly"))
         elif args.compilation_config is not None:
             choices.append(
                 Choice("cudagraph_capture_sizes", sizes, "set by you (--compilation-config)", True)
@@ -522,7 +533,7 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
             f"data_parallel_size {replicas}: `fitserve serve` runs {replicas} engines like this one, each "
             f"{where}; every number above is one engine's (docs/distributed.md)"
         )
-    if inputs.on_gpu and replicas == 1 and len(devices) > inputs.tensor_parallel_size:
+    if inputs.on_gpu and replicas == 1 and len(devices) > inputs.world_size:
         size = len(devices)
         if size_problem(model.shape, size) is None:
             wider = plan_memory(with_settings(inputs, tensor_parallel_size=size))

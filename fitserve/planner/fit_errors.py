@@ -13,7 +13,7 @@ from fitserve.args_support import CHECKPOINT_QUANTIZATIONS
 from fitserve.config import FP8_KV_CACHE_DTYPES
 from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit_options import Headroom, fitting_options
-from fitserve.planner.fit_parallel import mismatch_refusal, size_refusal, working_sizes
+from fitserve.planner.fit_parallel import mismatch_refusal, pipeline_refusal, size_refusal, working_sizes
 from fitserve.planner.formats import format_capability, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
@@ -22,8 +22,9 @@ from fitserve.planner.model_shape import ModelShape
 
 # The Triton paged-attention kernels tile a block's tokens: a power of two of at least 16.
 MIN_CUDA_BLOCK_SIZE = 16
-# Triton converts to float8 e4m3 (fp8e4nv) from this compute capability on; e5m2 works on older GPUs.
-FP8_E4M3_MIN_CAPABILITY = (8, 9)
+# A float8 KV cache is written and read by the Triton kernels, which run from Volta on: e5m2 through
+# Triton's conversion, e4m3 through it from 8.9 and from its bytes below (kernels/fp8_bits.py).
+FP8_KV_CACHE_MIN_CAPABILITY = (7, 0)
 # A smaller --cpu-kv-cache-space is suggested down to this many GiB, holding at least one request of
 # this many tokens (or of max_model_len when that is shorter).
 MIN_SUGGESTED_KV_GIB = 0.1
@@ -40,17 +41,15 @@ class PlanError(ValueError):
 
 
 def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelShape) -> list[DeviceSpec]:
-    """The devices the plan uses: the first tensor_parallel_size GPUs, or the CPU (whose ranks are
-    processes sharing its RAM). Refuses a size that cannot split the model, more ranks than GPUs, and
-    GPUs that differ; assumed GPUs (`fitserve plan --assume-gpus`) are named by that flag in the fix."""
+    """The devices the plan uses: the first tensor_parallel_size x pipeline_parallel_size GPUs, or the
+    CPU (whose ranks are processes sharing its RAM). Refuses a size that cannot split the model, more
+    stages than it has layers (or a family that does not run in stages), more ranks than GPUs, and GPUs
+    that differ; assumed GPUs (`fitserve plan --assume-gpus`) are named by that flag in the fix."""
     tp = args.tensor_parallel_size
-    if args.pipeline_parallel_size > 1:
-        raise PlanError(
-            "devices",
-            f"pipeline_parallel_size={args.pipeline_parallel_size} is not planned "
-            f"({NOT_RUN_BY_FITSERVE['pipeline_parallel_size']}): split the model with "
-            "--tensor-parallel-size instead",
-        )
+    stages = args.pipeline_parallel_size
+    refusal = pipeline_refusal(shape.model_type, shape.num_layers, stages)
+    if refusal is not None:
+        raise PlanError("devices", refusal)
     if not devices:
         raise PlanError("devices", "no device to plan for: give --assume-gpus COUNTxGiB, e.g. 1x24")
     refusal = size_refusal(shape, tp)
@@ -58,6 +57,8 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
         raise PlanError("devices", refusal)
     if devices[0].kind == "cpu":
         return [devices[0]]
+    if stages > 1:
+        return _pipeline_devices(tp, stages, devices, shape)
     if tp > len(devices):
         fewer = working_sizes(shape, len(devices))[-1]
         if devices[0].assumed:
@@ -81,6 +82,29 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
     return list(devices[:tp])
 
 
+def _pipeline_devices(
+    tp: int, stages: int, devices: Sequence[DeviceSpec], shape: ModelShape
+) -> list[DeviceSpec]:
+    """The first tp x stages GPUs, alike; refused when there are fewer, naming the sizes that fit."""
+    world = tp * stages
+    if world > len(devices):
+        fewer = max(1, len(devices) // tp)
+        seen = f"the plan has {len(devices)}" if devices[0].assumed else f"torch sees {len(devices)}"
+        head = f"tensor_parallel_size={tp} x pipeline_parallel_size={stages} needs {world} GPUs, {seen}"
+        if devices[0].assumed:
+            more = f"plan for more with --assume-gpus {world}x{devices[0].total_gib:g}"
+        else:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            head += f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+            more = f"make {world} GPUs visible (CUDA_VISIBLE_DEVICES lists them)"
+        or_less = " or less" if fewer > 1 else ""
+        raise PlanError("devices", f"{head}: set --pipeline-parallel-size {fewer}{or_less}, or {more}")
+    mismatch = mismatch_refusal(world, devices, shape, stages)
+    if mismatch is not None:
+        raise PlanError("devices", mismatch)
+    return list(devices[:world])
+
+
 def check_block_size(block_size: int, used: Sequence[DeviceSpec]) -> None:
     if used[0].kind == "cuda" and block_size < MIN_CUDA_BLOCK_SIZE:
         raise PlanError(
@@ -91,13 +115,16 @@ def check_block_size(block_size: int, used: Sequence[DeviceSpec]) -> None:
 
 
 def check_fp8_kv_cache_on_gpu(kv_cache_dtype: str, capability: tuple[int, int]) -> None:
-    """The Triton kernels convert to float8 e4m3 only from compute capability 8.9 (Ada, Hopper) on."""
-    is_e4m3 = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
-    if is_e4m3 and capability < FP8_E4M3_MIN_CAPABILITY:
+    """A float8 cache (e4m3 or e5m2) runs wherever fitserve's Triton kernels do: compute capability 7.0
+    (Volta) and newer; below 8.9 the kernels convert e4m3 from its bits (kernels/fp8_bits.py)."""
+    dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+    if dtype is not None and capability < FP8_KV_CACHE_MIN_CAPABILITY:
+        kind = "e4m3" if dtype == torch.float8_e4m3fn else "e5m2"
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype} (float8 e4m3) needs compute capability "
-            f"{format_capability(FP8_E4M3_MIN_CAPABILITY)}, this GPU has {format_capability(capability)}: "
-            "set --kv-cache-dtype fp8_e5m2 (also one byte per element) or auto"
+            f"kv_cache_dtype={kv_cache_dtype} (float8 {kind}) is written and read by fitserve's Triton "
+            f"kernels, which need compute capability {format_capability(FP8_KV_CACHE_MIN_CAPABILITY)}; "
+            f"this GPU has {format_capability(capability)}: run on a GPU of compute capability 7.0 or newer, "
+            "or on the CPU (--device cpu)"
         )
 
 

@@ -9,6 +9,10 @@ Auto-fit (`--tensor-parallel-size` unset, more than one GPU visible) takes the s
 works and holds a useful batch: a KV cache of at least AUTO_TP_REQUESTS (4) requests of the length
 auto-fit plans for (--max-model-len when set, else min(the model's own, 4,096) tokens). One GPU that holds
 them keeps tensor_parallel_size 1; when no size does, the size holding the most tokens is taken.
+
+Pipeline parallel (--pipeline-parallel-size, never chosen by auto-fit) splits the decoder layers of the
+families built on models/decoder_blocks.py into contiguous stages (distributed/pipeline.py), each stage
+tensor_parallel_size GPUs: tensor_parallel_size x pipeline_parallel_size GPUs in all.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from fitserve.distributed.pipeline import stage_layer_ranges
+from fitserve.kv_layers import GEMMA4_MODEL_TYPES, QWEN3_5_MODEL_TYPES
 from fitserve.planner.hardware import DeviceSpec
 from fitserve.planner.model_shape import ModelShape
 
@@ -44,6 +50,29 @@ def size_problem(shape: ModelShape, size: int) -> str | None:
     for linear_heads in shape.linear_head_counts:  # Gated DeltaNet heads are split, never replicated
         if linear_heads % size:
             return f"does not divide the model's {linear_heads} linear-attention (Gated DeltaNet) heads"
+    return None
+
+
+def pipeline_refusal(model_type: str, num_layers: int, pipeline_parallel_size: int) -> str | None:
+    """Why the model cannot run in `pipeline_parallel_size` stages, or None when it can."""
+    stages = pipeline_parallel_size
+    if stages == 1:
+        return None
+    family = None
+    if model_type in GEMMA4_MODEL_TYPES or model_type == "gemma4_text":
+        family = "Gemma-4 (its KV-shared layers read the caches of earlier layers, another stage's)"
+    elif model_type in QWEN3_5_MODEL_TYPES:
+        family = "Qwen3.5 / Qwen3.6 (its recurrent-state pool holds every Gated DeltaNet layer)"
+    if family is not None:
+        return (
+            f"pipeline_parallel_size={stages} does not run {family} yet: set --pipeline-parallel-size 1 "
+            "and split it with --tensor-parallel-size; pipeline parallel runs the Llama, Mistral, Qwen2 "
+            "and Qwen3 families"
+        )
+    try:
+        stage_layer_ranges(num_layers, stages)
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -101,14 +130,20 @@ def visible_devices_hint(indices: Sequence[int]) -> str:
     return f"CUDA_VISIBLE_DEVICES={','.join(names)}"
 
 
-def mismatch_refusal(size: int, devices: Sequence[DeviceSpec], shape: ModelShape) -> str | None:
-    """The refusal when the first `size` GPUs are not alike, naming a set of alike ones if there is one."""
+def mismatch_refusal(
+    size: int, devices: Sequence[DeviceSpec], shape: ModelShape, stages: int = 1
+) -> str | None:
+    """The refusal when the first `size` GPUs are not alike, naming a set of alike ones if there is one.
+    With pipeline stages `size` is every rank's count (tensor_parallel_size x stages)."""
     used = devices[:size]
     different = next((device for device in used if not alike(used[0], device)), None)
     if different is None:
         return None
+    asked = f"tensor_parallel_size={size}"
+    if stages > 1:
+        asked = f"tensor_parallel_size={size // stages} x pipeline_parallel_size={stages}"
     head = (
-        f"tensor_parallel_size={size} needs {size} alike GPUs (each rank is planned alike), but "
+        f"{asked} needs {size} alike GPUs (each rank is planned alike), but "
         f"{used[0].label()} and {different.label()} differ"
     )
     if used[0].assumed:
@@ -118,6 +153,8 @@ def mismatch_refusal(size: int, devices: Sequence[DeviceSpec], shape: ModelShape
         fix = f"set {visible_devices_hint([device.index for device in found])} (alike GPUs)"
     else:
         fix = f"set CUDA_VISIBLE_DEVICES to {size} alike GPUs"
+    if stages > 1:
+        return f"{head}: {fix}"
     fewer = working_sizes(shape, min(alike_prefix(devices), size - 1))[-1]
     return f"{head}: {fix}, or --tensor-parallel-size {fewer} (the alike GPUs first in the list)"
 

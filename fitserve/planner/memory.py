@@ -8,7 +8,9 @@ budget is the RAM available and the KV cache is the engine's own rule (fitserve/
 weights count the int4 and float16 forms the CPU engine keeps (planner/weights.py, CpuKeptForms).
 With tensor_parallel_size N every number is one rank's (one GPU's; on the CPU one of N processes, whose
 budget is 1/N of the RAM available and whose KV cache is sized from 1/N of what all N ranks' weights
-leave).
+leave). With pipeline_parallel_size P each stage holds its range of decoder layers (distributed/pipeline.py),
+the first the embedding, the last the final norm and LM head: every stage keeps the same KV blocks, so
+the pool is the fewest blocks any stage's rank has room for, and the plan's numbers are that stage's.
 
 Every term is an estimate from the shapes (docs/memory.md derives each one). The engine calls
 `plan_memory` again at startup with what it measured (`MemoryTerms`), which sizes the KV cache from
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from fitserve.capture_sizes import piecewise_capture_sizes
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from fitserve.cpu_kv_cache import CpuKvCacheSize, cpu_kv_cache_size
+from fitserve.distributed.pipeline import describe_split, stage_kv_layers, stage_layer_ranges
 from fitserve.kv_groups import KvCacheGroup, elements_per_request_token, group_num_blocks, kv_cache_groups
 from fitserve.offload_split import NO_OFFLOAD, OffloadSplit, first_layers_holding, offload_too_large_message
 from fitserve.planner.formats import DTYPE_BYTES, kv_cache_bytes_per_element, quant_method
@@ -36,7 +39,7 @@ MiB = 1024**2
 # neither the context (~0.5 GiB) nor other processes' memory is in it. Measured 0.16 GiB on an H100
 # (torch 2.11, CUDA 13, Qwen3-0.6B shape; benchmarks/results/h100_equal.json's log).
 GPU_RUNTIME_OVERHEAD_BYTES = 164 * MiB
-# Extra per GPU with tensor parallelism: NCCL's communicator buffers.
+# Extra per GPU with tensor or pipeline parallelism: NCCL's communicator buffers.
 TP_COMMUNICATION_BYTES = 512 * MiB
 # On the CPU the "overhead" is the Python process itself: interpreter, torch, tokenizer.
 CPU_RUNTIME_OVERHEAD_BYTES = 512 * MiB
@@ -72,6 +75,7 @@ class MemoryInputs:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages, each of tensor_parallel_size ranks (distributed/pipeline.py)
     cpu_offload_gb: float = 0.0  # per GPU, as vLLM's --cpu-offload-gb
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cudagraph_capture_sizes: tuple[int, ...] = ()  # () = eager
@@ -80,10 +84,17 @@ class MemoryInputs:
     # --mamba-cache-mode as resolved ("none" without prefix caching): a hybrid's state snapshots
     mamba_cache_mode: str = "none"
     draft: DraftFootprint | None = None  # --speculative-config method draft_model
+    # --speculative-config's k (any method): a hybrid model's state pool holds k more rows per request
+    speculative_tokens: int = 0
 
     @property
     def on_gpu(self) -> bool:
         return self.device.kind == "cuda"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (GPUs, or CPU processes) of the engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,16 @@ class MemoryPlan:
     # snapshot slots), before the KV cache
     recurrent_state_bytes: int = 0
     state_snapshot_bytes: int = 0  # the snapshot slots' part of recurrent_state_bytes
+    pipeline_stage: int = 0  # with pipeline stages: the stage one of whose ranks these numbers are
+
+    @property
+    def num_layers_held(self) -> int:
+        """The decoder layers this plan's rank holds: its pipeline stage's (all of them without stages)."""
+        shape, stages = self.inputs.shape, self.inputs.pipeline_parallel_size
+        if stages == 1:
+            return shape.num_layers
+        start, end = stage_layer_ranges(shape.num_layers, stages)[self.pipeline_stage]
+        return end - start
 
     @property
     def block_bytes(self) -> int:
@@ -166,9 +187,29 @@ class MemoryPlan:
 
 
 def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> MemoryPlan:
-    """The plan for `inputs`; with `measured`, the KV cache is sized from the measured terms instead."""
+    """The plan for `inputs`; with `measured`, the KV cache is sized from the measured terms instead.
+    With pipeline stages, the plan of the stage whose ranks hold the fewest KV blocks (every stage
+    keeps the same blocks), with a note naming the split."""
     _check_inputs(inputs)
-    on_disk = weight_bytes_per_gpu(inputs)
+    stages = inputs.pipeline_parallel_size
+    if stages == 1:
+        return _plan(inputs, measured, weight_bytes_per_gpu(inputs), kv_bytes_per_token(inputs))
+    plans = [
+        _plan(inputs, measured, stage_weight_bytes(inputs, stage), stage_kv_bytes_per_token(inputs, stage))
+        for stage in range(stages)
+    ]
+    fullest = min(range(stages), key=lambda stage: (plans[stage].num_kv_blocks, -stage))
+    split = describe_split(inputs.shape.num_layers, stages)
+    note = (
+        f"pipeline parallel: {split}; every number is one rank of stage {fullest}, the one with room for "
+        "the fewest KV blocks (every stage keeps the same blocks). Stages run one after another on one "
+        "batch at a time"
+    )
+    return replace(plans[fullest], notes=(*plans[fullest].notes, note), pipeline_stage=fullest)
+
+
+def _plan(inputs: MemoryInputs, measured: MemoryTerms | None, on_disk: int, per_token: int) -> MemoryPlan:
+    """The plan of one rank holding `on_disk` bytes of weights and `per_token` KV bytes per token."""
     offload, offload_note = offload_split(inputs)
     draft_weights = inputs.draft.weight_bytes if inputs.draft is not None else 0
     estimated = MemoryTerms(
@@ -178,7 +219,6 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         runtime_overhead=runtime_overhead_bytes(inputs),
     )
     terms = measured or estimated
-    per_token = kv_bytes_per_token(inputs)
     block_bytes = per_token * inputs.block_size
     state = recurrent_state_bytes(inputs)
     if inputs.on_gpu:
@@ -186,15 +226,15 @@ def plan_memory(inputs: MemoryInputs, measured: MemoryTerms | None = None) -> Me
         free_for_kv = budget - terms.total - state
         cpu_kv = None
     else:
-        # Tensor-parallel ranks are processes sharing the host's RAM: each plans for its share of it.
-        ranks = inputs.tensor_parallel_size
+        # Ranks are processes sharing the host's RAM: each plans for its share of it.
+        ranks = inputs.world_size
         budget = inputs.device.free_bytes // ranks
         # the RAM available once every rank's weights are loaded: what the engine reads when it sizes the
         # cache (cpu_kv_size splits it between the ranks)
         cpu_kv = None
         if inputs.num_gpu_blocks_override is None:
             left = inputs.device.free_bytes - ranks * (terms.weights + state)
-            cpu_kv = cpu_kv_size(inputs, max(0, left))
+            cpu_kv = cpu_kv_size(inputs, max(0, left), per_token)
         free_for_kv = cpu_kv.bytes if cpu_kv is not None else 0
     if inputs.num_gpu_blocks_override is not None:
         num_blocks = inputs.num_gpu_blocks_override
@@ -225,7 +265,12 @@ def recurrent_state_bytes(inputs: MemoryInputs) -> int:
     prefix caching (worker/recurrent_state.py, core/state_slots.py), each every DeltaNet layer's conv state
     (model dtype) and recurrent state (float32); 0 for attention-only models."""
     per_seq = state_bytes_per_seq_on_rank(inputs)
-    return (inputs.max_num_seqs + 1) * per_seq + state_snapshot_bytes(inputs) if per_seq else 0
+    from fitserve.core.state_slots import num_ring_rows
+
+    if not per_seq:
+        return 0
+    rows = inputs.max_num_seqs + 1 + num_ring_rows(inputs.max_num_seqs, inputs.speculative_tokens)
+    return rows * per_seq + state_snapshot_bytes(inputs)
 
 
 def state_bytes_per_seq_on_rank(inputs: MemoryInputs) -> int:
@@ -244,18 +289,21 @@ def state_snapshot_bytes(inputs: MemoryInputs) -> int:
     return num_snapshot_slots(inputs.mamba_cache_mode, True, inputs.max_num_seqs) * per_seq
 
 
-def cpu_kv_size(inputs: MemoryInputs, available_bytes: int | None) -> CpuKvCacheSize:
+def cpu_kv_size(
+    inputs: MemoryInputs, available_bytes: int | None, per_token: int | None = None
+) -> CpuKvCacheSize:
     """One rank's CPU KV cache for these settings; `available_bytes`: the RAM the weights of every rank
-    leave on the host, split between the tensor_parallel_size ranks."""
+    leave on the host, split between the ranks; `per_token`: the rank's KV bytes per token (default: all
+    layers', as without pipeline stages)."""
     return cpu_kv_cache_size(
         inputs.cpu_kv_cache_space_gib,
         max_model_len=inputs.max_model_len,
         max_num_batched_tokens=inputs.max_num_batched_tokens,
         max_num_seqs=inputs.max_num_seqs,
         block_size=inputs.block_size,
-        kv_bytes_per_token=kv_bytes_per_token(inputs),
+        kv_bytes_per_token=kv_bytes_per_token(inputs) if per_token is None else per_token,
         available_bytes=available_bytes,
-        ranks=inputs.tensor_parallel_size,
+        ranks=inputs.world_size,
     )
 
 
@@ -326,6 +374,60 @@ def weight_bytes_per_gpu(inputs: MemoryInputs) -> int:
         kv_proj_params_per_head = 2 * shape.num_layers * shape.hidden_size * shape.head_dim
         per_rank += int(kv_proj_params_per_head * extra_kv_heads * linear_bytes_per_param(inputs))
     return per_rank
+
+
+def embedding_bytes_per_gpu(inputs: MemoryInputs) -> int:
+    """One rank's share of the [vocab, hidden] embedding (or of an untied LM head: the same size)."""
+    rows = math.ceil(inputs.shape.vocab_size / inputs.tensor_parallel_size)
+    return rows * inputs.shape.hidden_size * DTYPE_BYTES[inputs.dtype]
+
+
+def stage_weight_bytes(inputs: MemoryInputs, stage: int) -> int:
+    """One rank of pipeline stage `stage`: its decoder layers, the embedding on the first stage, the final
+    norm and the LM head on the last (a tied head reads an embedding the last stage then also holds)."""
+    shape = inputs.shape
+    start, end = stage_layer_ranges(shape.num_layers, inputs.pipeline_parallel_size)[stage]
+    held = (end - start) * decoder_layer_bytes_per_gpu(inputs)
+    if stage == 0:
+        held += embedding_bytes_per_gpu(inputs)
+    if stage == inputs.pipeline_parallel_size - 1:
+        held += embedding_bytes_per_gpu(inputs) + shape.hidden_size * DTYPE_BYTES[inputs.dtype]
+    return held
+
+
+def stage_kv_bytes_per_token(inputs: MemoryInputs, stage: int) -> int:
+    """kv_bytes_per_token over the decoder layers pipeline stage `stage` holds."""
+    shape = inputs.shape
+    start, end = stage_layer_ranges(shape.num_layers, inputs.pipeline_parallel_size)[stage]
+    element = kv_cache_bytes_per_element(inputs.kv_cache_dtype, inputs.dtype)
+    if not shape.kv_layers:
+        heads = shape.kv_heads_per_rank(inputs.tensor_parallel_size)
+        return 2 * (end - start) * heads * shape.head_dim * element
+    groups = kv_cache_groups(
+        stage_kv_layers(shape.kv_layers, start, end),
+        inputs.max_model_len,
+        inputs.max_num_batched_tokens,
+        inputs.block_size,
+        inputs.tensor_parallel_size,
+    )
+    return elements_per_request_token(groups, inputs.max_model_len, inputs.block_size) * element
+
+
+def for_pipeline_stage(plan: MemoryPlan, per_token: int) -> MemoryPlan:
+    """A plan sized over every layer, re-sized for a pipeline stage's rank that keeps `per_token` KV bytes
+    per token (its layers'): on a GPU the memory left for the cache holds more blocks; on the CPU the
+    pool keeps its tokens (the engine's rule counts requests), in fewer bytes. A fixed pool
+    (num_gpu_blocks_override) keeps its blocks."""
+    inputs = plan.inputs
+    blocks = plan.num_kv_blocks
+    if inputs.on_gpu and inputs.num_gpu_blocks_override is None:
+        blocks = max(0, plan.free_for_kv_bytes // (per_token * inputs.block_size))
+    return replace(
+        plan,
+        kv_bytes_per_token=per_token,
+        num_kv_blocks=blocks,
+        kv_cache_bytes=blocks * per_token * inputs.block_size,
+    )
 
 
 def decoder_layer_bytes_per_gpu(inputs: MemoryInputs) -> int:
@@ -474,7 +576,7 @@ def cuda_graph_bytes(inputs: MemoryInputs) -> int:
     tokens (worker/piecewise_graphs.py), which are captured whenever the decode graphs are, unless
     layers are offloaded to the CPU."""
     sizes = inputs.cudagraph_capture_sizes
-    if not inputs.on_gpu or not sizes:
+    if not inputs.on_gpu or not sizes or inputs.pipeline_parallel_size > 1:  # stages run eagerly
         return 0
     largest = max(sizes)
     pool = (
@@ -493,7 +595,7 @@ def cuda_graph_bytes(inputs: MemoryInputs) -> int:
 def runtime_overhead_bytes(inputs: MemoryInputs) -> int:
     if not inputs.on_gpu:
         return CPU_RUNTIME_OVERHEAD_BYTES
-    communication = TP_COMMUNICATION_BYTES if inputs.tensor_parallel_size > 1 else 0
+    communication = TP_COMMUNICATION_BYTES if inputs.world_size > 1 else 0
     return GPU_RUNTIME_OVERHEAD_BYTES + communication
 
 
@@ -537,6 +639,7 @@ def _check_inputs(inputs: MemoryInputs) -> None:
         "max_num_seqs": inputs.max_num_seqs,
         "block_size": inputs.block_size,
         "tensor_parallel_size": inputs.tensor_parallel_size,
+        "pipeline_parallel_size": inputs.pipeline_parallel_size,
     }
     for name, value in positive.items():
         if value < 1:

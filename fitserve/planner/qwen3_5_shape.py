@@ -6,7 +6,8 @@ q_norm and k_norm. Per linear_attention (Gated DeltaNet) layer: in_proj_qkv, in_
 in_proj_a, out_proj (the projections), the conv1d (conv_dim x K), A_log and dt_bias (one per value head)
 and the gated norm (v_dim). Every layer: two norms and the MLP (dense), or the router, the experts and the
 shared expert with its one-output gate (MoE). Outside the layers: the embedding, the LM head (untied), the
-final norm. The vision tower and the MTP layers are not counted (not loaded).
+final norm. The vision tower is not counted (not loaded), nor are the MTP layers here: they load only for
+speculative method mtp, counted then as its draft (`qwen3_5_mtp_parameter_count`, planner/draft_plan.py).
 
 The per-request state (worker/recurrent_state.py counts the same): per DeltaNet layer conv_dim x (K - 1)
 elements in the model dtype and value heads x k_dim x v_dim in float32, the whole model's; under tensor
@@ -77,3 +78,29 @@ def qwen3_5_counts(config: Any) -> Qwen3_5Counts:
         conv_state_elements=conv_elements,
         recurrent_state_elements=recurrent_elements,
     )
+
+
+def qwen3_5_mtp_parameter_count(shape: Any) -> int:
+    """One MTP layer's parameters (models/qwen3_5_mtp.py): fc (2 x hidden -> hidden), its three norms
+    (pre_fc_norm_embedding, pre_fc_norm_hidden, norm), and one full-attention decoder layer of the
+    target's kind (attention with its q/k norms, two layer norms, the dense MLP or the MoE block). The
+    embedding and the LM head are the target's, not counted again. `shape`: the target's ModelShape."""
+    hidden, heads, kv_heads, head_dim = (
+        shape.hidden_size,
+        shape.num_attention_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+    )
+    num_experts, intermediate = shape.num_experts, shape.intermediate_size
+    moe_intermediate, shared_expert_intermediate = (
+        shape.moe_intermediate_size,
+        shape.shared_expert_intermediate_size,
+    )
+    attention = hidden * (2 * heads * head_dim + 2 * kv_heads * head_dim) + heads * head_dim * hidden
+    attention += 2 * head_dim
+    if num_experts:
+        mlp = 3 * num_experts * moe_intermediate * hidden + 3 * hidden * shared_expert_intermediate
+        mlp += hidden * num_experts + hidden  # router, shared-expert gate
+    else:
+        mlp = 3 * hidden * intermediate
+    return 2 * hidden * hidden + 3 * hidden + attention + 2 * hidden + mlp

@@ -231,11 +231,15 @@ def recurrent_state_rows(plan: MemoryPlan) -> list[tuple[str, int]]:
     if not plan.recurrent_state_bytes:
         return []
     slots = plan.inputs.max_num_seqs + 1
+    rings = plan.inputs.max_num_seqs * plan.inputs.speculative_tokens  # core/state_slots.num_ring_rows
     live = plan.recurrent_state_bytes - plan.state_snapshot_bytes
-    per_slot = live / slots / (1 << 20)
-    rows = [(f"recurrent state ({slots} slots x {per_slot:.1f} MiB)", live)]
+    per_slot = live / (slots + rings) / (1 << 20)
+    ring_bytes = round(live * rings / (slots + rings))
+    rows = [(f"recurrent state ({slots} slots x {per_slot:.1f} MiB)", live - ring_bytes)]
+    if rings:  # speculative decoding: the rows a verify step keeps the state after each draft in
+        rows.append((f"speculative state rows ({rings} x {per_slot:.1f} MiB)", ring_bytes))
     if plan.state_snapshot_bytes:  # --mamba-cache-mode align (core/state_slots.py)
-        snapshots = round(plan.state_snapshot_bytes / (live / slots))
+        snapshots = round(plan.state_snapshot_bytes / (live / (slots + rings)))
         rows.append((f"state snapshots ({snapshots} x {per_slot:.1f} MiB)", plan.state_snapshot_bytes))
     return rows
 
@@ -266,9 +270,8 @@ def _kv_lines(plan: MemoryPlan) -> list[str]:
     if shape.kv_layers:
         formula = describe_kv_layers(shape.kv_layers, element)
     else:
-        formula = (
-            f"2 (K, V) x {shape.num_layers} layers x {heads} KV heads x {shape.head_dim} x {element} bytes"
-        )
+        layers = plan.num_layers_held  # a pipeline stage's, else the model's
+        formula = f"2 (K, V) x {layers} layers x {heads} KV heads x {shape.head_dim} x {element} bytes"
     if inputs.draft is not None:
         formula += (
             f", + the draft model's {draft_kv_bytes_per_token(inputs) / 1024:g} KiB "

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from fitserve.config import (
     SchedulerConfig,
 )
 from fitserve.logger import configure_default_logging
+from fitserve.planner.draft_plan import auto_mtp
 from fitserve.planner.fit import FitResult, auto_fit
 from fitserve.planner.hardware import DeviceSpec, cpu_device, parse_assume_gpus, probe_gpus, probe_host
 from fitserve.planner.model_info import inspect_model
@@ -62,7 +64,38 @@ def plan_settings(args: EngineArgs, request: PlanRequest = PlanRequest()) -> Fit
     model = inspect_model(args.model, args.revision, args.trust_remote_code, args.load_format)
     if not request.planning_only:
         check_quantized_checkpoint(model, args.quantization)
-    return auto_fit(model, args, devices, args.explicit(), host_ram, request.serving)
+    explicit = args.explicit()
+    auto = _auto_mtp(args, model)
+    if auto is None or auto.config is None:
+        result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
+        return (
+            result if auto is None else dataclasses.replace(result, choices=(*result.choices, auto.choice()))
+        )
+    args.speculative_config = auto.config  # what engine_config_from_fit then runs
+    result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
+    size = result.plan.inputs.tensor_parallel_size
+    if size > 1:  # auto-fit split the model over GPUs, where method mtp does not run
+        args.speculative_config = None
+        result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
+        auto = auto_mtp(None, model.hf_config, None, tensor_parallel_size=size)
+    return _with_choice(result, auto.choice())
+
+
+def _with_choice(result: FitResult, choice) -> FitResult:
+    return dataclasses.replace(result, choices=(*result.choices, choice))
+
+
+def _auto_mtp(args: EngineArgs, model):
+    """Auto-MTP's decision for this model and these args (planner/draft_plan.py), or None."""
+    path = model.resolved.model_path if model.resolved is not None else None
+    return auto_mtp(
+        args.speculative_config,
+        model.hf_config,
+        path,
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.load_format,
+    )
 
 
 def create_engine_config(args: EngineArgs, serving: bool = False) -> EngineConfig:

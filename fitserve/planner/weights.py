@@ -42,7 +42,7 @@ TOWER_PREFIXES = (
     "model.embed_vision.",
     "model.embed_audio.",
     "model.visual.",  # Qwen3.5 / Qwen3.6: the vision tower
-    "mtp.",  # Qwen3.5 / Qwen3.6: the multi-token-prediction layer (not loaded yet)
+    "mtp.",  # Qwen3.5 / Qwen3.6: the MTP layer (loaded by method mtp's drafter, counted as its draft)
 )
 # A quantized checkpoint's float scales (GPTQ / AWQ `scales`, compressed-tensors `weight_scale`, fp8's
 # `weight_scale_inv` and static `input_scale`): loaded as stored, beside the packed int32 codes, zeros,

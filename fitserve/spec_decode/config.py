@@ -6,9 +6,10 @@ Keys: `method`, `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_m
 `disable_by_batch_size`. Methods fitserve runs: `ngram` (prompt lookup), `draft_model` (a smaller model of
 the same vocabulary, fitserve/spec_decode/draft_model.py; also `model` given without `method`), `eagle3`
 (an EAGLE-3 draft head in its released checkpoint format reading the target's hidden states,
-fitserve/spec_decode/eagle3.py) and, for benchmarks only, `oracle` (drafts the tokens a first pass
-produced, fitserve/spec_decode/oracle.py). `eagle` (EAGLE-1), `mtp` and `suffix` are vLLM's other methods:
-refused with what runs.
+fitserve/spec_decode/eagle3.py), `mtp` (the checkpoint's own multi-token-prediction layer, Qwen3.5 /
+Qwen3.6: fitserve/spec_decode/mtp.py; vLLM's `qwen3_next_mtp` and `deepseek_mtp` are read as `mtp`) and, for
+benchmarks only, `oracle` (drafts the tokens a first pass produced, fitserve/spec_decode/oracle.py).
+`eagle` (EAGLE-1) and `suffix` are vLLM's other methods: refused with what runs.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from typing import Any
 # What each method needs, and the most draft tokens one step verifies (a verify step computes
 # batch x (k + 1) tokens; past 15 a miss wastes more than any acceptance saves).
 MAX_SPECULATIVE_TOKENS = 15
-RUNS = ("ngram", "draft_model", "eagle3", "oracle")
+RUNS = ("ngram", "draft_model", "eagle3", "mtp", "oracle")
+# vLLM's other names for the checkpoint's MTP layers, read as mtp
+MTP_ALIASES = ("qwen3_next_mtp", "deepseek_mtp")
+# mtp reuses its one layer for every draft: past this many the drafts it chains are rarely accepted
+MAX_MTP_SPECULATIVE_TOKENS = 8
 # methods that load a second checkpoint named by "model"
 WITH_MODEL = ("draft_model", "eagle3")
 NOT_BUILT = {
     "eagle": "EAGLE-1 draft heads (fitserve runs EAGLE-3 heads: method eagle3)",
-    "mtp": "the checkpoint's MTP layers",
-    "deepseek_mtp": "the checkpoint's MTP layers",
-    "qwen3_next_mtp": "the checkpoint's MTP layers",
     "medusa": "Medusa heads",
     "mlp_speculator": "an MLP speculator",
     "suffix": "suffix decoding",
@@ -75,6 +77,8 @@ class SpeculativeConfig:
             return f"draft_model {self.model}, {self.num_speculative_tokens} draft tokens (greedy drafts)"
         if self.method == "eagle3":
             return f"eagle3 head {self.model}, {self.num_speculative_tokens} draft tokens (greedy drafts)"
+        if self.method == "mtp":
+            return f"mtp (the checkpoint's MTP layer), {self.num_speculative_tokens} draft tokens (greedy)"
         return f"{self.method}, {self.num_speculative_tokens} draft tokens"
 
 
@@ -110,6 +114,8 @@ def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | 
         method = "draft_model" if raw.get("model") else None
     if method in ("[ngram]",):
         method = "ngram"
+    if method in MTP_ALIASES:
+        method = "mtp"
     if method is None:
         raise ValueError(
             '--speculative-config has no method: set "method" to ngram (prompt lookup) or draft_model '
@@ -119,11 +125,12 @@ def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | 
         raise ValueError(
             f"--speculative-config method {method!r} (speculation with {NOT_BUILT[method]}) is not built in "
             f"fitserve yet: use method ngram (prompt lookup, no second model), draft_model (a smaller "
-            f"model of the same vocabulary) or eagle3 (an EAGLE-3 head), or drop --speculative-config"
+            f"model of the same vocabulary), eagle3 (an EAGLE-3 head) or mtp (the checkpoint's MTP "
+            f"layer), or drop --speculative-config"
         )
     if method not in RUNS:
         raise ValueError(
-            f"--speculative-config method {method!r} is unknown: fitserve runs {', '.join(RUNS[:3])} "
+            f"--speculative-config method {method!r} is unknown: fitserve runs {', '.join(RUNS[:4])} "
             f"(vLLM's other methods: {', '.join(NOT_BUILT)})"
         )
     k = _positive_int(raw, "num_speculative_tokens")
@@ -137,6 +144,12 @@ def parse_speculative_config(raw: dict[str, Any] | None) -> SpeculativeConfig | 
             f"--speculative-config num_speculative_tokens is {k}, above the limit of "
             f"{MAX_SPECULATIVE_TOKENS}: a verify step computes k + 1 tokens per request, so set 1 to "
             f"{MAX_SPECULATIVE_TOKENS} (3 to 5 is usual)"
+        )
+    if method == "mtp" and k > MAX_MTP_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"--speculative-config num_speculative_tokens is {k}, above method mtp's limit of "
+            f"{MAX_MTP_SPECULATIVE_TOKENS}: the one MTP layer drafts every token from its own last output, "
+            f"so set 1 to {MAX_MTP_SPECULATIVE_TOKENS} (2 to 4 is usual)"
         )
     lookup_min = _positive_int(raw, "prompt_lookup_min")
     lookup_max = _positive_int(raw, "prompt_lookup_max")
@@ -188,13 +201,9 @@ def _draft_keys(raw: dict[str, Any], method: str) -> dict[str, Any]:
 
 
 def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int, recurrent_layers: int) -> None:
-    """Refuses, before any weight loads, a model whose steps a verify step cannot be shaped for yet."""
-    if recurrent_layers:
-        raise ValueError(
-            f"--speculative-config method {config.method} on a hybrid model ({recurrent_layers} layers with "
-            "recurrent state) is not built yet: a verify step's drafts would have to roll the state back; "
-            "drop --speculative-config for this model"
-        )
+    """Refuses, before any weight loads, a model whose steps a verify step cannot be shaped for yet. A
+    hybrid model (recurrent_layers > 0) speculates: its verify steps keep the state after each token and
+    continue from the accepted one (worker/state_rings.py)."""
     if num_kv_groups > 1:
         raise ValueError(
             f"--speculative-config method {config.method} with sliding-window layers ({num_kv_groups} KV "

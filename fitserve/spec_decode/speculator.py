@@ -49,8 +49,8 @@ MAX_PAUSE_STEPS = 1024
 
 
 class Drafter(Protocol):
-    """A model that drafts (spec_decode/draft_model.py's DraftModel, eagle3.py's head, which run in the
-    worker layer beside the target's runner)."""
+    """A model that drafts (spec_decode/draft_model.py's DraftModel, eagle3.py's head, mtp.py's MTP layer,
+    which run in the worker layer beside the target's runner)."""
 
     def propose(self, requests: list[Request], running_ids: set[str]) -> list[list[int]]: ...
 
@@ -69,9 +69,10 @@ class NgramProposer:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None) -> None:
-        """`draft`: the loaded draft model of method draft_model (fitserve/spec_decode/draft_model.py) or
-        the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3.py, a DraftModel), which drafts
-        for all the step's requests at once."""
+        """`draft`: the loaded draft model of method draft_model (fitserve/spec_decode/draft_model.py),
+        the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3.py, a DraftModel) or the MTP layer
+        of method mtp (fitserve/spec_decode/mtp.py, an EAGLE-3 drafter), which drafts for all the step's
+        requests at once."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.draft = draft
@@ -131,8 +132,8 @@ class Speculator:
         return drafted
 
     def after_launch(self, scheduler_output: SchedulerOutput) -> None:
-        """A target step was queued: an EAGLE-3 head keeps its hidden states (fitserve/spec_decode/
-        eagle3.py); nothing for the other methods."""
+        """A target step was queued: an EAGLE-3 head or the MTP layer keeps its hidden states
+        (fitserve/spec_decode/eagle3.py, mtp.py); nothing for the other methods."""
         keep = getattr(self.draft, "after_launch", None)
         if keep is not None:
             keep(scheduler_output)

@@ -1,5 +1,5 @@
-"""Executors run the model runner: in this process, or one process per rank for tensor parallel
-(worker/tp_executor.py)."""
+"""Executors run the model runner: in this process, or one process per rank for tensor and pipeline
+parallel (worker/tp_executor.py)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ class UniprocExecutor:
 
 
 def create_executor(config: EngineConfig) -> UniprocExecutor | MultiprocExecutor:
-    if config.parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "not supported yet: --pipeline-parallel-size > 1: split the model with --tensor-parallel-size"
-        )
-    if config.parallel.tensor_parallel_size > 1:
+    parallel = config.parallel
+    if parallel.pipeline_parallel_size > 1:
+        from fitserve.worker.pipeline_support import check_pipeline_parallel
+
+        check_pipeline_parallel(config)
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
         from fitserve.worker.tp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

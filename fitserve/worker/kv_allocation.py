@@ -1,5 +1,6 @@
 """The KV cache tensors, one per layer in its own geometry and with its group's block count, and the
-startup log lines that describe them (fitserve/kv_layers.py, fitserve/kv_groups.py)."""
+startup log lines that describe them (fitserve/kv_layers.py, fitserve/kv_groups.py). A pipeline stage
+allocates its own layers' caches only (`stage_kv_layers`), with the blocks every stage shares."""
 
 from __future__ import annotations
 
@@ -9,13 +10,30 @@ import mmap
 
 import torch
 
-from fitserve.kv_groups import KvCacheGroup
+from fitserve.config import EngineConfig
+from fitserve.distributed.pipeline import stage_kv_layers
+from fitserve.kv_groups import KvCacheGroup, elements_per_request_token, kv_cache_groups
 from fitserve.kv_layers import KvLayerSpec
 from fitserve.planner.memory import MemoryPlan
 
 logger = logging.getLogger("fitserve")
 
 GiB = 1 << 30
+
+
+def stage_kv_bytes_per_token(config: EngineConfig, start: int, end: int) -> int:
+    """EngineConfig.kv_bytes_per_token counted over the layers [start, end) alone (one pipeline stage's)."""
+    model = config.model
+    specs = stage_kv_layers(model.kv_layers, start, end)
+    groups = kv_cache_groups(
+        specs,
+        model.max_model_len,
+        config.scheduler.max_num_batched_tokens,
+        config.cache.block_size,
+        config.parallel.tensor_parallel_size,
+    )
+    element = config.cache.torch_kv_cache_dtype(model.dtype).itemsize
+    return elements_per_request_token(groups, model.max_model_len, config.cache.block_size) * element
 
 
 def layer_caches(

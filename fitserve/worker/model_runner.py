@@ -19,6 +19,7 @@ from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from fitserve.distributed.collectives import broadcast_from_first
+from fitserve.distributed.parallel_state import pp
 from fitserve.kv_groups import group_num_blocks
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.models.loader import load_model
@@ -30,9 +31,11 @@ from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.group_tables import GroupTables
 from fitserve.worker.kv_allocation import layer_caches, log_kv_cache
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
+from fitserve.worker.pipeline_stage import PipelineStage
 from fitserve.worker.platforms import make_platform
 from fitserve.worker.recurrent_state import allocate_recurrent_state
 from fitserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from fitserve.worker.state_rings import state_rings_for
 from fitserve.worker.step_inputs import HostInputs, StepInputs, build_host_inputs, upload_inputs
 from fitserve.worker.transfer import PinnedStagingRing
 
@@ -147,6 +150,10 @@ class ModelRunner:
         self.group_tables: GroupTables | None = None
         if len(self.kv_groups) > 1:
             self.group_tables = GroupTables(self.kv_groups, max_blocks_per_seq, self.block_size)
+        # pipeline parallel (worker/pipeline_stage.py): this rank's stage; None without stages
+        self.stage = PipelineStage(config, self.device) if pp().size > 1 else None
+        # a hybrid model under speculative decoding: the state's pool rows per verified token
+        self.state_rings = state_rings_for(config)
 
     # ---- KV cache sizing and allocation -------------------------------------------------------
     @property
@@ -159,8 +166,10 @@ class ModelRunner:
 
     def size_kv_cache(self) -> MemoryPlan:
         """The memory plan with the KV cache sized from what this process measured (the planner's
-        formula): its num_kv_blocks is the pool `allocate_kv_cache` takes."""
-        return self.platform.size_kv_cache(self)
+        formula): its num_kv_blocks is the pool `allocate_kv_cache` takes. A pipeline stage's pool is
+        re-sized for the KV of its own layers."""
+        plan = self.platform.size_kv_cache(self)
+        return plan if self.stage is None else self.stage.resize_plan(plan)
 
     def allocate_kv_cache(self, plan: MemoryPlan) -> None:
         full_need = -(-self.config.model.max_model_len // self.block_size)
@@ -168,8 +177,9 @@ class ModelRunner:
         self.kv_caches = self._layer_caches(self.group_num_blocks)
         allocate_recurrent_state(self.model, self.config, self.device)  # hybrid models only
         log_kv_cache(plan, self.kv_groups, self.group_num_blocks, self.kv_caches, self.kv_cache_dtype)
-        self.graph_runner = self.platform.make_graph_runner(self)
-        self.piecewise_runner = self.platform.make_piecewise_runner(self)
+        if self.stage is None:  # a stage's step runs eagerly (worker/pipeline_stage.py says why)
+            self.graph_runner = self.platform.make_graph_runner(self)
+            self.piecewise_runner = self.platform.make_piecewise_runner(self)
         if self.device.type == "cuda":
             self._warm_up_decode_tail()
 
@@ -187,6 +197,8 @@ class ModelRunner:
 
     def _layer_caches(self, num_blocks: int | tuple[int, ...]) -> list[torch.Tensor]:
         specs, dtype = self.config.rank_kv_layers, self.kv_cache_dtype
+        if self.stage is not None:  # this stage's layers only
+            specs = self.stage.kv_layers(specs)
         return layer_caches(specs, self.layer_group, num_blocks, self.block_size, dtype, self.device)
 
     @torch.inference_mode()
@@ -201,7 +213,10 @@ class ModelRunner:
         hidden = torch.zeros(
             (1, self.config.model.hf_config.hidden_size), dtype=self.config.model.dtype, device=self.device
         )
-        logits = self.model.compute_logits(hidden)
+        if self.stage is not None:  # the LM head is the last stage's, the sampler global rank 0's
+            logits = self.stage.warm_up_logits(self.model, hidden)
+        else:
+            logits = self.model.compute_logits(hidden)
         if logits is None:  # a tensor-parallel rank other than the first: it samples nothing
             return
         for temperature in (0.0, 1.0):
@@ -242,11 +257,13 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with forward_context(metadata, scratch):
-            hidden = self.model(input_ids, positions)
+            hidden = self._alone_forward(input_ids, positions)
         if self.device.type == "cuda" and num_tokens > 1:
             self._decode_sized_forward(scratch)
         rows = min(sc.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
+        logits = None
+        if self.stage is None or self.stage.is_last:
+            logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
         if logits is not None:  # None on a tensor-parallel rank other than the first
             self.sampler(logits, [SamplingRow(params, [0], [], None, frozenset())] * rows)
@@ -271,7 +288,14 @@ class ModelRunner:
         )
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         with forward_context(metadata, scratch):
-            self.model(one, one)
+            self._alone_forward(one, one)
+
+    def _alone_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward with no other rank's part in it (profiling, kernel warm-up): a pipeline
+        stage after the first starts from zeros, and nothing is sent on."""
+        if self.stage is None:
+            return self.model(input_ids, positions)
+        return self.stage.forward_alone(self.model, input_ids, positions)
 
     # ---- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -300,7 +324,7 @@ class ModelRunner:
         if self.step_sender is not None:
             self.step_sender(host)  # the other tensor-parallel ranks run the same step
         inputs = upload_inputs(host, self.staging, self.layer_group)
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs)  # None on the first of several pipeline stages: it sent them on
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, output)
         if not sample_items:
@@ -354,10 +378,14 @@ class ModelRunner:
         and no output."""
         inputs = upload_inputs(host, self.staging, self.layer_group)
         hidden = self._forward(inputs)
-        for rows, _, _ in inputs.prompt_logprob_rows.values():
-            self.model.compute_logits(hidden[rows])
-        if inputs.num_samples:
-            self._sample_logits(hidden, inputs)
+        if self.stage is not None and not self.stage.is_last:
+            hidden = None  # sent on: the last stage computes the logits
+        if hidden is not None:
+            for rows, _, _ in inputs.prompt_logprob_rows.values():
+                self._logits(hidden[rows])
+            if inputs.num_samples:
+                self._sample_logits(hidden, inputs)
+        if inputs.num_samples and (self.stage is None or self.stage.reads_sampled_ids):
             sampled = torch.empty(inputs.num_samples, dtype=torch.long, device=self.device)
             self._last_sampled = broadcast_from_first(sampled)
 
@@ -371,7 +399,9 @@ class ModelRunner:
             self.model.copy_states(*inputs.state_saves)
         return hidden
 
-    def _model_forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _model_forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.stage is not None:  # eager, the stages in turn; None on a stage before the last
+            return self.stage.forward(self.model, inputs, self.kv_caches, self._last_sampled)
         meta = inputs.metadata
         fill = None
         if inputs.fill is not None:
@@ -399,13 +429,28 @@ class ModelRunner:
         """The sampled rows' logits (None on a tensor-parallel rank other than the first). Every index
         tensor was built before the forward: a host-to-device copy made now would wait for the whole
         step and leave nothing to overlap."""
+        if hidden is None:  # the first of several pipeline stages: the last one sends them
+            return self.stage.receive_logits(inputs.num_samples)
         if inputs.sample_rows is not None:
             hidden = hidden[inputs.sample_rows]
-        return self.model.compute_logits(hidden)
+        return self._logits(hidden)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits; on the last of several pipeline stages its first rank sends them to global
+        rank 0 (which samples) and every rank of it gets None."""
+        logits = self.model.compute_logits(hidden)
+        if self.stage is not None:
+            return self.stage.send_logits(logits)
+        return logits
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor | None, inputs: StepInputs, output: ModelRunnerOutput
+    ) -> None:
         for request_id, (rows, next_ids, num_top) in inputs.prompt_logprob_rows.items():
-            logits = self.model.compute_logits(hidden[rows])
+            if hidden is None:  # the first of several pipeline stages: the last one sends them
+                logits = self.stage.receive_logits(len(rows))
+            else:
+                logits = self.model.compute_logits(hidden[rows])
             output.prompt_logprobs[request_id] = compute_prompt_logprobs(logits, next_ids, num_top)
 
     def _sampling_rows(self, scheduled: list[ScheduledRequest]) -> dict[str, SamplingRow]:
@@ -458,7 +503,12 @@ class ModelRunner:
 
     def _host_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[HostInputs, list[ScheduledRequest]]:
         return build_host_inputs(
-            scheduled, self.block_size, self.block_table_rows, self.group_tables, self._in_flight_index
+            scheduled,
+            self.block_size,
+            self.block_table_rows,
+            self.group_tables,
+            self._in_flight_index,
+            self.state_rings,
         )
 
     def _in_flight_index(self, request_id: str) -> int:

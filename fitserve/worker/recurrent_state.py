@@ -6,8 +6,10 @@ checkpoints' `mamba_ssm_dtype` asks). The pool holds `slots` of each, preallocat
 running requests at most, plus slot 0, a spare no request gets (a captured decode step's padded rows
 carry slot -1 and touch no state). The scheduler side hands out the slots (core/state_slots.py); the state is
 not zeroed between owners: a sequence whose first token is at position 0 starts from zeros in the layers.
-With prefix caching (--mamba-cache-mode align) the pool has as many snapshot slots again after the live
-ones: states kept at block boundaries, which a later request with the same prefix starts from.
+With prefix caching (--mamba-cache-mode align) the pool has snapshot slots after the live ones: states
+kept at block boundaries, which a later request with the same prefix starts from. Under speculative
+decoding, k rows per live slot follow (worker/state_rings.py): each request's states after each token of
+a verify step, of which the accepted one is kept.
 
 Under tensor parallel each rank's pool holds its own heads' states only (the DeltaNet heads split evenly,
 models/qwen3_5_layers.py): conv_dim and the value heads are the rank's, so a rank's pool is 1/n of one
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fitserve.core.state_slots import SPARE_STATE_SLOTS, num_snapshot_slots, num_state_slots
+from fitserve.core.state_slots import SPARE_STATE_SLOTS, num_ring_rows, num_snapshot_slots, num_state_slots
 from fitserve.distributed.parallel_state import tp
 from fitserve.kv_layers import is_qwen3_5
 from fitserve.models.qwen3_5_config import delta_net_heads_per_rank, linear_layer_indices
@@ -103,7 +105,8 @@ class RecurrentStatePool:
 
 def allocate_recurrent_state(model: torch.nn.Module, config: Any, device: torch.device) -> int:
     """Gives a hybrid model its state pool (max_num_seqs + 1 live slots, then the snapshot slots of
-    prefix caching), of this rank's heads; returns its bytes (0: not hybrid). config: the EngineConfig."""
+    prefix caching, then k rows per live slot under speculative decoding), of this rank's heads; returns
+    its bytes (0: not hybrid). config: the EngineConfig."""
     attach = getattr(model, "attach_state_pool", None)
     layers = recurrent_state_layers(config.model.hf_config, tp().size)
     if attach is None or not layers:
@@ -111,17 +114,20 @@ def allocate_recurrent_state(model: torch.nn.Module, config: Any, device: torch.
     max_num_seqs = config.scheduler.max_num_seqs
     caching = config.cache.enable_prefix_caching
     snapshots = num_snapshot_slots(config.model.mamba_cache_mode, caching, max_num_seqs)
-    slots = num_state_slots(max_num_seqs) + snapshots
+    speculative = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    rings = num_ring_rows(max_num_seqs, speculative)
+    slots = num_state_slots(max_num_seqs) + snapshots + rings
     pool = RecurrentStatePool(layers, slots, config.model.dtype, device)
     attach(pool)
     logger.info(
-        "Recurrent state: %d layers x %d slots (max_num_seqs %d + %d spare + %d prefix-cache snapshots), "
-        "%.1f MiB",
+        "Recurrent state: %d layers x %d slots (max_num_seqs %d + %d spare + %d prefix-cache snapshots "
+        "+ %d speculative-decoding rows), %.1f MiB",
         len(layers),
         slots,
         max_num_seqs,
         SPARE_SLOTS,
         snapshots,
+        rings,
         pool.nbytes / MiB,
     )
     return pool.nbytes

@@ -19,15 +19,18 @@ from fitserve.core.scheduler import ScheduledRequest
 from fitserve.core.state_slots import StepStateSlots, state_slots_of
 from fitserve.layers.attention.metadata import AttentionMetadata
 from fitserve.layers.gated_delta_rule import DeltaNetStepSlots, StateRowsHost, split_state_rows
+from fitserve.models.delta_net_chain import ChainedStepSlots
 from fitserve.worker.block_table_rows import BlockTableRows, extend_slots
 from fitserve.worker.group_tables import GroupTables
+from fitserve.worker.state_rings import StateRings, StepChain
 from fitserve.worker.transfer import PinnedStagingRing
 
 # The arrays every step uploads, in this order; a model with several KV cache groups appends two per
 # extra group (slot mapping, block table), and a hybrid model NUM_STATE_ARRAYS after those.
 NUM_STEP_ARRAYS = 9
 # Hybrid models: the DeltaNet split (decode slots, decode rows, prompt rows: StateRowsHost.arrays) and the
-# prefix-cache snapshot copies before and after the forward (each [sources..., targets...]).
+# prefix-cache snapshot copies before and after the forward (each [sources..., targets...]); a verify
+# step's chain after those (worker/state_rings.StepChain.arrays, HostInputs.state_chain).
 NUM_STATE_ARRAYS = 5
 
 # req_id -> (hidden rows, the prompt token each row predicts, how many top logprobs)
@@ -48,6 +51,10 @@ class HostInputs:
     state_slots: list[int] | None = None
     # ... and their split into decode rows and prompt pieces (its arrays are among `arrays`)
     state_rows: StateRowsHost | None = None
+    # Speculative decoding on a hybrid: a verify step's decode rows by chain depth, each depth's sizes
+    # (rows, copies); their arrays and the chains' heads end `arrays` (worker/state_rings.py StepChain);
+    # None: no verify rows
+    state_chain: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -75,8 +82,10 @@ def build_host_inputs(
     table_rows_of: BlockTableRows,
     group_tables: GroupTables | None,
     in_flight_index: Callable[[str], int],
+    state_rings: StateRings | None = None,
 ) -> tuple[HostInputs, list[ScheduledRequest]]:
-    """The step's host inputs, and the requests that sample, in row order."""
+    """The step's host inputs, and the requests that sample, in row order. state_rings: a hybrid model's
+    pool rows under speculative decoding (worker/state_rings.py)."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -146,10 +155,15 @@ def build_host_inputs(
         arrays.extend(group_tables.arrays(scheduled))
     state_slots = state_slots_of(scheduled)
     state_rows = None
+    chain: StepChain | None = None
     if state_slots is not None:
+        if state_rings is not None:  # live slots -> pool rows, a verify step's rows chained
+            state_slots, chain = state_rings.place(scheduled, state_slots, query_lens, seq_lens)
         state_rows = split_state_rows(query_lens, seq_lens, state_slots)
         arrays.extend(state_rows.arrays())
         arrays.extend(_state_copies(state_slots))
+        if chain is not None:
+            arrays.extend(chain.arrays())
     host = HostInputs(
         arrays=arrays,
         query_lens=query_lens,
@@ -160,14 +174,22 @@ def build_host_inputs(
         has_fill=bool(placeholder_rows),
         state_slots=state_slots,
         state_rows=state_rows,
+        state_chain=chain.sizes if chain is not None else None,
     )
     return host, sample_items
 
 
 def _state_copies(slots: StepStateSlots) -> list[np.ndarray]:
-    """The step's snapshot restores (snapshot -> the row's slot) and saves (the row's slot -> snapshot),
-    each as one int64 array [sources..., targets...]."""
-    restores = [*slots.restores.values(), *(slots[row] for row in slots.restores)]
+    """The step's copies before the forward (snapshot restores, snapshot -> the row's slot, and a verify
+    step's accepted boundary states, pool row -> snapshot) and after it (saves, the row's slot ->
+    snapshot), each as one int64 array [sources..., targets...]."""
+    keeps = slots.keeps
+    restores = [
+        *slots.restores.values(),
+        *(row for row, _ in keeps),
+        *(slots[row] for row in slots.restores),
+        *(snapshot for _, snapshot in keeps),
+    ]
     saves = [*(slots[row] for row in slots.saves), *slots.saves.values()]
     return [np.array(restores, dtype=np.int64), np.array(saves, dtype=np.int64)]
 
@@ -184,9 +206,18 @@ def upload_inputs(host: HostInputs, staging: PinnedStagingRing, layer_group: lis
     (ids, pos, slot_mapping, starts, lens, tables, fill_rows, fill_sources, rows) = uploaded[:NUM_STEP_ARRAYS]
     state_slots = restores = saves = None
     if host.state_rows is not None:
+        chain_arrays: list[torch.Tensor] = []
+        if host.state_chain is not None:  # each depth's array, then the chains' heads
+            chain_arrays = uploaded[len(uploaded) - len(host.state_chain) - 1 :]
+            uploaded = uploaded[: len(uploaded) - len(host.state_chain) - 1]
         state_arrays = uploaded[len(uploaded) - NUM_STATE_ARRAYS :]
         uploaded = uploaded[: len(uploaded) - NUM_STATE_ARRAYS]
-        state_slots = DeltaNetStepSlots.from_host(host.state_rows, state_arrays[:3])
+        if host.state_chain is None:
+            state_slots = DeltaNetStepSlots.from_host(host.state_rows, state_arrays[:3])
+        else:
+            state_slots = ChainedStepSlots.from_uploaded(
+                host.state_rows, state_arrays[:3], chain_arrays, host.state_chain
+            )
         restores, saves = _copy_pairs(state_arrays[3]), _copy_pairs(state_arrays[4])
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,

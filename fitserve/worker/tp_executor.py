@@ -1,10 +1,14 @@
-"""Tensor parallel: one process per rank, the first in the engine's own process.
+"""Tensor and pipeline parallel: one process per rank, the first in the engine's own process.
 
 The first rank's ModelRunner plans each step on the host (worker/step_inputs.py) and hands the host
 inputs to every other rank over a pipe (pickled once, a few KB for a decode step) before it queues its
 own forward; all ranks then run the same forward, meeting in its all-reduces (NCCL on GPUs, gloo on
 CPUs), and the first rank samples and broadcasts the sampled ids (ModelRunner.launch). The KV cache is
 sized on every rank and the smallest pool wins, so every rank holds the same blocks.
+
+With --pipeline-parallel-size P the world is tensor_parallel_size x P ranks, every one of which gets
+each step's host inputs the same way; a stage runs its layers and hands its hidden states to the next
+(worker/pipeline_stage.py), and the last stage's logits come back to the first rank, which samples.
 
 A rank that dies or fails: a thread per rank reads its replies and sees the pipe close; it records
 which rank and why, and aborts this process's group so a collective waiting for that rank returns at
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -34,7 +39,7 @@ from fitserve.distributed.parallel_state import (
     abort_tensor_parallel,
     destroy_tensor_parallel,
     forget_tensor_parallel,
-    init_tensor_parallel,
+    init_model_parallel,
 )
 from fitserve.planner.memory import MemoryPlan
 from fitserve.worker import tp_worker
@@ -57,11 +62,22 @@ def _free_local_port() -> int:
         return probe.getsockname()[1]
 
 
+def rank_label(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
+    """How errors name a rank: "tensor-parallel rank 1", or with stages "rank 3 (pipeline stage 1,
+    tensor-parallel rank 1)"."""
+    if pipeline_parallel_size == 1:
+        return f"tensor-parallel rank {rank}"
+    stage, tp_rank = divmod(rank, tensor_parallel_size)
+    return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+
 class _Rank:
     """Another rank's process, its command pipe and the thread that reads its replies."""
 
     def __init__(self, context: Any, config: EngineConfig, rank: int, size: int, address: str) -> None:
         self.rank = rank
+        parallel = config.parallel
+        self.label = rank_label(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         commands_in, self.commands = context.Pipe(duplex=False)
         self._replies_in, replies_out = context.Pipe(duplex=False)
         self.process = context.Process(
@@ -105,7 +121,11 @@ class _Rank:
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
-        size = config.parallel.tensor_parallel_size
+        tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        size = tp_size * pp_size
+        if pp_size > 1:  # stages run eagerly (worker/pipeline_stage.py): no graph memory is reserved
+            compilation = dataclasses.replace(config.compilation, enforce_eager=True)
+            config = dataclasses.replace(config, compilation=compilation)
         device_type = config.device.torch_device.type
         address = f"tcp://127.0.0.1:{_free_local_port()}"
         context = multiprocessing.get_context("spawn")
@@ -124,7 +144,8 @@ class MultiprocExecutor:
         if device_type == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         logger.info(
-            "Tensor parallel: %d ranks (%s), rank 0 in this process",
+            "%s: %d ranks (%s), rank 0 in this process",
+            "Tensor parallel" if pp_size == 1 else f"Pipeline parallel ({pp_size} stages x {tp_size})",
             size,
             "NCCL" if device_type == "cuda" else "gloo",
         )
@@ -133,7 +154,7 @@ class MultiprocExecutor:
         atexit.register(self.shutdown)
         try:
             # a rank that dies before it joins stops the wait with its reason (_check)
-            init_tensor_parallel(0, size, address, device_type, while_waiting=self._check)
+            init_model_parallel(0, tp_size, pp_size, address, device_type, while_waiting=self._check)
             self.runner = ModelRunner(config)
             self.runner.step_sender = self._send_step
             for rank in self.ranks:
@@ -147,7 +168,7 @@ class MultiprocExecutor:
         with self._failure_lock:
             first = self._failure is None and not self._stopping
             if first:
-                self._failure = f"tensor-parallel rank {rank.rank} failed: {reason}"
+                self._failure = f"{rank.label} failed: {reason}"
                 logger.error("%s; stopping the engine", self._failure)
             for other in self.ranks:
                 other.replies.put((tp_worker.FAILED, reason))
@@ -163,10 +184,10 @@ class MultiprocExecutor:
         try:
             kind, payload = rank.replies.get(timeout=STARTUP_REPLY_TIMEOUT_S)
         except queue.Empty:
-            raise RankFailedError(f"tensor-parallel rank {rank.rank} did not answer ({expected})") from None
+            raise RankFailedError(f"{rank.label} did not answer ({expected})") from None
         self._check()
         if kind != expected:
-            raise RankFailedError(f"tensor-parallel rank {rank.rank} answered {kind!r}, not {expected!r}")
+            raise RankFailedError(f"{rank.label} answered {kind!r}, not {expected!r}")
         return payload
 
     def _send(self, message: tuple[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""The main function of a tensor-parallel rank other than the first (worker/tp_executor.py starts it).
+"""The main function of a rank other than the first (worker/tp_executor.py starts it).
 
-It joins the group, builds its ModelRunner (its part of every layer), and then runs what the first rank
+It joins the group, builds its ModelRunner (its part of every layer of its pipeline stage's layers), and
+then runs what the first rank
 sends, in order, over its own pipe: size the KV cache, allocate it, run a step (the first rank's host
 inputs), stop. Messages are pickled once by the sender (bytes); replies go back on a second pipe. An
 error is sent back with its traceback and the process exits; the process also exits when the engine's
@@ -65,13 +66,18 @@ def run_rank(
     try:
         import torch
 
-        from fitserve.distributed.parallel_state import init_tensor_parallel
+        from fitserve.distributed.parallel_state import init_model_parallel
         from fitserve.worker.model_runner import ModelRunner
 
         device_type = config.device.torch_device.type
         if device_type == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        init_tensor_parallel(rank, size, address, device_type)
+        parallel = config.parallel
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != size:
+            raise ValueError(f"{size} ranks started for {parallel}: a fitserve bug")
+        init_model_parallel(
+            rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, address, device_type
+        )
         runner = ModelRunner(config)
         replies.send_bytes(pickle.dumps((LOADED, runner.weight_bytes)))
         while True:

@@ -227,7 +227,12 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
             "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
             "host)",
         ),
-        (dict(pipeline_parallel_size=2), "not supported yet: --pipeline-parallel-size 2"),
+        (
+            dict(
+                pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+            ),
+            "not supported yet: --pipeline-parallel-size 2 with --speculative-config",
+        ),
         (dict(task="embed"), "not supported yet: --task embed (fitserve serves text generation"),
         (dict(compilation_config='{"level": 3}'), "not supported yet: --compilation-config key(s) level"),
     ],

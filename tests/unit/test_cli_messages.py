@@ -52,14 +52,16 @@ def no_model_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
             "host)",
         ),
         (
-            ["generate", "--prompt", "hi", "-pp", "4"],
-            "fitserve generate: error: not supported yet: --pipeline-parallel-size 4 "
-            "(set --pipeline-parallel-size 1)",
+            ["generate", "--prompt", "hi", "-pp", "4", "--enable-expert-parallel"],
+            "fitserve generate: error: not supported yet: --pipeline-parallel-size 4 with "
+            "--enable-expert-parallel (drop --enable-expert-parallel (experts then split across "
+            "--tensor-parallel-size), or set --pipeline-parallel-size 1)",
         ),
         (
-            ["serve", "--pipeline-parallel-size", "2"],
-            "fitserve serve: error: not supported yet: --pipeline-parallel-size 2 "
-            "(set --pipeline-parallel-size 1)",
+            ["serve", "--pipeline-parallel-size", "2", "--cpu-offload-gb", "4"],
+            "fitserve serve: error: not supported yet: --pipeline-parallel-size 2 with --cpu-offload-gb 4.0 "
+            "(drop --cpu-offload-gb: each stage's GPU holds only its layers; raise the stages, or set "
+            "--pipeline-parallel-size 1)",
         ),
         (
             ["serve", "--quantization", "modelopt"],

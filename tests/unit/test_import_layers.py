@@ -23,7 +23,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entrypoints", ("fitserve.server", "fitserve.bench")),
     ("engine", ("fitserve.engine",)),
     # the speculative decoders that run a second model beside the target's runner
-    ("worker", ("fitserve.worker", "fitserve.spec_decode.draft_model", "fitserve.spec_decode.eagle3")),
+    (
+        "worker",
+        (
+            "fitserve.worker",
+            "fitserve.spec_decode.draft_model",
+            "fitserve.spec_decode.eagle3",
+            "fitserve.spec_decode.mtp",
+        ),
+    ),
     ("planner", ("fitserve.planner",)),
     ("models", ("fitserve.models",)),
     ("layers", ("fitserve.layers",)),

@@ -9,7 +9,8 @@ machine, so that is several minutes (Triton's cache makes reruns fast). FITSERVE
 comma-separated list) adds targets; FITSERVE_KERNEL_TARGETS_FULL=1 runs the whole sweep (every head dim, GQA
 group, dtype, KV dtype and window). tests/gpu/test_kernel_targets_gpu.py runs all six targets at once on the
 GPU machine's cores. Each target compiles in a child process: the harness swaps Triton's driver and
-torch.cuda's device queries while it runs.
+torch.cuda's device queries while it runs. The four kernels that touch a float8 e4m3 KV cache compile for
+sm_70 to sm_89 at one shape each (below 8.9 they take the cache as its bytes: kernels/fp8_bits.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,33 @@ def test_every_variant_compiles_and_fits(name: str) -> None:
         assert kernel in kernels, f"{kernel} was not compiled for {name}: {sorted(kernels)}"
     pdl = {row["options"].get("USE_PDL") for row in rows if "USE_PDL" in row["options"]}
     assert pdl == ({True} if name == "sm_90" else {False}), f"USE_PDL on {name}: {pdl}"
+
+
+# The kernels that touch the KV cache (below 8.9 they take a float8 e4m3 cache as its bytes), and which of
+# the argument types in their compiled signature is the cache pointer's
+CACHE_ARGUMENT = {
+    "_reshape_and_cache_kernel": 2,
+    "_rotary_cache_write_kernel": 5,
+    "_decode_partition_kernel": 1,
+    "_prefill_kernel": 1,
+}
+
+
+@pytest.mark.parametrize("name", ["sm_70", "sm_75", "sm_80", "sm_86", "sm_89"])
+def test_e4m3_cache_kernels_compile_from_the_bytes_below_sm_89(name: str) -> None:
+    """Issues 35, 32: below 8.9 Triton has no e4m3 conversion, so the launchers pass the cache as uint8 and
+    the kernels convert it in integer operations (kernels/fp8_bits.py); 8.9 keeps Triton's fp8e4nv."""
+    rows = compile_target(name, False, ("e4m3_kv_cache",))
+    failed = [describe(row) for row in rows if row["problems"]]
+    assert not failed, f"e4m3 cache variants do not launch on {name}:\n" + "\n".join(failed)
+    cache_types = {
+        row["kernel"]: row["signature"].split(", ")[CACHE_ARGUMENT[row["kernel"]]]
+        for row in rows
+        if row["kernel"] in CACHE_ARGUMENT
+    }
+    assert set(cache_types) == set(CACHE_ARGUMENT), sorted(cache_types)
+    expected = "*fp8e4nv" if name == "sm_89" else "*u8"
+    assert set(cache_types.values()) == {expected}, cache_types
 
 
 def test_the_check_catches_a_variant_that_does_not_fit() -> None:

@@ -92,3 +92,23 @@ def test_allocate_fails_cleanly_when_short():
     assert not manager.allocate_slots(request, 12)
     assert manager.block_ids("a") == []
     assert manager.num_free_blocks == 2
+
+
+def test_a_verify_step_past_the_known_tokens_caches_only_whole_known_blocks():
+    """A verify step asks room for its drafts beyond the request's known tokens; the blocks it fills are
+    hashed from known tokens only, so once the request's own tokens fill the next block (drafts refused),
+    that block is found by the hash of those tokens and a later request reusing them hits every block."""
+    manager = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    request = make_request("a", list(range(100, 106)))  # 6 prompt tokens: 1 full block
+    schedule_all(manager, request)
+    for token in (7, 8):
+        request.append_output_token(token)  # 8 known tokens, 6 computed
+    assert manager.allocate_slots(request, 2 + 4)  # the 2 new tokens and 4 drafts: up to token 12
+    request.num_computed_tokens = 8  # the drafts were all refused; the request goes on with its own
+    for token in (9, 10, 11, 12):
+        request.append_output_token(token)
+    assert manager.allocate_slots(request, 4)
+    request.num_computed_tokens = 12
+    later = make_request("b", list(request.all_token_ids) + [13])
+    _, num_hit_tokens = manager.get_computed_blocks(later)
+    assert num_hit_tokens == 12  # 3 whole blocks, the third filled after the verify step

@@ -241,6 +241,7 @@ def test_copies_around_the_forward_equal_the_layers_own(config):
     inputs = upload_inputs(host_inputs(slots), PinnedStagingRing(torch.device("cpu")), [0])
     runner = ModelRunner.__new__(ModelRunner)
     runner.graph_runner = runner.piecewise_runner = None
+    runner.stage = None  # no pipeline stages
     runner.kv_caches = []
     calls = []
 
@@ -303,6 +304,7 @@ def test_model_runner_replays_only_decode_only_steps():
     only decode."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.piecewise_runner = None
+    runner.stage = None  # no pipeline stages
     runner.kv_caches = []
     replayed = []
     runner.graph_runner = SimpleNamespace(

@@ -18,7 +18,13 @@ from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
 from tests.unit.model_helpers import TINY_DIMS
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
-from tests.unit.test_spec_decode_engine import _chi_square_p_value, _generate, _prompts, _token_ids
+from tests.unit.test_spec_decode_engine import (
+    _chi_square_p_value,
+    _generate,
+    _prompts,
+    _token_ids,
+    record_drafts,
+)
 
 K = 3
 HIDDEN = TINY_DIMS["hidden_size"]
@@ -419,15 +425,7 @@ def test_engine_drafts_equal_the_reference(target, head, pause, monkeypatch):
             return len(calls) % 5 == 0 and wants(running)
 
         speculator.wants_drafts = some
-    records = []
-    propose = drafter.propose
-
-    def spy(requests, running_ids):
-        drafts = propose(requests, running_ids)
-        records.extend((list(r.all_token_ids), d) for r, d in zip(requests, drafts) if d)
-        return drafts
-
-    drafter.propose = spy
+    records = record_drafts(drafter)
     _generate(llm, _prompts(3, seed=13), max_tokens=20)
     assert len(records) >= 5
     tensors = _head_tensors(7)

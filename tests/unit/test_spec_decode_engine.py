@@ -42,6 +42,21 @@ def _generate(llm, prompts, **params):
     return [o.outputs for o in outputs]
 
 
+def record_drafts(drafter) -> list[tuple[list[int], list[int]]]:
+    """Wraps drafter.propose: the list it returns fills with (the request's tokens then, its drafts) for
+    every request drafted for from now on."""
+    records: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def recording(requests, running_ids):
+        drafts = propose(requests, running_ids)
+        records.extend((list(r.all_token_ids), d) for r, d in zip(requests, drafts) if d)
+        return drafts
+
+    drafter.propose = recording
+    return records
+
+
 def _token_ids(outputs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o] for o in outputs]
 

@@ -74,7 +74,7 @@ def _wrap_launch(module) -> None:
             trace.writelines(lines)
         lines.clear()
 
-    def traced_launch(self, scheduler_output):
+    def traced_launch(self, scheduler_output, *args, **kwargs):
         now = time.perf_counter()
         prompt_tokens = 0
         for item in scheduler_output.scheduled:
@@ -82,7 +82,7 @@ def _wrap_launch(module) -> None:
             prompt_tokens += max(0, min(item.start + item.num_new_tokens, prompt_end) - item.start)
         decode_tokens = scheduler_output.num_batched_tokens - prompt_tokens
         host_columns = f"{now:.6f} {decode_tokens} {prompt_tokens} {len(scheduler_output.scheduled)}"
-        out = device_times.around(host_columns, lambda: launch(self, scheduler_output))
+        out = device_times.around(host_columns, lambda: launch(self, scheduler_output, *args, **kwargs))
         if len(device_times.pending) >= FLUSH_EVERY:
             flush()
         return out

@@ -1,0 +1,74 @@
+"""float8 e4m3 <-> float in integer and fp16 operations, for GPUs where Triton has no e4m3 conversion.
+
+Triton converts to and from float8 e4m3 (its fp8e4nv type) only from compute capability 8.9 on. Below that
+(sm_70 to sm_86) the KV cache keeps the same bytes (kernels/kv_format.py: what torch's float8_e4m3fn
+holds), the launchers pass it viewed as uint8 (attention_inputs.kv_cache_for_kernels), and the kernels
+encode and decode the bytes with these functions: `to_cache` in the cache writes, `kv_values` in the
+attention kernels' key and value loads. For a cache of another dtype both are the plain conversion, so
+the kernels compile to what they had before.
+
+e4m3: sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 holds the subnormals (steps of
+2**-9), no infinities, 0x7f and 0xff are NaN, the largest finite value is 448.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Decode: the byte's exponent and mantissa bits placed under fp16's (bias 15) read as 2**-8 times the e4m3
+# value, subnormals included (fp16's subnormal step, 2**-24 x 2**7, is e4m3's 2**-9 x 2**-8).
+FP16_FROM_E4M3_FACTOR = tl.constexpr(256.0)
+E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, the smallest normal e4m3
+FLOAT32_INF_BITS = tl.constexpr(0x7F800000)  # above it (sign aside): NaN
+
+
+@triton.jit
+def e4m3_bits_to_float16(byte):
+    """e4m3 bytes (uint8) -> float16, exact: shifts, one multiply by 2**8 and a select for NaN, no branch."""
+    bits = byte.to(tl.uint32)
+    magnitude = bits & 0x7F
+    half_bits = ((bits & 0x80) << 8) | (magnitude << 7)
+    scaled = half_bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    value = scaled * tl.full((), FP16_FROM_E4M3_FACTOR, tl.float16)
+    return tl.where(magnitude == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def float32_to_e4m3_bits(x):
+    """float32 -> e4m3 bytes (uint8) as torch's .to(torch.float8_e4m3fn) and the GPUs' cvt.rn.satfinite
+    give them: rounded to nearest even, a magnitude past 448 (inf too) saturated to +-448, NaN to 0x7f
+    with its sign (the cache writes clamp to +-448 before, as quantize_kv does)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    # normal: round the 23 mantissa bits to 3 (half to even; a carry moves into the exponent), then
+    # rebias the exponent from 127 to 7: (exponent << 3 | mantissa) - (120 << 3)
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # subnormal (below 2**-6): |x| in steps of 2**-9, rounded to an integer by adding 2**23 (float32
+    # addition rounds half to even); a magnitude that rounds up to 8 is 2**-6, the smallest normal's code
+    steps = tl.abs(x) * 512.0 + 8388608.0
+    subnormal = steps.to(tl.uint32, bitcast=True) - 0x4B000000
+    code = tl.where(magnitude < E4M3_MIN_NORMAL_BITS, subnormal, normal)
+    code = tl.minimum(code, 0x7E)  # 448
+    code = tl.where(magnitude > FLOAT32_INF_BITS, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def kv_values(stored, dtype: tl.constexpr):
+    """Keys or values loaded from the cache, in `dtype`: e4m3 bytes (the cache viewed as uint8) decoded
+    by e4m3_bits_to_float16, any other cache element converted as is."""
+    if stored.dtype == tl.uint8:
+        return e4m3_bits_to_float16(stored).to(dtype)
+    return stored.to(dtype)
+
+
+@triton.jit
+def to_cache(values, element_ty: tl.constexpr):
+    """Values (float32 once scaled and clamped, for a float8 cache) as the cache's element type stores
+    them: e4m3 bytes where the cache is viewed as uint8, else converted."""
+    if element_ty == tl.uint8:
+        return float32_to_e4m3_bits(values.to(tl.float32))
+    return values.to(element_ty)
