@@ -56,11 +56,36 @@ def machine_checks(
     if gpus or nvidia is not None:
         checks.append(_driver_check(host))
     checks += [_gpu_check(gpu, dtype, gpu_memory_utilization) for gpu in gpus]
+    checks += kernel_path_checks(gpus if device != "cpu" else [])
     checks += parallel_checks(host, [] if device == "cpu" else gpus)
     checks += [_ram_check(host), _shm_check(host, gpus), _disk_check(host), _paths_check(gpus)]
     if not gpus or device == "cpu":
         checks.append(cpu_kernels_check())
     return checks
+
+
+def kernel_path_checks(gpus: Sequence[DeviceSpec]) -> list[Check]:
+    """The path each kernel family takes (worker/kernel_paths.py): once per compute capability present, or
+    for the generation FITSERVE_KERNEL_TARGET forces (with or without a GPU)."""
+    from fitserve.kernels.capability import KERNEL_TARGET_ENV, forced
+
+    target = forced()
+    if target is not None:
+        how = f"{KERNEL_TARGET_ENV} forces the choices of compute capability {format_capability(target)}"
+        return [_kernel_paths_check(target, f"kernel paths ({how})")]
+    present = sorted({g.capability for g in gpus if g.capability and g.capability >= MIN_GPU_CAPABILITY})
+    return [
+        _kernel_paths_check(c, f"kernel paths (compute capability {format_capability(c)})") for c in present
+    ]
+
+
+def _kernel_paths_check(capability: tuple[int, int], title: str) -> Check:
+    try:
+        from fitserve.worker.kernel_paths import describe_kernel_paths
+
+        return Check("PASS", title, describe_kernel_paths(capability))
+    except ImportError as error:  # a CPU machine without Triton, asked about a forced target
+        return Check("WARN", title, f"not known here: {error}", "install triton (pip install triton)")
 
 
 def nvidia_hardware(host: HostInfo) -> str | None:

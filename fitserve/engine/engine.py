@@ -131,7 +131,8 @@ class Engine:
                 draft = Eagle3Drafter(config, draft_config, self.executor.runner.model)
                 self.executor.runner.draft_weight_bytes = draft.weight_bytes
             elif isinstance(draft_config, MtpCheckpoint):  # the target's MTP layer, reading its rows
-                draft = MtpDrafter(config, draft_config, self.executor.runner.model)
+                channel = getattr(self.executor, "draft_channel", None)  # tensor parallel: every rank
+                draft = MtpDrafter(config, draft_config, self.executor.runner.model, channel)
                 self.executor.runner.draft_weight_bytes = draft.weight_bytes
                 self.executor.runner.draft_kv_bytes_per_token = draft.kv_bytes_per_token
             elif draft_config is not None:  # loaded before the KV cache is sized, which counts it

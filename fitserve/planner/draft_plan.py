@@ -70,9 +70,10 @@ def _eagle3_footprint(
 
 def mtp_footprint(inputs: MemoryInputs, k: int) -> DraftFootprint:
     """The target's MTP layer (fitserve/spec_decode/mtp.py) in the target's dtype (the checkpoints keep it
-    unquantized): one layer of the target's full-attention kind with fc and its norms, and the target's
-    buffer of its output hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows); its KV:
-    one full-attention layer's K and V per token."""
+    unquantized), on one tensor-parallel rank: fc and the norms whole on every rank, the decoder layer
+    split like the target's (a rank holds whole K/V heads when ranks outnumber them), and the first rank's
+    buffer of the target's output hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows);
+    its KV: one full-attention layer's K and V per token, of the rank's KV heads."""
     from fitserve.planner.qwen3_5_shape import qwen3_5_mtp_parameter_count
 
     shape = inputs.shape
@@ -82,11 +83,18 @@ def mtp_footprint(inputs: MemoryInputs, k: int) -> DraftFootprint:
             f"{shape.architecture or shape.model_type} is not built: fitserve runs those of Qwen3.5 / "
             "Qwen3.6 checkpoints; use method ngram, draft_model or eagle3 for this model"
         )
+    tp = inputs.tensor_parallel_size
+    hidden, head_dim = shape.hidden_size, shape.head_dim
     count = qwen3_5_mtp_parameter_count(shape)
+    # fc, its three norms, the layer's two norms and q/k norms: replicated (ReplicatedLinear, RMSNorm)
+    replicated = 2 * hidden * hidden + 5 * hidden + 2 * head_dim
+    kv_heads = shape.kv_heads_per_rank(tp)
+    per_rank = replicated + -(-(count - replicated) // tp)
+    per_rank += int(2 * hidden * head_dim * (kv_heads - shape.num_kv_heads / tp))  # replicated K/V heads
     element = DTYPE_BYTES[inputs.dtype]
     rows = max(inputs.max_num_batched_tokens, inputs.max_num_seqs * (k + 1))
-    weights = (count + rows * shape.hidden_size) * element
-    return DraftFootprint("MTP layer", weights, 2 * shape.num_kv_heads * shape.head_dim)
+    weights = (per_rank + rows * hidden) * element
+    return DraftFootprint("MTP layer", weights, 2 * kv_heads * head_dim)
 
 
 # ---- auto-MTP ---------------------------------------------------------------------------------------
@@ -134,8 +142,8 @@ def auto_mtp(
     if not runs_mtp(hf_config) or mtp_layer_count(hf_config) != 1:
         return None
     off = "the checkpoint's MTP layer is not used for speculation"
-    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
-        return AutoMtp(None, f"{off}; method mtp runs on one GPU, not with tensor or pipeline parallel")
+    if pipeline_parallel_size > 1:  # tensor parallel runs it (worker/draft_steps.py)
+        return AutoMtp(None, f"{off}; method mtp does not run with pipeline parallel")
     if load_format == "dummy":
         return AutoMtp(None, f"{off}; dummy weights: a random MTP layer's drafts are never accepted")
     if model_path is None:
@@ -144,8 +152,8 @@ def auto_mtp(
 
     try:
         missing = missing_mtp_keys(mtp_keys(list_safetensors_files(model_path))[1])
-    except ValueError:  # no safetensors files (a .bin or GGUF checkpoint)
-        missing = ["mtp.fc"]
+    except ValueError:  # no safetensors files: a config-only folder, or a .bin / GGUF checkpoint
+        return AutoMtp(None, f"{off}; no safetensors weights here to find its mtp.* tensors in")
     if missing:
         return AutoMtp(None, f"{off}; the weights have no {missing[0]} (the export dropped the MTP layer)")
     config = {"method": "mtp", "num_speculative_tokens": AUTO_MTP_TOKENS}

@@ -66,19 +66,10 @@ def plan_settings(args: EngineArgs, request: PlanRequest = PlanRequest()) -> Fit
         check_quantized_checkpoint(model, args.quantization)
     explicit = args.explicit()
     auto = _auto_mtp(args, model)
-    if auto is None or auto.config is None:
-        result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
-        return (
-            result if auto is None else dataclasses.replace(result, choices=(*result.choices, auto.choice()))
-        )
-    args.speculative_config = auto.config  # what engine_config_from_fit then runs
+    if auto is not None and auto.config is not None:
+        args.speculative_config = auto.config  # what engine_config_from_fit then runs
     result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
-    size = result.plan.inputs.tensor_parallel_size
-    if size > 1:  # auto-fit split the model over GPUs, where method mtp does not run
-        args.speculative_config = None
-        result = auto_fit(model, args, devices, explicit, host_ram, request.serving)
-        auto = auto_mtp(None, model.hf_config, None, tensor_parallel_size=size)
-    return _with_choice(result, auto.choice())
+    return result if auto is None else _with_choice(result, auto.choice())
 
 
 def _with_choice(result: FitResult, choice) -> FitResult:

@@ -14,8 +14,14 @@ blocks as the target's), catches up on the accepted positions from the target's 
 target computed none: a prefix-cache hit), and drafts with k - 1 recurrent steps, one forward for the
 whole batch each. Drafts are greedy (point mass): the verify step keeps the target's distribution.
 
-Not built: tensor parallelism (refused, as for draft_model and eagle3), checkpoints of more than one MTP
-layer (refused), CUDA graphs for the drafter's own steps (they run eagerly: one host sync per draft).
+Tensor parallel: the layer is split like the target's layers on every rank, each rank keeps its heads' part
+of the layer's KV cache, and every drafter forward runs on every rank in lockstep (worker/draft_steps.py:
+this rank plans each forward and sends its host inputs and the rows only it holds). An eager catch-up that
+falls while a target step's sampling is deferred waits until that sampling is queued (no collective may
+run before the step's sampled ids are broadcast).
+
+Not built: pipeline parallel (refused), checkpoints of more than one MTP layer (refused), CUDA graphs for
+the drafter's own steps (they run eagerly: one host sync per draft).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fitserve.kv_layers import KvLayerSpec
+from fitserve.core.scheduler import ScheduledRequest
+from fitserve.layers.attention.metadata import forward_context
 from fitserve.models.qwen3_5_mtp import (
     Qwen3_5MultiTokenPredictor,
     missing_mtp_keys,
@@ -39,8 +46,9 @@ from fitserve.models.qwen3_5_mtp import (
     runs_mtp,
     stores_quantized,
 )
-from fitserve.spec_decode.draft_model import check_one_device
-from fitserve.spec_decode.eagle3 import Eagle3Drafter, aux_buffer_rows
+from fitserve.spec_decode.eagle3 import Eagle3Drafter, _HeadSequence, aux_buffer_rows
+from fitserve.worker.draft_steps import DraftChannel, exchange_rows, mtp_rank_kv_spec
+from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
 
 if TYPE_CHECKING:
     from fitserve.config import EngineConfig
@@ -63,17 +71,17 @@ class MtpCheckpoint:
 
 
 def read_mtp_checkpoint(config: EngineConfig, dummy: bool = False) -> MtpCheckpoint:
-    """The target's MTP layers, checked before any weight loads: a Qwen3.5 / Qwen3.6 target on one
-    device, config.json's mtp_num_hidden_layers 1, and (real weights) the `mtp.*` tensors in its files."""
+    """The target's MTP layers, checked before any weight loads: a Qwen3.5 / Qwen3.6 target without
+    pipeline stages, config.json's mtp_num_hidden_layers 1, and (real weights) the `mtp.*` tensors in its
+    files."""
     from fitserve.models.weights import list_safetensors_files
 
-    check_one_device(config, "mtp", "MTP layer")
     pipeline = int(getattr(config.parallel, "pipeline_parallel_size", 1) or 1)
     if pipeline > 1:
         raise ValueError(
             f"--speculative-config method mtp with --pipeline-parallel-size {pipeline} is not built yet: the "
-            "MTP layer reads the last stage's output and the first stage's embedding; run on one GPU "
-            "(--pipeline-parallel-size 1), or use method ngram"
+            "MTP layer reads the last stage's output and the first stage's embedding; set "
+            "--pipeline-parallel-size 1 (--tensor-parallel-size runs it), or use method ngram"
         )
     mc = config.model
     hf_config = mc.hf_config
@@ -110,11 +118,6 @@ def read_mtp_checkpoint(config: EngineConfig, dummy: bool = False) -> MtpCheckpo
     return MtpCheckpoint(mc.model, holding, layers, stores_quantized(keys))
 
 
-def mtp_kv_elements(hf_config: Any) -> int:
-    """The MTP layer's K and V elements per token: one full-attention layer of the target's geometry."""
-    return 2 * int(hf_config.num_key_value_heads) * int(hf_config.head_dim)
-
-
 def _mtp_tensors(files: Iterable[Path]) -> Iterable[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -146,12 +149,43 @@ class _MtpHead:
         return self.target.compute_logits(normed)[:, : self.vocab_size].argmax(dim=-1)
 
 
-class MtpDrafter(Eagle3Drafter):
-    """EAGLE-3's drafter (bookkeeping, the target's rows, catch-up, recurrence) around the MTP layer."""
+def build_predictor(
+    config: EngineConfig, checkpoint: MtpCheckpoint, hf_config: Any
+) -> Qwen3_5MultiTokenPredictor:
+    """The MTP layer on this rank (split like the target's layers under tensor parallel), its weights
+    loaded from the checkpoint's `mtp.*` tensors (random for dummy weights), in eval mode."""
+    from fitserve.layers.quantization.quant_config import quant_format
+    from fitserve.models.loader import default_dtype
 
-    def __init__(self, config: EngineConfig, checkpoint: MtpCheckpoint, target: nn.Module) -> None:
-        from fitserve.layers.quantization.quant_config import quant_format
-        from fitserve.models.loader import default_dtype
+    with default_dtype(config.model.dtype), config.device.torch_device:
+        # a 16-bit MTP layer (the usual export) stays 16-bit beside a quantized target
+        quant = None if checkpoint.quantized is False else quant_format(hf_config)
+        predictor = Qwen3_5MultiTokenPredictor(hf_config, quant)
+    with torch.no_grad():
+        if checkpoint.files:
+            loaded = predictor.load_weights(_mtp_tensors(checkpoint.files))
+            missing = sorted({name for name, _ in predictor.named_parameters()} - loaded)
+            if missing:
+                raise ValueError(
+                    f"the MTP layer of {checkpoint.name} has no weights for {', '.join(missing[:6])}: "
+                    "the checkpoint does not match its config.json; download it again"
+                )
+        else:
+            predictor.initialize_dummy(config.model.seed)
+    return predictor.eval()
+
+
+class MtpDrafter(Eagle3Drafter):
+    """EAGLE-3's drafter (bookkeeping, the target's rows, catch-up, recurrence) around the MTP layer.
+    `channel`: the other tensor-parallel ranks (worker/draft_steps.py); None on one device."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: MtpCheckpoint,
+        target: nn.Module,
+        channel: DraftChannel | None = None,
+    ) -> None:
         from fitserve.worker.block_table_rows import BlockTableRows
         from fitserve.worker.transfer import PinnedStagingRing
 
@@ -161,24 +195,15 @@ class MtpDrafter(Eagle3Drafter):
         self.k = config.speculative.num_speculative_tokens
         self.device = config.device.torch_device
         self.block_size = config.cache.block_size
+        self.channel = channel
+        # eager catch-ups held while a target step's sampling is deferred (tensor parallel only)
+        self._hold_eager = False
+        self._held: list[tuple[_HeadSequence, int]] = []
+        if channel is not None:  # run right after the deferred sampling that held them
+            channel.after_sampling.append(self._run_held)
         started = time.perf_counter()
         hf_config = target.config
-        with default_dtype(config.model.dtype), self.device:
-            # a 16-bit MTP layer (the usual export) stays 16-bit beside a quantized target
-            quant = None if checkpoint.quantized is False else quant_format(hf_config)
-            predictor = Qwen3_5MultiTokenPredictor(hf_config, quant)
-        with torch.no_grad():
-            if checkpoint.files:
-                loaded = predictor.load_weights(_mtp_tensors(checkpoint.files))
-                missing = sorted({name for name, _ in predictor.named_parameters()} - loaded)
-                if missing:
-                    raise ValueError(
-                        f"the MTP layer of {checkpoint.name} has no weights for {', '.join(missing[:6])}: "
-                        "the checkpoint does not match its config.json; download it again"
-                    )
-            else:
-                predictor.initialize_dummy(config.model.seed)
-        predictor.eval()
+        predictor = build_predictor(config, checkpoint, hf_config)
         self.predictor = predictor
         self.vocab_size = config.model.vocab_size
         self.head = _MtpHead(predictor, target, self.vocab_size)  # type: ignore[assignment]
@@ -187,8 +212,9 @@ class MtpDrafter(Eagle3Drafter):
         self.aux = target.model.keep_output_hidden(aux_buffer_rows(config))
         self.weight_bytes = sum(t.numel() * t.element_size() for t in predictor.parameters())
         self.weight_bytes += self.aux.numel() * self.aux.element_size()
+        spec = mtp_rank_kv_spec(hf_config, config.parallel.tensor_parallel_size)
         element = config.cache.torch_kv_cache_dtype(config.model.dtype).itemsize
-        self.kv_bytes_per_token = mtp_kv_elements(hf_config) * element
+        self.kv_bytes_per_token = 2 * spec.num_kv_heads * spec.head_dim * element
         logger.info(
             "MTP layer of %s loaded: %.2f GiB (with the target's hidden-state buffer) in %.1f s, %d draft "
             "tokens per step",
@@ -197,8 +223,7 @@ class MtpDrafter(Eagle3Drafter):
             time.perf_counter() - started,
             self.k,
         )
-        heads, head_dim = int(hf_config.num_key_value_heads), int(hf_config.head_dim)
-        self.specs = (KvLayerSpec(heads, head_dim, 0),)
+        self.specs = (spec,)
         self.layer_group = [0]
         self.staging = PinnedStagingRing(self.device)
         self.table_rows = BlockTableRows(-(-(config.model.max_model_len + self.k) // self.block_size))
@@ -206,3 +231,79 @@ class MtpDrafter(Eagle3Drafter):
         self.kv_caches = []
         self.sequences = {}
         self._zeros = None
+
+    # ---- tensor parallel: every forward on every rank ----------------------------------------------
+    def propose(self, requests: list, running_ids: set[str]) -> list[list[int]]:
+        if self.channel is None:
+            return super().propose(requests, running_ids)
+        return self.channel.guard(lambda: self._propose_with_held(requests, running_ids))
+
+    @torch.inference_mode()
+    def _propose_with_held(self, requests: list, running_ids: set[str]) -> list[list[int]]:
+        self._run_held()
+        return super().propose(requests, running_ids)
+
+    def after_launch(self, scheduler_output: Any) -> None:
+        if self.channel is None:
+            super().after_launch(scheduler_output)
+            return
+        self.channel.guard(lambda: self._after_launch_in_order(scheduler_output))
+
+    @torch.inference_mode()
+    def _after_launch_in_order(self, scheduler_output: Any) -> None:
+        """after_launch, its eager catch-up held while the step's sampling is deferred (the other ranks
+        broadcast the step's sampled ids right after its forward, the first rank only once it samples):
+        run once the sampling is queued (channel.after_sampling), or at the next drafter call."""
+        self._hold_eager = self.channel.sampling_pending()
+        try:
+            if not self._hold_eager:
+                self._run_held()
+            super().after_launch(scheduler_output)
+        finally:
+            self._hold_eager = False
+
+    def _catch_up(self, targets: list, sample: bool) -> Any:
+        if self._hold_eager and not sample:
+            self._held.extend(targets)
+            return None, None, {}
+        return super()._catch_up(targets, sample)
+
+    @torch.inference_mode()
+    def _run_held(self) -> None:
+        """The held eager catch-ups of sequences still live, each up to the furthest position held."""
+        held, self._held = self._held, []
+        furthest: dict[int, tuple[_HeadSequence, int]] = {}
+        for seq, upto in held:
+            if self.sequences.get(seq.request_id) is seq:
+                known = furthest.get(id(seq), (seq, -1))[1]
+                furthest[id(seq)] = (seq, max(known, upto))
+        live = [(seq, upto) for seq, upto in furthest.values() if upto >= seq.num_computed_tokens]
+        if live:
+            super()._catch_up(live, sample=False)
+
+    def _forward_rows(
+        self,
+        items: list[ScheduledRequest],
+        previous: tuple[torch.Tensor, dict[str, int]] | None,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Eagle3Drafter's forward of the layer over `items`, under tensor parallel with the other ranks:
+        they get the host inputs first, then the ids read on the device and the hidden rows."""
+        index = previous[1] if previous is not None else {}
+        host, _ = build_host_inputs(items, self.block_size, self.table_rows, None, index.__getitem__)
+        if self.channel is not None:
+            self.channel.send(host)
+        inputs = upload_inputs(host, self.staging, self.layer_group)
+        if inputs.fill is not None:
+            rows, sources = inputs.fill
+            inputs.input_ids[rows] = previous[0][sources]
+            hidden = hidden[sources]  # every row of a recurrent step reads the row before
+        if self.channel is not None:
+            hidden = exchange_rows(inputs.input_ids, hidden, host.has_fill)
+        with forward_context(inputs.metadata, self.kv_caches):
+            normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
+        if not host.num_samples:
+            return None
+        if inputs.sample_rows is not None:
+            normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
+        return self.head.draft_ids(normed), prenorm

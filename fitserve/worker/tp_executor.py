@@ -10,6 +10,10 @@ With --pipeline-parallel-size P the world is tensor_parallel_size x P ranks, eve
 each step's host inputs the same way; a stage runs its layers and hands its hidden states to the next
 (worker/pipeline_stage.py), and the last stage's logits come back to the first rank, which samples.
 
+Method mtp: the first rank's drafter sends each of its forwards the same way (`draft_channel`,
+worker/draft_steps.py); no drafter forward runs between a step whose sampling is deferred and that sampling
+(the other ranks broadcast the sampled ids right after the forward).
+
 A rank that dies or fails: a thread per rank reads its replies and sees the pipe close; it records
 which rank and why, and aborts this process's group so a collective waiting for that rank returns at
 once. The next step raises RankFailedError, which stops the engine (the server then answers 503).
@@ -43,6 +47,7 @@ from fitserve.distributed.parallel_state import (
 )
 from fitserve.planner.memory import MemoryPlan
 from fitserve.worker import tp_worker
+from fitserve.worker.draft_steps import DraftChannel
 from fitserve.worker.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from fitserve.worker.rank_failure import RankFailedError
 from fitserve.worker.step_inputs import HostInputs
@@ -131,6 +136,11 @@ class MultiprocExecutor:
         context = multiprocessing.get_context("spawn")
         self._failure: str | None = None
         self._stopping = False
+        self._sampling_pending = False  # a launched step's sampling is deferred and not queued yet
+        # method mtp: the first rank's drafter runs each forward on every rank through this
+        self.draft_channel = DraftChannel(
+            self._send_draft_step, self._guarded, lambda: self._sampling_pending
+        )
         self._failure_lock = threading.Lock()
         self.ranks = [_Rank(context, config, rank, size, address) for rank in range(1, size)]
         for rank in self.ranks:
@@ -203,6 +213,9 @@ class MultiprocExecutor:
     def _send_step(self, host: HostInputs) -> None:
         self._send((tp_worker.STEP, host))
 
+    def _send_draft_step(self, host: HostInputs) -> None:
+        self._send((tp_worker.DRAFT_STEP, host))
+
     # ---- the executor's interface -----------------------------------------------------------------
     def initialize_kv_cache(self) -> MemoryPlan:
         """Every rank sizes its KV cache; every rank allocates the smallest pool."""
@@ -218,9 +231,15 @@ class MultiprocExecutor:
 
     def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         launched = self._guarded(lambda: self.runner.launch(scheduler_output, defer_sampling))
+        self._sampling_pending = defer_sampling
 
         def sample() -> None:
-            self._guarded(launched.sample)
+            try:
+                self._guarded(launched.sample)
+            finally:
+                self._sampling_pending = False
+            for work in self.draft_channel.after_sampling:  # the drafter's work held for this sampling
+                self._guarded(work)
 
         def finish() -> ModelRunnerOutput:
             return self._guarded(launched.result)

@@ -1,11 +1,11 @@
 """The main function of a rank other than the first (worker/tp_executor.py starts it).
 
-It joins the group, builds its ModelRunner (its part of every layer of its pipeline stage's layers), and
-then runs what the first rank
+It joins the group, builds its ModelRunner (its part of every layer of its pipeline stage's layers) and,
+with method mtp, its shard of the MTP layer (worker/draft_steps.py), and then runs what the first rank
 sends, in order, over its own pipe: size the KV cache, allocate it, run a step (the first rank's host
-inputs), stop. Messages are pickled once by the sender (bytes); replies go back on a second pipe. An
-error is sent back with its traceback and the process exits; the process also exits when the engine's
-process is gone.
+inputs), run a drafter forward, stop. Messages are pickled once by the sender (bytes); replies go back on
+a second pipe. An error is sent back with its traceback and the process exits; the process also exits
+when the engine's process is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 SIZE_KV_CACHE = "size_kv_cache"
 ALLOCATE_KV_CACHE = "allocate_kv_cache"
 STEP = "step"
+DRAFT_STEP = "draft_step"  # a forward of the MTP drafter (worker/draft_steps.py)
 STOP = "stop"
 # Replies from a rank
 LOADED = "loaded"
@@ -67,6 +68,7 @@ def run_rank(
         import torch
 
         from fitserve.distributed.parallel_state import init_model_parallel
+        from fitserve.worker.draft_steps import rank_drafter
         from fitserve.worker.model_runner import ModelRunner
 
         device_type = config.device.torch_device.type
@@ -79,15 +81,20 @@ def run_rank(
             rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, address, device_type
         )
         runner = ModelRunner(config)
+        drafter = rank_drafter(config, runner)  # the MTP layer's shard, counted in the KV cache sizing
         replies.send_bytes(pickle.dumps((LOADED, runner.weight_bytes)))
         while True:
             kind, payload = pickle.loads(commands.recv_bytes())
             if kind == STEP:
                 runner.run_host_inputs(payload)
+            elif kind == DRAFT_STEP:
+                drafter.run(payload)
             elif kind == SIZE_KV_CACHE:
                 replies.send_bytes(pickle.dumps((PLANNED, runner.size_kv_cache())))
             elif kind == ALLOCATE_KV_CACHE:
                 runner.allocate_kv_cache(payload)
+                if drafter is not None:
+                    drafter.allocate_kv_cache(payload.num_kv_blocks)
                 replies.send_bytes(pickle.dumps((ALLOCATED, None)))
             elif kind == STOP:
                 runner.release_graphs()

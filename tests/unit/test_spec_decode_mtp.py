@@ -262,9 +262,12 @@ def test_engine_drafts_equal_the_reference(target, monkeypatch):
 
 @pytest.fixture(scope="module")
 def copying_target(tmp_path_factory):
+    return write_copying_target(tmp_path_factory.mktemp("mtp-copying"))
+
+
+def write_copying_target(folder: Path) -> Path:
     """A target whose layers add nothing (o_proj and down_proj zero: its next token is a function of the
     last one), with the copying MTP layer: the drafts should be the target's tokens."""
-    folder = tmp_path_factory.mktemp("mtp-copying")
     model = build_hf(_text_config([FULL, FULL]), seed=4)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -315,7 +318,7 @@ def bad_targets(tmp_path_factory):
         ("no-tensors", {}, "have no mtp.fc, mtp.pre_fc_norm_embedding.weight.*mtp_num_hidden_layers 1"),
         ("no-fc", {}, "have no mtp.fc tensors"),
         ("two-layers", {}, "has 2 MTP layers .*fitserve runs checkpoints of 1"),
-        ("no-fc", {"tensor_parallel_size": 2}, "mtp with --tensor-parallel-size 2 is not built yet"),
+        ("no-fc", {"tensor_parallel_size": 2}, "have no mtp.fc tensors"),  # checked before the ranks start
     ],
 )
 def test_bad_targets_are_refused_before_loading(bad_targets, name, kwargs, match, monkeypatch):
@@ -423,8 +426,7 @@ def test_auto_mtp_leaves_a_given_config_alone(target, given):
 def test_auto_mtp_stays_off_where_mtp_cannot_run(target, bad_targets):
     folder, _ = target
     for kwargs, why in [
-        ({"tensor_parallel_size": 2}, "runs on one GPU"),
-        ({"pipeline_parallel_size": 2}, "runs on one GPU"),
+        ({"pipeline_parallel_size": 2}, "does not run with pipeline parallel"),
         ({"load_format": "dummy"}, "dummy weights"),
     ]:
         auto = _auto(folder, **kwargs)
@@ -432,6 +434,8 @@ def test_auto_mtp_stays_off_where_mtp_cannot_run(target, bad_targets):
     stripped = _auto(bad_targets["no-tensors"])
     assert stripped.config is None and "the weights have no mtp.fc" in stripped.reason
     assert _auto(bad_targets["no-layers"]) is None  # no MTP layer: nothing to decide
+    # tensor parallel runs it (each rank its share of the layer: test_spec_decode_mtp_tp.py)
+    assert _auto(folder, tensor_parallel_size=2).config is not None
 
 
 def test_auto_mtp_on_a_hybrid_follows_whether_hybrids_speculate(tmp_path):
