@@ -19,7 +19,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +177,20 @@ def set_pipeline_parallel(state: PipelineParallel) -> None:
     """Sets the stage directly (tests that build one stage's model without a group)."""
     global _pipeline
     _pipeline = state
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Makes tp() and pp() report rank 0 of 1 inside: a drafter that lives on rank 0's device alone
+    (spec_decode/draft_model.py) is built whole and runs without collectives there, beside a
+    tensor-parallel target. Nothing of the target may run inside (its collectives would be skipped)."""
+    global _state, _pipeline
+    saved = _state, _pipeline
+    _state, _pipeline = TensorParallel(), PipelineParallel()
+    try:
+        yield
+    finally:
+        _state, _pipeline = saved
 
 
 def destroy_tensor_parallel() -> None:

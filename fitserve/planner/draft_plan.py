@@ -1,6 +1,10 @@
 """Speculative decoding's draft model (or EAGLE-3 head, or the target's own MTP layer) in the memory plan:
 its weights and its KV per token, read from its config.json and weight headers (nothing loads), so the KV
-cache's tokens and max concurrency stay right."""
+cache's tokens and max concurrency stay right.
+
+With a tensor-parallel target a draft model or EAGLE-3 head lives whole on rank 0 only, but the plan is one
+rank's and alike for every rank (the engine takes the ranks' fewest blocks): the draft is counted whole on
+it, so ranks 1.. keep that space unused (conservative). The MTP layer is split like the target's."""
 
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def _eagle3_footprint(
     inputs: MemoryInputs, speculative: SpeculativeConfig, trust_remote_code: bool, load_format: str
 ) -> DraftFootprint:
     """An EAGLE-3 head (fitserve/spec_decode/eagle3.py) in the target's dtype: its one layer, fc, norm,
-    lm_head over the draft vocabulary, its embedding when the checkpoint has one, d2t, and the target's
+    lm_head over the draft vocabulary, its embedding when the checkpoint has one (else under tensor parallel
+    the target's, read whole for it), d2t, and the target's
     buffer of the three layers' hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows);
     its KV: one layer's K and V per token."""
     from fitserve.models.loader import load_hf_config
@@ -57,7 +62,10 @@ def _eagle3_footprint(
     config = load_hf_config(path, trust_remote_code=trust_remote_code)
     keys = set() if load_format == "dummy" else read_keys(weight_files(path))
     element = DTYPE_BYTES[inputs.dtype]
-    weights = eagle3_parameter_count(config, "embed_tokens.weight" in keys) * element
+    own_embedding = "embed_tokens.weight" in keys
+    weights = eagle3_parameter_count(config, own_embedding) * element
+    if not own_embedding and inputs.tensor_parallel_size > 1:  # the target's read whole onto rank 0
+        weights += int(config.vocab_size) * inputs.shape.hidden_size * element
     draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
     weights += draft_vocab * 8  # d2t
     k = speculative.num_speculative_tokens

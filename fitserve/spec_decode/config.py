@@ -59,8 +59,8 @@ class SpeculativeConfig:
     # rule (fitserve/spec_decode/speculator.py) decides from the batch and the acceptance.
     disable_by_batch_size: int | None = None
     # draft_model: the draft's folder or hub id, its revision and --quantization, its own context limit
-    # (None: its config's), and vLLM's draft_tensor_parallel_size (1 or the target's, which is 1: the
-    # draft runs on the target's one device)
+    # (None: its config's), and vLLM's draft_tensor_parallel_size (1: the draft runs whole on the first
+    # GPU, beside a tensor-parallel target too)
     model: str | None = None
     revision: str | None = None
     quantization: str | None = None

@@ -22,8 +22,11 @@ written over), so a step without drafts (the speculator's back-off), a grammar t
 mid-draft or max_tokens leave nothing to undo. A request that finished gives its blocks back at the next
 schedule, one that was preempted at the next draft (recomputed then, as the target recomputes it).
 
-Tensor parallelism is refused (the draft would have to split beside the target's ranks); CUDA graphs are
-not captured for the draft's steps (they run eagerly, one host sync per draft: the tokens' copy).
+With a tensor-parallel target the draft lives on rank 0's device only (the engine's process, where the
+speculator runs), built and run inside single_rank (distributed/parallel_state.py): whole, without
+collectives, as at tensor_parallel_size 1; the other ranks see only the target's verify steps.
+draft_tensor_parallel_size must be 1. CUDA graphs are not captured for the draft's steps (they run
+eagerly, one host sync per draft: the tokens' copy).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 from fitserve.core.kv_cache import KVCacheManager
 from fitserve.core.scheduler import ScheduledRequest
+from fitserve.distributed.parallel_state import single_rank
 from fitserve.kv_groups import kv_cache_groups
 from fitserve.kv_layers import LINEAR, kv_layer_specs
 from fitserve.layers.attention.metadata import forward_context
@@ -58,21 +62,15 @@ GiB = 1 << 30
 
 # ---- checks and the draft's configuration (before any weight loads) ---------------------------------
 def check_one_device(config: EngineConfig, method: str, drafter: str) -> None:
-    """Refuses tensor parallelism for a method that runs a second model (`drafter`: "draft", "head") on
-    the target's one device, and a draft_tensor_parallel_size other than 1 or the target's."""
+    """Refuses a draft_tensor_parallel_size other than 1: the `drafter` ("draft", "head") of `method`
+    runs whole on rank 0's device beside a tensor-parallel target (single_rank), never split."""
     tp = config.parallel.tensor_parallel_size
     draft_tp = config.speculative.draft_tensor_parallel_size
-    if draft_tp is not None and draft_tp not in (1, tp):
+    if draft_tp is not None and draft_tp != 1:
         raise ValueError(
-            f"--speculative-config draft_tensor_parallel_size is {draft_tp}: it must be 1 or the target's "
-            f"--tensor-parallel-size ({tp}); fitserve runs the {drafter} on one device, so set 1 or drop "
-            "the key"
-        )
-    if tp > 1:
-        raise ValueError(
-            f"--speculative-config method {method} with --tensor-parallel-size {tp} is not built yet: "
-            "run the target on one GPU (--tensor-parallel-size 1), or use method ngram with tensor "
-            "parallelism"
+            f"--speculative-config method {method} with draft_tensor_parallel_size {draft_tp} (target "
+            f"--tensor-parallel-size {tp}) is not built: fitserve runs the {drafter} whole on the first "
+            "GPU beside the target's ranks, so set draft_tensor_parallel_size 1 or drop the key"
         )
 
 
@@ -230,7 +228,8 @@ class DraftModel:
         self.device = config.device.torch_device
         self.block_size = config.cache.block_size
         started = time.perf_counter()
-        self.model = load_model(model_config, self.device)
+        with single_rank():  # whole on this rank's device beside a tensor-parallel target
+            self.model = load_model(model_config, self.device)
         self.weight_bytes = loaded_model_bytes(self.model)
         logger.info(
             "Draft model %s loaded: %.2f GiB in %.1f s",
@@ -422,10 +421,11 @@ class DraftModel:
         if inputs.fill is not None:
             rows, sources = inputs.fill
             inputs.input_ids[rows] = previous[0][sources]
-        with forward_context(inputs.metadata, self.kv_caches):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        if not logits:
-            return None
-        if inputs.sample_rows is not None:
-            hidden = hidden[inputs.sample_rows]
-        return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1)
+        with single_rank():  # the draft alone: no collectives beside a tensor-parallel target
+            with forward_context(inputs.metadata, self.kv_caches):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            if not logits:
+                return None
+            if inputs.sample_rows is not None:
+                hidden = hidden[inputs.sample_rows]
+            return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1)

@@ -29,8 +29,12 @@ holds more than that many rows of streams per request. At a draft, per request:
 
 Drafts are greedy (point mass): the verify step keeps the target's distribution as it is. What the head
 computes past the known tokens (its own drafts) is never kept: the next draft recomputes from the target's
-streams at the accepted positions, written over those slots. Tensor parallelism is refused; the head's
-steps run eagerly (one host sync per draft, the tokens' copy).
+streams at the accepted positions, written over those slots. With a tensor-parallel target the head lives
+on rank 0's device only, built and run inside single_rank (distributed/parallel_state.py) as at tensor
+parallel 1, reading rank 0's copy of the streams (the residual stream is whole on every rank); a head
+without its own embedding reads the target's whole from the target's weights there (the target's rows
+are split over the ranks), refused when they have none (dummy weights). The head's steps run eagerly (one
+host sync per draft, the tokens' copy).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from torch import nn
 
 from fitserve.core.scheduler import ScheduledRequest
+from fitserve.distributed.parallel_state import single_rank
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.layers.layernorm import RMSNorm
 from fitserve.layers.linear import QKVParallelLinear, ReplicatedLinear
@@ -70,6 +75,8 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGER_ROWS = 32
 # a step of more rows than this copies out the rows still waiting after it (few: a prompt's last one)
 COMPACT_ROWS = 256
+# the target's embedding in its checkpoint (the Llama-family decoders EAGLE-3 reads)
+TARGET_EMBEDDING_KEY = "model.embed_tokens.weight"
 # the keys every EAGLE-3 checkpoint has (embed_tokens, d2t and t2d are optional)
 REQUIRED_KEYS = (
     "fc.weight",
@@ -109,6 +116,28 @@ def _read_tensor(files: list[Path], key: str) -> torch.Tensor | None:
             if key in tensors:
                 return tensors[key]
     return None
+
+
+def target_embedding_file(config: EngineConfig) -> Path | None:
+    """The target's weight file that holds its embedding whole, which rank 0 reads for a head without
+    its own under tensor parallel (the target's rows are split over the ranks); None with dummy weights
+    or a checkpoint without safetensors."""
+    from fitserve.models.weights import list_safetensors_files
+
+    if config.model.load_format == "dummy":
+        return None
+    try:
+        files = list_safetensors_files(config.model.model_path)
+    except (ValueError, OSError):  # a .gguf file or a folder without safetensors
+        return None
+    return next((file for file in files if TARGET_EMBEDDING_KEY in read_keys([file])), None)
+
+
+def _whole_target_embedding(config: EngineConfig) -> nn.Embedding:
+    """The target's embedding, whole on this rank's device, read from its weights (target_embedding_file)."""
+    weight = _read_tensor([target_embedding_file(config)], TARGET_EMBEDDING_KEY)
+    weight = weight.to(device=config.device.torch_device, dtype=config.model.dtype)
+    return nn.Embedding.from_pretrained(weight, freeze=True)
 
 
 def _iterate(files: Iterable[Path]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -201,6 +230,15 @@ def read_eagle3_checkpoint(
                 "checkpoint, or method draft_model for a plain smaller model"
             )
     has_embedding = "embed_tokens.weight" in keys
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1 and not has_embedding and target_embedding_file(config) is None:
+        raise ValueError(
+            f"the EAGLE-3 head {name} has no embed_tokens of its own (or --load-format dummy gives it none) "
+            f"and reads the target's, which --tensor-parallel-size {tp} splits over the ranks; rank 0 reads "
+            f"it whole from the target's safetensors ({TARGET_EMBEDDING_KEY}), which "
+            f"{config.model.model} does not have: run the target at --tensor-parallel-size 1, use a head "
+            "with its own embedding, or use method draft_model or ngram"
+        )
     hidden = int(hf_config.hidden_size)
     if not has_embedding and hidden != target_hidden:
         raise ValueError(
@@ -233,8 +271,8 @@ def read_eagle3_checkpoint(
 
 
 def check_eagle3_target(config: EngineConfig) -> None:
-    """Refuses, before any weight loads, a target the head cannot read: tensor parallel, a family
-    whose decoder does not hand out its layers' streams."""
+    """Refuses, before any weight loads, a target the head cannot read: a draft_tensor_parallel_size
+    other than 1, a family whose decoder does not hand out its layers' streams."""
     from fitserve.models.decoder_blocks import DecoderForCausalLM
     from fitserve.models.registry import get_model_class
 
@@ -420,7 +458,7 @@ class Eagle3Drafter(DraftModel):
         target_hidden = int(config.model.hf_config.hidden_size)
         from fitserve.models.loader import default_dtype
 
-        with default_dtype(config.model.dtype), self.device:
+        with default_dtype(config.model.dtype), self.device, single_rank():  # whole, on this rank's device
             self.head = Eagle3Head(
                 checkpoint.hf_config, target_hidden, max_positions, checkpoint.has_embedding
             )
@@ -438,9 +476,13 @@ class Eagle3Drafter(DraftModel):
                 self.head.initialize_dummy(config.model.seed)
         self.head.eval()
         self.embed = self.head.embed_tokens or target.model.embed_tokens
+        if self.head.embed_tokens is None and config.parallel.tensor_parallel_size > 1:
+            self.embed = _whole_target_embedding(config)  # the target's own is split over the ranks
         # the target keeps its streams at the head's layers from now on (before its graphs are captured)
         self.aux = target.model.keep_aux_hidden(checkpoint.aux_layer_ids, aux_buffer_rows(config))
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.head.parameters())
+        if isinstance(self.embed, nn.Embedding):  # the target's embedding read whole for the head
+            self.weight_bytes += self.embed.weight.numel() * self.embed.weight.element_size()
         self.weight_bytes += self.aux.numel() * self.aux.element_size()
         logger.info(
             "EAGLE-3 head %s loaded: %.2f GiB (with the target's stream buffer) in %.1f s, reading the "
@@ -659,6 +701,7 @@ class Eagle3Drafter(DraftModel):
                 left -= n
                 if n < missing:
                     rest.append((seq, last))
+            # fc is replicated (no collective); MtpDrafter shares this catch-up, its layer split over ranks
             hidden = self.head.fc.forward(torch.cat(streams) if len(streams) > 1 else streams[0])
             result = self._forward_rows(items, None, hidden)
             if result is not None:
@@ -710,10 +753,11 @@ class Eagle3Drafter(DraftModel):
             rows, sources = inputs.fill
             inputs.input_ids[rows] = previous[0][sources]
             hidden = hidden[sources]  # every row of a recurrent step reads the row before
-        with forward_context(inputs.metadata, self.kv_caches):
-            normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
-        if not any(item.samples for item in items):
-            return None
-        if inputs.sample_rows is not None:
-            normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
-        return self.head.draft_ids(normed), prenorm
+        with single_rank():  # the head alone: no collectives beside a tensor-parallel target
+            with forward_context(inputs.metadata, self.kv_caches):
+                normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
+            if not any(item.samples for item in items):
+                return None
+            if inputs.sample_rows is not None:
+                normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
+            return self.head.draft_ids(normed), prenorm

@@ -230,15 +230,11 @@ def bad_drafts(tmp_path_factory):
                 "draft_tensor_parallel_size": 2,
             },
             {},
-            "draft_tensor_parallel_size is 2: it must be 1 or the target's --tensor-parallel-size \\(1\\)",
-        ),
-        (
-            {"method": "draft_model", "model": "target", "num_speculative_tokens": 3},
-            {"tensor_parallel_size": 2},
-            "draft_model with --tensor-parallel-size 2 is not built yet",
+            "draft_tensor_parallel_size 2 \\(target --tensor-parallel-size 1\\) is not built: .* set "
+            "draft_tensor_parallel_size 1",
         ),
     ],
-    ids=["no-model", "vocab", "short-context", "draft-tp", "target-tp"],
+    ids=["no-model", "vocab", "short-context", "draft-tp"],
 )
 def test_bad_draft_configs_are_refused_before_loading(folder, bad_drafts, config, kwargs, match, monkeypatch):
     import fitserve.models.loader as loader

@@ -342,6 +342,7 @@ def bad_heads(tmp_path_factory):
         "d2t": save_head(root / "d2t", tensors=outside),
         "arch": save_head(root / "arch", config=_head_config(architectures=["LlamaForCausalLM"])),
         "layers": save_head(root / "layers", config=_head_config(eagle_config={})),
+        "no-embedding": save_head(root / "no-embedding", tensors=plain),  # reads the target's embedding
     }
 
 
@@ -354,7 +355,11 @@ def bad_heads(tmp_path_factory):
         ("d2t", {}, "target ids 0..282, outside the target's vocabulary of 256"),
         ("arch", {}, "not an EAGLE-3 head"),
         ("layers", {}, "reads the target's layers \\[2, 1, -1\\]"),
-        ("keys", {"tensor_parallel_size": 2}, "eagle3 with --tensor-parallel-size 2 is not built yet"),
+        (
+            "no-embedding",
+            {"tensor_parallel_size": 2, "load_format": "dummy"},
+            "has no embed_tokens of its own .* --tensor-parallel-size 2 splits over the ranks; rank 0 reads",
+        ),
     ],
 )
 def test_bad_heads_are_refused_before_loading(target, bad_heads, name, kwargs, match, monkeypatch):
