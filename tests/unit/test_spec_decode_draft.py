@@ -18,7 +18,13 @@ from fitserve.planner.resolve import plan_settings
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
-from tests.unit.test_spec_decode_engine import _chi_square_p_value, _generate, _prompts, _token_ids
+from tests.unit.test_spec_decode_engine import (
+    _chi_square_p_value,
+    _generate,
+    _prompts,
+    _token_ids,
+    each_engine_setting,
+)
 
 K = 3
 
@@ -54,11 +60,7 @@ def _mean_acceptance_length(llm) -> float:
     return 1 + stats.num_accepted_tokens / stats.num_drafts
 
 
-@pytest.mark.parametrize(
-    "llm_kwargs",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
-    ids=["default", "chunked-no-prefix-cache"],
-)
+@each_engine_setting
 def test_the_target_as_its_own_draft_is_always_accepted(folder, llm_kwargs):
     prompts = _prompts()
     plain = make_llm(folder, **llm_kwargs)

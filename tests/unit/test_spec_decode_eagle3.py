@@ -23,6 +23,7 @@ from tests.unit.test_spec_decode_engine import (
     _generate,
     _prompts,
     _token_ids,
+    each_engine_setting,
     record_drafts,
 )
 
@@ -112,11 +113,7 @@ def _eagle(head, k: int = K) -> dict:
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
 
 
-@pytest.mark.parametrize(
-    "llm_kwargs",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
-    ids=["default", "chunked-no-prefix-cache"],
-)
+@each_engine_setting
 def test_greedy_output_equals_no_speculation(target, head, llm_kwargs):
     folder, _ = target
     prompts = _prompts(4, seed=1)

@@ -67,21 +67,24 @@ def _pair(folder, speculative_config, **llm_kwargs):
     )
 
 
+# the engine settings every lossless check runs under: the defaults, and small steps (chunked prefill,
+# several steps a prompt) without the prefix cache
+each_engine_setting = pytest.mark.parametrize(
+    "llm_kwargs",
+    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
+    ids=["default", "chunked-no-prefix-cache"],
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
-def _oracle_llm(folder, prompts, answers, miss=False, **llm_kwargs):
-    llm = make_llm(folder, speculative_config={"method": "oracle", "num_speculative_tokens": K}, **llm_kwargs)
+def _oracle_llm(folder, prompts, answers, miss=False, k=K, **llm_kwargs):
+    llm = make_llm(folder, speculative_config={"method": "oracle", "num_speculative_tokens": k}, **llm_kwargs)
     vocab = llm.engine.config.model.vocab_size
     llm.engine.speculator.proposer.load(prompts, answers, vocab, miss=miss)
     return llm
 
 
-@pytest.mark.parametrize(
-    "llm_kwargs",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
-    ids=["default", "chunked-no-prefix-cache"],
-)
+@each_engine_setting
 def test_ngram_greedy_equals_without_speculation(folder, llm_kwargs):
     prompts = _prompts()
     plain, spec = _pair(folder, NGRAM, **llm_kwargs)

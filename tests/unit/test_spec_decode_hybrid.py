@@ -24,7 +24,14 @@ from tests.unit.qwen3_5_helpers import build_hf, make_config, save_hf
 from tests.unit.test_qwen3_5_engine import make_llm
 from tests.unit.test_qwen3_5_step_slots import make_layer, metadata_for, per_sequence_reference, run_layer
 from tests.unit.test_spec_decode_draft import _save_draft
-from tests.unit.test_spec_decode_engine import _chi_square_p_value, _generate, _prompts, _token_ids
+from tests.unit.test_spec_decode_engine import (
+    _chi_square_p_value,
+    _generate,
+    _oracle_llm,
+    _prompts,
+    _token_ids,
+    each_engine_setting,
+)
 
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -178,17 +185,7 @@ def _echo_prompts(plain, n: int, seed: int) -> list[list[int]]:
     return [p + a + p for p, a in zip(prompts, answers, strict=True)]
 
 
-def _oracle_llm(folder, prompts, answers, miss=False, k=K, **llm_kwargs):
-    llm = make_llm(folder, speculative_config={"method": "oracle", "num_speculative_tokens": k}, **llm_kwargs)
-    llm.engine.speculator.proposer.load(prompts, answers, llm.engine.config.model.vocab_size, miss=miss)
-    return llm
-
-
-@pytest.mark.parametrize(
-    "llm_kwargs",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
-    ids=["default", "chunked-no-prefix-cache"],
-)
+@each_engine_setting
 def test_ngram_greedy_equals_without_speculation(folder, llm_kwargs):
     plain, spec = _pair(folder, NGRAM, **llm_kwargs)
     prompts = _echo_prompts(plain, 4, seed=0)

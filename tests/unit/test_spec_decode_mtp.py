@@ -19,7 +19,13 @@ from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
 from tests.unit.qwen3_5_helpers import FULL, LIN, MOE, TEXT, build_hf, save_hf
 from tests.unit.test_engine_vs_hf import make_llm
-from tests.unit.test_spec_decode_engine import _generate, _prompts, _token_ids, record_drafts
+from tests.unit.test_spec_decode_engine import (
+    _generate,
+    _prompts,
+    _token_ids,
+    each_engine_setting,
+    record_drafts,
+)
 
 K = 3
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = TEXT["hidden_size"], 4, 2, 16
@@ -190,11 +196,7 @@ def test_the_layer_computes_its_definition(moe):
 
 
 # ---- through the engine ------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "llm_kwargs",
-    [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "enable_prefix_caching": False}],
-    ids=["default", "chunked-no-prefix-cache"],
-)
+@each_engine_setting
 def test_greedy_output_equals_no_speculation(target, llm_kwargs):
     folder, _ = target
     prompts = _prompts(4, seed=1)
