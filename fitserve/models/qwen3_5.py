@@ -123,13 +123,13 @@ class Qwen3_5ForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T]) -> hidden [T, hidden]` inside `forward_context`;
     `compute_logits(hidden) -> [N, vocab]`; `load_weights(...)` -> the parameters loaded."""
 
-    # read by the engine: its DeltaNet layers keep per-request state (core/state_slots.py)
-    has_recurrent_state = True
-
     def __init__(self, config: Any) -> None:
         super().__init__()
         quant = _checked_format(config)
         self.config = config
+        # read by the CUDA graphs (worker/cuda_graphs.py): DeltaNet layers keep per-request state
+        # (core/state_slots.py); a checkpoint whose layers are all full attention keeps none
+        self.has_recurrent_state = bool(linear_layer_indices(config))
         self.model = Qwen3_5Model(config, quant)
         tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(

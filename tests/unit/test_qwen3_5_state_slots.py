@@ -85,3 +85,15 @@ def test_attention_only_models_carry_no_slots():
     scheduler = Scheduler(config, KVCacheManager(16, 4, True))
     scheduler.add_request(make_request("a", 5))
     assert state_slots_of(scheduler.schedule().scheduled) is None
+
+
+def test_only_checkpoints_with_delta_net_layers_keep_recurrent_state():
+    """The CUDA graphs (worker/cuda_graphs.py) copy state slots in only for a model with DeltaNet layers: a
+    Qwen3.5 checkpoint of full-attention layers only has no slots, and its decode graphs must not ask."""
+    from fitserve.models.qwen3_5 import Qwen3_5ForCausalLM
+    from tests.unit.qwen3_5_helpers import FULL, make_config
+
+    config = make_config(moe=False, conditional=False)
+    assert Qwen3_5ForCausalLM(config).has_recurrent_state
+    config.layer_types = [FULL] * config.num_hidden_layers
+    assert not Qwen3_5ForCausalLM(config).has_recurrent_state
