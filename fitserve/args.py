@@ -251,7 +251,9 @@ class EngineArgs:
     )
     distributed_executor_backend: str | None = _flag(
         None,
-        f"{_NO_EFFECT}: mp, one process per tensor-parallel rank on this host (ray is not supported yet).",
+        "Where the tensor/pipeline-parallel ranks run: mp (default: one process per rank on this host) or "
+        "ray (Ray actors on the running Ray cluster, several machines too, or a local one; "
+        'pip install "fitserve[ray]").',
         type=nullable_str,
     )
     scheduling_policy: str = _flag(

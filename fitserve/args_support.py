@@ -4,6 +4,7 @@ naming what fitserve does instead ("results are unchanged"). fitserve/args.py ho
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
@@ -53,10 +54,10 @@ def refuse_unsupported(args: EngineArgs) -> None:
                 args.distributed_executor_backend, args.tensor_parallel_size * args.pipeline_parallel_size
             ),
             f"--distributed-executor-backend {args.distributed_executor_backend}",
-            "drop it or set --distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as "
-            "processes of this host",
-            "delete that key or set it to mp: fitserve runs the tensor-parallel ranks as processes of this "
-            "host",
+            "drop it or set --distributed-executor-backend mp (processes of this host) or ray (Ray actors, "
+            "on several machines too)",
+            "delete that key or set it to mp (processes of this host) or ray (Ray actors, on several "
+            "machines too)",
         ),
         (
             "task",
@@ -163,6 +164,7 @@ def refuse_unsupported(args: EngineArgs) -> None:
             raise ValueError(f"not supported yet: {flag}, set by {config_keys[name]} ({key_fix})")
         if asked:
             raise ValueError(f"not supported yet: {flag} ({fix})")
+    _refuse_ray_without_ray(args)
     if args.enable_chunked_prefill is False:
         logger.info(
             "--no-enable-chunked-prefill: chunked prefill stays on in fitserve (it does not change results)"
@@ -171,10 +173,50 @@ def refuse_unsupported(args: EngineArgs) -> None:
         logger.info("%s: %s (results are unchanged)", flag, note)
 
 
+def refuse_replica_combinations(args: EngineArgs) -> None:
+    """`fitserve serve --data-parallel-size N` starts N engines of data_parallel_size 1 (server/api_server.py
+    create_replicas), so what data parallel cannot run beside is checked here, on the arguments as given,
+    before any replica starts."""
+    if args.data_parallel_size <= 1:
+        return
+    stages = args.pipeline_parallel_size
+    for asked, flag, fix in (
+        (
+            stages > 1,
+            f"--pipeline-parallel-size {stages} with --data-parallel-size {args.data_parallel_size}",
+            f"set --data-parallel-size 1 (each replica would need its own {stages} stages), or set "
+            "--pipeline-parallel-size 1",
+        ),
+        (
+            args.distributed_executor_backend == "ray",
+            f"--distributed-executor-backend ray with --data-parallel-size {args.data_parallel_size}",
+            "drop --distributed-executor-backend ray (the replicas' ranks run as processes of this host), or "
+            "set --data-parallel-size 1",
+        ),
+    ):
+        if asked:
+            raise ValueError(f"not supported yet: {flag} ({fix})")
+
+
 def _local_backend(backend: str, num_ranks: int) -> bool:
-    """vLLM's executor backends fitserve's own matches: mp (a process per rank on this host), and uni
-    (one process) while there is one rank."""
-    return backend == "mp" or (backend == "uni" and num_ranks == 1)
+    """vLLM's executor backends fitserve's own match: mp (a process per rank on this host), ray (a Ray
+    actor per rank, worker/ray_ranks.py), and uni (one process) while there is one rank."""
+    return backend in ("mp", "ray") or (backend == "uni" and num_ranks == 1)
+
+
+def _refuse_ray_without_ray(args: EngineArgs) -> None:
+    """Ray is an optional dependency: the ray backend without it stops here, naming the fix. Only looked
+    up (not imported) here."""
+    if args.distributed_executor_backend != "ray" or importlib.util.find_spec("ray") is not None:
+        return
+    source = ""
+    if args.config_keys and "distributed_executor_backend" in args.config_keys:
+        source = f", set by {args.config_keys['distributed_executor_backend']}"
+    raise ValueError(
+        f"--distributed-executor-backend ray{source} needs Ray, which is not installed: "
+        'pip install "fitserve[ray]" (or pip install ray), or drop it to run the ranks as processes of this '
+        "host"
+    )
 
 
 def _pipeline_refusals(args: EngineArgs) -> list[tuple[str, bool, str, str, str]]:
@@ -262,9 +304,16 @@ def accepted_no_ops(args: EngineArgs) -> list[tuple[str, str]]:
         ),
         (args.disable_cascade_attn, "--disable-cascade-attn", "fitserve has no cascade attention"),
         (
-            args.distributed_executor_backend is not None,
+            args.distributed_executor_backend not in (None, "ray"),
             f"--distributed-executor-backend {args.distributed_executor_backend}",
             "fitserve runs one process per tensor-parallel rank on this host, as vLLM's mp backend does",
+        ),
+        (
+            args.distributed_executor_backend == "ray"
+            and args.tensor_parallel_size * args.pipeline_parallel_size == 1,
+            "--distributed-executor-backend ray",
+            "one rank runs in the engine's own process; Ray places ranks only with tensor or pipeline "
+            "parallel",
         ),
         (
             args.calculate_kv_scales and args.kv_cache_dtype == "auto",

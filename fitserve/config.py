@@ -149,6 +149,8 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # where ranks 1.. run: "mp" (processes of this host) or "ray" (Ray actors, worker/ray_ranks.py)
+    distributed_executor_backend: str = "mp"
 
 
 @dataclass(frozen=True)

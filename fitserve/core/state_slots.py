@@ -88,7 +88,7 @@ def num_snapshot_slots(mamba_cache_mode: str, enable_prefix_caching: bool, max_n
     decode (its conversation's next turn resumes there); at most MAX_SNAPSHOT_SLOTS, since a slot of a
     large model is large (Qwen3.6-27B: 147 MiB) and a snapshot is of use only while its prefix's KV
     blocks are still cached. None without prefix caching or with --mamba-cache-mode none. The planner
-    counts them beside the live slots (planner/memory.py)."""
+    counts them beside the live slots (planner/kv_memory.py)."""
     if not enable_prefix_caching or mamba_cache_mode != "align":
         return 0
     return min(SNAPSHOTS_PER_SEQ * max(1, max_num_seqs), MAX_SNAPSHOT_SLOTS)

@@ -119,10 +119,12 @@ def init_model_parallel(
     address: str,
     device_type: str,
     while_waiting: Callable[[], None] | None = None,
+    device_index: int | None = None,
 ) -> TensorParallel:
     """Joins the world of tensor_parallel_size x pipeline_parallel_size ranks at `address`
     (tcp://host:port) as global `rank`; every rank calls it with the same address. NCCL on CUDA (the
-    rank's GPU is made current first), gloo on the CPU. With several stages every rank then creates
+    rank's GPU is made current first: cuda:`device_index`, by default cuda:`rank`, one host's GPUs in
+    rank order), gloo on the CPU. With several stages every rank then creates
     every stage's tensor-parallel group (torch wants all ranks in each new_group call, in one order)
     and keeps its own.
 
@@ -138,8 +140,9 @@ def init_model_parallel(
     backend = "nccl" if device_type == "cuda" else "gloo"
     options: dict[str, Any] = {}
     if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        options["device_id"] = torch.device("cuda", rank)
+        device = torch.device("cuda", rank if device_index is None else device_index)
+        torch.cuda.set_device(device)
+        options["device_id"] = device
     timeout = datetime.timedelta(seconds=collective_timeout_s())
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fitserve.config import Choice
-from fitserve.planner.memory import DTYPE_BYTES, DraftFootprint, MemoryInputs, draft_footprint
+from fitserve.planner.formats import DTYPE_BYTES
+from fitserve.planner.memory_estimates import draft_footprint
+from fitserve.planner.memory_inputs import DraftFootprint, MemoryInputs
 from fitserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 

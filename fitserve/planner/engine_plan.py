@@ -20,7 +20,7 @@ from fitserve.planner.formats import canonical_dtype
 from fitserve.planner.hardware import DeviceSpec, gpu_device_spec
 
 __all__ = ["gpu_device_spec", "inputs_from_engine_config"]
-from fitserve.planner.memory import MemoryInputs
+from fitserve.planner.memory_inputs import MemoryInputs
 from fitserve.planner.model_info import weights_inventory
 from fitserve.planner.model_shape import ModelShape
 from fitserve.planner.weights import WeightInventory

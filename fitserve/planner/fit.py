@@ -42,14 +42,9 @@ from fitserve.planner.fit_parallel import AUTO_TP_REQUESTS, auto_sizes, size_pro
 from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.kv_length import largest_length
-from fitserve.planner.memory import (
-    MemoryInputs,
-    MemoryPlan,
-    cpu_kept_forms,
-    plan_memory,
-    weight_bytes_per_gpu,
-    with_settings,
-)
+from fitserve.planner.memory import MemoryPlan, plan_memory
+from fitserve.planner.memory_estimates import cpu_kept_forms, weight_bytes_per_gpu
+from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.model_shape import ModelShape
 

@@ -16,7 +16,8 @@ from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.fit_parallel import mismatch_refusal, pipeline_refusal, size_refusal, working_sizes
 from fitserve.planner.formats import format_capability, quant_method
 from fitserve.planner.hardware import DeviceSpec, GiB
-from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+from fitserve.planner.memory import MemoryPlan, plan_memory
+from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.model_shape import ModelShape
 
@@ -57,6 +58,10 @@ def check_devices(args: EngineArgs, devices: Sequence[DeviceSpec], shape: ModelS
         raise PlanError("devices", refusal)
     if devices[0].kind == "cpu":
         return [devices[0]]
+    if args.distributed_executor_backend == "ray" and not devices[0].assumed:
+        # Ray places the ranks on the cluster's GPUs, counted when the engine starts (worker/ray_ranks.py):
+        # the ranks this machine lacks are planned like its first GPU
+        devices = [*devices, *[devices[0]] * (tp * stages - len(devices))]
     if stages > 1:
         return _pipeline_devices(tp, stages, devices, shape)
     if tp > len(devices):

@@ -11,7 +11,8 @@ from fitserve.capture_sizes import decode_capture_sizes, parse_capture_sizes
 from fitserve.kv_layers import cuda_graphs_unsupported
 from fitserve.planner.fit_options import holds
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import MemoryInputs, MemoryPlan, plan_memory, with_settings
+from fitserve.planner.memory import MemoryPlan, plan_memory
+from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 
 _SHRINK_GRAPH_CAPS = (128, 64, 32, 16, 8)
 _SHRINK_BATCHED_TOKENS = (4096, 2048, 1024, 512)

@@ -15,13 +15,9 @@ from fitserve.planner.engine_support import vllm_only
 from fitserve.planner.fit_parallel import size_problem
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import (
-    MemoryInputs,
-    MemoryPlan,
-    decoder_layer_bytes_per_gpu,
-    plan_memory,
-    with_settings,
-)
+from fitserve.planner.memory import MemoryPlan, plan_memory
+from fitserve.planner.memory_estimates import decoder_layer_bytes_per_gpu
+from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 
 # Raising gpu_memory_utilization is suggested up to this (leaving the rest for the CUDA context and
 # fragmentation), and never above what is free.

@@ -41,7 +41,7 @@ class QuantMethod:
 # AWQ / GPTQ: 4-bit weights in groups of 128, each group with an fp16 scale and a 4-bit zero point:
 # 4 + (16 + 4) / 128 bits. bitsandbytes nf4: blocks of 64, each absmax held as float16 (fitserve's form,
 # layers/quantization/bnb_sizes.py): 4 + 16 / 64 bits.
-# fp8: one byte per weight; its float32 scale per output row is counted apart (memory.py).
+# fp8: one byte per weight; its float32 scale per output row is counted apart (memory_estimates.py).
 _GROUPED_4BIT = 4 + (16 + 4) / 128
 QUANTIZATION_METHODS: dict[str, QuantMethod] = {
     "fp8": QuantMethod("fp8", 8.0, "8-bit, quantized from this checkpoint while loading", False, (8, 0)),

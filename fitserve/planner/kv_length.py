@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 
-from fitserve.planner.memory import MemoryPlan, kv_bytes_per_token, kv_groups, with_settings
+from fitserve.planner.kv_memory import kv_bytes_per_token, kv_groups
+from fitserve.planner.memory import MemoryPlan
+from fitserve.planner.memory_inputs import with_settings
 
 
 def largest_length(plan: MemoryPlan, requests: int, longest: int) -> int:

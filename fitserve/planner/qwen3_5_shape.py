@@ -11,7 +11,7 @@ speculative method mtp, counted then as its draft (`qwen3_5_mtp_parameter_count`
 
 The per-request state (worker/recurrent_state.py counts the same): per DeltaNet layer conv_dim x (K - 1)
 elements in the model dtype and value heads x k_dim x v_dim in float32, the whole model's; under tensor
-parallel each rank holds 1/n of it (the heads split evenly: planner/memory.py state_bytes_per_seq_on_rank).
+parallel each rank holds 1/n of it (the heads split evenly: planner/kv_memory.py state_bytes_per_seq_on_rank).
 Every DeltaNet parameter splits by heads with its layer (conv1d, A_log, dt_bias included), though `replicated`
 counts them whole: a few KB per layer, counted on every rank.
 

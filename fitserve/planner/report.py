@@ -8,13 +8,9 @@ from fitserve.kv_layers import describe_kv_layers
 from fitserve.planner.fit import FitResult
 from fitserve.planner.formats import format_capability, kv_cache_bytes_per_element
 from fitserve.planner.hardware import GiB
-from fitserve.planner.memory import (
-    MemoryPlan,
-    cpu_kept_forms,
-    draft_kv_bytes_per_token,
-    kv_bytes_per_context_token,
-    kv_groups,
-)
+from fitserve.planner.kv_memory import draft_kv_bytes_per_token, kv_bytes_per_context_token, kv_groups
+from fitserve.planner.memory import MemoryPlan
+from fitserve.planner.memory_estimates import cpu_kept_forms
 
 _SETTING_WIDTH = 24
 _MEMORY_LABEL_WIDTH = 62

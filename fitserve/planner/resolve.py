@@ -163,7 +163,11 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
         model=model,
         cache=cache,
         scheduler=scheduler,
-        parallel=ParallelConfig(inputs.tensor_parallel_size, args.pipeline_parallel_size),  # auto-fit's
+        parallel=ParallelConfig(  # auto-fit's tensor_parallel_size
+            inputs.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            "ray" if args.distributed_executor_backend == "ray" else "mp",
+        ),
         device=DeviceConfig(device),
         compilation=CompilationConfig(
             enforce_eager=args.enforce_eager or (inputs.on_gpu and not sizes),

@@ -32,6 +32,7 @@ from types import FrameType
 import uvicorn
 
 from fitserve.args import EngineArgs
+from fitserve.args_support import refuse_replica_combinations
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.data_parallel import DataParallelEngine, replica_visible_devices
 from fitserve.engine.engine import Engine
@@ -209,6 +210,7 @@ def create_engine(engine_args: EngineArgs, settings: ServerSettings) -> Engine |
 def create_replicas(engine_args: EngineArgs) -> list[EngineProcess]:
     """--data-parallel-size N: N engine processes, each on its own GPUs (engine/data_parallel.py), started
     side by side; one that fails to start stops the others."""
+    refuse_replica_combinations(engine_args)
     size = engine_args.data_parallel_size
     one = dataclasses.replace(engine_args, data_parallel_size=1)
     visible: list[str | None] = [None] * size

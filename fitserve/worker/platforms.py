@@ -23,14 +23,8 @@ from fitserve.capture_sizes import decode_capture_sizes, piecewise_capture_sizes
 from fitserve.cpu_kv_cache import available_ram_bytes, check_fits_in_ram
 from fitserve.planner.engine_plan import inputs_from_engine_config
 from fitserve.planner.hardware import DeviceSpec, cpu_device, gpu_device_spec, probe_host
-from fitserve.planner.memory import (
-    CPU_RUNTIME_OVERHEAD_BYTES,
-    MemoryPlan,
-    MemoryTerms,
-    cuda_graph_bytes,
-    plan_memory,
-    planned_vs_measured,
-)
+from fitserve.planner.memory import MemoryPlan, MemoryTerms, plan_memory, planned_vs_measured
+from fitserve.planner.memory_estimates import CPU_RUNTIME_OVERHEAD_BYTES, cuda_graph_bytes
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.piecewise_graphs import PiecewiseGraphRunner
 

@@ -14,6 +14,10 @@ Method mtp: the first rank's drafter sends each of its forwards the same way (`d
 worker/draft_steps.py); no drafter forward runs between a step whose sampling is deferred and that sampling
 (the other ranks broadcast the sampled ids right after the forward).
 
+Where ranks 1.. run: spawned processes of this host (--distributed-executor-backend mp, the default), or
+Ray actors on this machine or others (ray: worker/ray_ranks.py, whose RayRank has _Rank's interface); the
+protocol below is the same.
+
 A rank that dies or fails: a thread per rank reads its replies and sees the pipe close; it records
 which rank and why, and aborts this process's group so a collective waiting for that rank returns at
 once. The next step raises RankFailedError, which stops the engine (the server then answers 503).
@@ -98,6 +102,20 @@ class _Rank:
         self._reap_lock = threading.Lock()
         self.failure: str | None = None
 
+    @property
+    def sentinel(self) -> int:
+        """Ready (multiprocessing.connection.wait) once the process has exited."""
+        return self.process.sentinel
+
+    def send(self, data: bytes) -> None:
+        self.commands.send_bytes(data)
+
+    def finish(self, timeout: float) -> None:
+        """Waits up to `timeout` for the process to exit (after STOP), then kills it."""
+        self.process.join(timeout=timeout)
+        if self.process.is_alive():
+            self.process.kill()
+
     def exit_reason(self) -> str:
         """Why the process is gone, once it is (waits up to 5 s for the exit status)."""
         multiprocessing.connection.wait([self.process.sentinel], timeout=5)
@@ -132,8 +150,6 @@ class MultiprocExecutor:
             compilation = dataclasses.replace(config.compilation, enforce_eager=True)
             config = dataclasses.replace(config, compilation=compilation)
         device_type = config.device.torch_device.type
-        address = f"tcp://127.0.0.1:{_free_local_port()}"
-        context = multiprocessing.get_context("spawn")
         self._failure: str | None = None
         self._stopping = False
         self._sampling_pending = False  # a launched step's sampling is deferred and not queued yet
@@ -142,7 +158,28 @@ class MultiprocExecutor:
             self._send_draft_step, self._guarded, lambda: self._sampling_pending
         )
         self._failure_lock = threading.Lock()
-        self.ranks = [_Rank(context, config, rank, size, address) for rank in range(1, size)]
+        self._placement: Any = None  # the Ray cluster's placement of the ranks (ray backend only)
+        first_device: int | None = None  # rank 0's GPU (None: cuda:0)
+        backend = config.parallel.distributed_executor_backend
+        if backend == "ray":
+            from fitserve.worker.ray_ranks import RayPlacement
+
+            self._placement = RayPlacement(config, size)  # a start it refuses leaves nothing behind
+            address, first_device = self._placement.address, self._placement.first_rank_device
+            self.ranks: list[Any] = []
+            try:
+                for rank in range(1, size):
+                    self.ranks.append(self._placement.start_rank(config, rank, size, address))
+            except BaseException:
+                self._stopping = True
+                for started in self.ranks:
+                    started.finish(timeout=0)
+                self._placement.close()
+                raise
+        else:
+            address = f"tcp://127.0.0.1:{_free_local_port()}"
+            context = multiprocessing.get_context("spawn")
+            self.ranks = [_Rank(context, config, rank, size, address) for rank in range(1, size)]
         for rank in self.ranks:
             threading.Thread(
                 target=rank.read_replies,
@@ -154,17 +191,26 @@ class MultiprocExecutor:
         if device_type == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         logger.info(
-            "%s: %d ranks (%s), rank 0 in this process",
+            "%s: %d ranks (%s), rank 0 in this process, the others %s",
             "Tensor parallel" if pp_size == 1 else f"Pipeline parallel ({pp_size} stages x {tp_size})",
             size,
             "NCCL" if device_type == "cuda" else "gloo",
+            "in Ray actors" if backend == "ray" else "in processes it started",
         )
         self.runner: ModelRunner | None = None
         # before multiprocessing's own exit handler ends the ranks (atexit runs the latest first)
         atexit.register(self.shutdown)
         try:
             # a rank that dies before it joins stops the wait with its reason (_check)
-            init_model_parallel(0, tp_size, pp_size, address, device_type, while_waiting=self._check)
+            init_model_parallel(
+                0,
+                tp_size,
+                pp_size,
+                address,
+                device_type,
+                while_waiting=self._check,
+                device_index=first_device,
+            )
             self.runner = ModelRunner(config)
             self.runner.step_sender = self._send_step
             for rank in self.ranks:
@@ -205,7 +251,7 @@ class MultiprocExecutor:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank in self.ranks:
             try:
-                rank.commands.send_bytes(data)
+                rank.send(data)
             except OSError:
                 self._on_rank_failure(rank, rank.exit_reason())
                 self._check()
@@ -260,9 +306,9 @@ class MultiprocExecutor:
 
     def _notice_dead_rank(self, timeout_s: float = DEAD_RANK_WAIT_S) -> None:
         """Records the first rank whose process has exited (waiting up to timeout_s for one to)."""
-        exited = multiprocessing.connection.wait([rank.process.sentinel for rank in self.ranks], timeout_s)
+        exited = multiprocessing.connection.wait([rank.sentinel for rank in self.ranks], timeout_s)
         for rank in self.ranks:
-            if rank.process.sentinel in exited:
+            if rank.sentinel in exited:
                 self._on_rank_failure(rank, rank.exit_reason())
                 return
 
@@ -279,11 +325,11 @@ class MultiprocExecutor:
             data = pickle.dumps((tp_worker.STOP, None))
             for rank in self.ranks:
                 with contextlib.suppress(OSError):
-                    rank.commands.send_bytes(data)
+                    rank.send(data)
         for rank in self.ranks:
-            rank.process.join(timeout=10)
-            if rank.process.is_alive():
-                rank.process.kill()
+            rank.finish(timeout=10)
+        if self._placement is not None:  # the actors are gone: give the cluster its resources back
+            self._placement.close()
         # this process may build another engine: it must not keep this one's rank (or its group). Leaving
         # an NCCL group whose collectives CUDA graphs captured can block, so it gets a few seconds aside.
         leaving = threading.Thread(target=_leave_group, name="fitserve-leave-group", daemon=True)

@@ -1,6 +1,7 @@
 """The main function of a rank other than the first (worker/tp_executor.py starts it).
 
-It joins the group, builds its ModelRunner (its part of every layer of its pipeline stage's layers) and,
+It runs in a process of its own (the mp backend) or in a Ray actor (worker/ray_ranks.py). It joins the
+group, builds its ModelRunner (its part of every layer of its pipeline stage's layers) and,
 with method mtp, its shard of the MTP layer (worker/draft_steps.py), and then runs what the first rank
 sends, in order, over its own pipe: size the KV cache, allocate it, run a step (the first rank's host
 inputs), run a drafter forward, stop. Messages are pickled once by the sender (bytes); replies go back on
@@ -18,6 +19,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -59,7 +61,14 @@ def run_rank(
     commands: Connection,
     replies: Connection,
     parent_pid: int,
+    device_index: int | None = None,
+    exit_process: Callable[[int], Any] = os._exit,
 ) -> None:
+    """`device_index`: this rank's GPU among those this process sees (None: cuda:`rank`, the mp backend's
+    one host; a Ray actor passes the one Ray gave it). `commands` and `replies` may be one duplex
+    connection (a TCP connection back to the engine under the Ray backend, worker/ray_ranks.py).
+    `exit_process(code)` ends the rank once it stops or fails: os._exit for a process of its own; a Ray
+    actor ends its run instead and Ray ends the actor."""
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     # `kill -USR1 <pid>` prints where every thread of a rank is (to find what a hung collective waits on)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -78,7 +87,12 @@ def run_rank(
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != size:
             raise ValueError(f"{size} ranks started for {parallel}: a fitserve bug")
         init_model_parallel(
-            rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, address, device_type
+            rank,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            address,
+            device_type,
+            device_index=device_index,
         )
         runner = ModelRunner(config)
         drafter = rank_drafter(config, runner)  # the MTP layer's shard, counted in the KV cache sizing
@@ -100,12 +114,12 @@ def run_rank(
                 runner.release_graphs()
                 break
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        os._exit(0)  # the engine is gone
+        exit_process(0)  # the engine is gone
     except BaseException as error:  # noqa: BLE001 - sent to the first rank, which stops the engine
         reason = f"{type(error).__name__}: {error}"
         logging.getLogger("fitserve").error("rank %d failed: %s\n%s", rank, reason, traceback.format_exc())
         try:
             replies.send_bytes(pickle.dumps((FAILED, reason)))
         finally:
-            os._exit(1)
-    os._exit(0)
+            exit_process(1)
+    exit_process(0)

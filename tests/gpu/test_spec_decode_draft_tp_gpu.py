@@ -7,6 +7,8 @@ tests/gpu/test_spec_decode_eagle3_gpu.py has no embedding: rank 0 reads the targ
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -23,16 +25,28 @@ draft_folders = draft_base.folders  # module fixtures: a random Qwen3-0.6B and a
 eagle3_folders = eagle3_base.folders  # a random 6-layer Llama-3.1-8B and an EAGLE-3 head without embedding
 
 
-def _free(llm) -> None:
-    llm.engine.shutdown()
-    del llm
+def _collect() -> None:
+    """Gives back the GPU memory of engines no variable holds any more (they keep reference cycles)."""
+    gc.collect()
     torch.cuda.empty_cache()
 
 
+def _free(llm) -> None:
+    """Stops the engine; its memory comes back at the next _collect() once the caller's frame is gone."""
+    llm.engine.shutdown()
+
+
+def _plain_greedy(target, prompts) -> list:
+    llm = _llm(target)
+    try:
+        return _greedy(llm, prompts, 96)
+    finally:
+        _free(llm)
+
+
 def _check_against_plain(target, speculative_config, prompts) -> None:
-    plain_llm = _llm(target)
-    plain = _greedy(plain_llm, prompts, 96)
-    _free(plain_llm)
+    plain = _plain_greedy(target, prompts)
+    _collect()  # the TP 1 engine's memory, before TP 2 plans both GPUs
     llm = _llm(target, speculative_config=speculative_config, tensor_parallel_size=2)
     engine = llm.engine
     assert engine.executor.runner.graph_runner is not None  # the target replays its graphs
@@ -50,6 +64,7 @@ def _check_against_plain(target, speculative_config, prompts) -> None:
 def test_draft_model_at_tp2_follows_tp1_without_speculation(draft_folders):
     target, small = draft_folders
     _check_against_plain(target, draft_base._spec(small), draft_base._prompts(6))
+    _collect()
     own = _llm(target, speculative_config=draft_base._spec(target), tensor_parallel_size=2)
     _greedy(own, draft_base._prompts(4), 64)
     stats = own.engine.speculator.stats

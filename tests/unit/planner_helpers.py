@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from fitserve.planner.hardware import parse_assume_gpus
-from fitserve.planner.memory import MemoryInputs
+from fitserve.planner.memory_inputs import MemoryInputs
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.weights import inventory_from_config
 

@@ -222,10 +222,10 @@ def test_parser_defaults_equal_the_dataclass_defaults() -> None:
             "compressed-tensors or AutoRound checkpoint of the model)",
         ),
         (
-            dict(distributed_executor_backend="ray"),
-            "not supported yet: --distributed-executor-backend ray (drop it or set "
-            "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
-            "host)",
+            dict(distributed_executor_backend="external_launcher"),
+            "not supported yet: --distributed-executor-backend external_launcher (drop it or set "
+            "--distributed-executor-backend mp (processes of this host) or ray (Ray actors, on several "
+            "machines too))",
         ),
         (
             dict(

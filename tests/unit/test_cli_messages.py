@@ -46,10 +46,10 @@ def no_model_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
     ("argv", "message"),
     [
         (
-            ["serve", "--distributed-executor-backend", "ray"],
-            "fitserve serve: error: not supported yet: --distributed-executor-backend ray (drop it or set "
-            "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
-            "host)",
+            ["serve", "--distributed-executor-backend", "external_launcher"],
+            "fitserve serve: error: not supported yet: --distributed-executor-backend external_launcher "
+            "(drop it or set --distributed-executor-backend mp (processes of this host) or ray (Ray actors, "
+            "on several machines too))",
         ),
         (
             ["generate", "--prompt", "hi", "-pp", "4", "--enable-expert-parallel"],

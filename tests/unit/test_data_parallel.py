@@ -75,3 +75,31 @@ def test_merged_stats_sum_the_counts_and_weigh_usage_by_blocks():
     assert merged.kv_cache_usage == pytest.approx((0.5 * 100 + 0.2 * 300) / 400)
     assert merged.iteration_tokens_counts == (1, 7)
     assert (merged.prefix_cache_hits, merged.num_generation_tokens_total, merged.block_size) == (8, 100, 16)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            dict(pipeline_parallel_size=2),
+            "not supported yet: --pipeline-parallel-size 2 with --data-parallel-size 2 (set "
+            "--data-parallel-size 1 (each replica would need its own 2 stages), or set "
+            "--pipeline-parallel-size 1)",
+        ),
+        (
+            dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+            "not supported yet: --distributed-executor-backend ray with --data-parallel-size 2 (drop "
+            "--distributed-executor-backend ray (the replicas' ranks run as processes of this host), or set "
+            "--data-parallel-size 1)",
+        ),
+    ],
+)
+def test_serve_refuses_what_replicas_cannot_run_before_any_starts(args, message):
+    """`serve` starts replicas of data_parallel_size 1, so their own checks never see N: create_replicas
+    checks the arguments as given first."""
+    from fitserve.args import EngineArgs
+    from fitserve.server.api_server import create_replicas
+
+    with pytest.raises(ValueError) as error:
+        create_replicas(EngineArgs(model="unused", data_parallel_size=2, **args))
+    assert str(error.value) == message

@@ -22,14 +22,10 @@ from fitserve.distributed.pipeline import PARTITION_ENV, describe_split, stage_l
 from fitserve.planner.fit import PlanError, auto_fit
 from fitserve.planner.fit_parallel import pipeline_refusal
 from fitserve.planner.hardware import DeviceSpec, GiB, parse_assume_gpus
-from fitserve.planner.memory import (
-    for_pipeline_stage,
-    plan_memory,
-    stage_kv_bytes_per_token,
-    stage_weight_bytes,
-    weight_bytes_per_gpu,
-    with_settings,
-)
+from fitserve.planner.kv_memory import stage_kv_bytes_per_token
+from fitserve.planner.memory import for_pipeline_stage, plan_memory
+from fitserve.planner.memory_estimates import stage_weight_bytes, weight_bytes_per_gpu
+from fitserve.planner.memory_inputs import with_settings
 from fitserve.worker.rank_failure import RankFailedError
 from fitserve.worker.tp_executor import rank_label
 from tests.paths import SMOLLM2_TOKENIZER_DIR
@@ -310,9 +306,9 @@ def test_families_not_built_in_stages_are_refused(model_type):
     ("args", "message"),
     [
         (
-            dict(distributed_executor_backend="ray"),
-            "not supported yet: --distributed-executor-backend ray (drop it or set "
-            "--distributed-executor-backend mp: ",
+            dict(distributed_executor_backend="external_launcher"),
+            "not supported yet: --distributed-executor-backend external_launcher (drop it or set "
+            "--distributed-executor-backend mp ",
         ),
         (dict(distributed_executor_backend="uni"), "not supported yet: --distributed-executor-backend uni"),
         (

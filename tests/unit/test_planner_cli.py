@@ -358,14 +358,13 @@ def test_doctor_says_serve_would_refuse_a_feature_not_built(
     bare_machine: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = fixture_path("qwen3-0.6b")
-    assert (
-        run_doctor(parse("doctor", [model, "--distributed-executor-backend", "ray", "--device", "cpu"])) == 1
-    )
+    argv = [model, "--distributed-executor-backend", "external_launcher", "--device", "cpu"]
+    assert run_doctor(parse("doctor", argv)) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == (
-        "FAIL plan: not supported yet: --distributed-executor-backend ray (drop it or set "
-        "--distributed-executor-backend mp: fitserve runs the tensor-parallel ranks as processes of this "
-        "host)"
+        "FAIL plan: not supported yet: --distributed-executor-backend external_launcher (drop it or set "
+        "--distributed-executor-backend mp (processes of this host) or ray (Ray actors, on several machines "
+        "too))"
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fitserve.kernels.int4_repack import packed_int4_bytes, repack_int4
-from fitserve.planner.memory import DEQUANT_SCRATCH_BYTES, activation_peak_bytes, weight_bytes_total
+from fitserve.planner.memory_estimates import DEQUANT_SCRATCH_BYTES, activation_peak_bytes, weight_bytes_total
 from fitserve.planner.model_info import inspect_model
 from tests.paths import MODELS_DIR
 from tests.unit.planner_helpers import memory_inputs

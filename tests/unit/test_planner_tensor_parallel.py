@@ -13,7 +13,8 @@ from fitserve.cpu_kv_cache import RAM_FRACTION, check_fits_in_ram, cpu_kv_cache_
 from fitserve.planner.fit import FitResult, PlanError, auto_fit
 from fitserve.planner.fit_parallel import AUTO_TP_REQUESTS, auto_sizes, size_refusal, working_sizes
 from fitserve.planner.hardware import DeviceSpec, GiB, parse_assume_gpus
-from fitserve.planner.memory import weight_bytes_per_gpu, with_settings
+from fitserve.planner.memory_estimates import weight_bytes_per_gpu
+from fitserve.planner.memory_inputs import with_settings
 from fitserve.planner.model_info import inspect_model
 from fitserve.planner.report import plan_json, plan_text
 from fitserve.planner.resolve import engine_config_from_fit
@@ -191,8 +192,10 @@ def test_the_engine_args_accept_tensor_parallel_and_the_mp_backend(caplog: pytes
     assert (
         "--distributed-executor-backend mp: fitserve runs one process per tensor-parallel rank" in caplog.text
     )
-    with pytest.raises(ValueError, match=r"^not supported yet: --distributed-executor-backend ray \(drop it"):
-        refuse_unsupported(EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray"))
+    refuse_unsupported(EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray"))  # Ray actors
+    launcher = "external_launcher"
+    with pytest.raises(ValueError, match=rf"^not supported yet: --distributed-executor-backend {launcher}"):
+        refuse_unsupported(EngineArgs(tensor_parallel_size=2, distributed_executor_backend=launcher))
     with pytest.raises(ValueError, match=r"^not supported yet: --distributed-executor-backend uni"):
         refuse_unsupported(EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni"))
     refuse_unsupported(EngineArgs(distributed_executor_backend="uni"))  # one rank: one process

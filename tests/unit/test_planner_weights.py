@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from fitserve.planner.memory import plan_memory, weight_bytes_total
+from fitserve.planner.memory import plan_memory
+from fitserve.planner.memory_estimates import weight_bytes_total
 from fitserve.planner.model_info import inspect_model
 from fitserve.planner.model_shape import ModelShape
 from fitserve.planner.weights import (
