@@ -281,7 +281,7 @@ class DecoderModel(nn.Module):
         # this stage's layers (all of them without pipeline parallel), in order; a tuple, not registered
         self.stage_layers = tuple(self.layers[self.start_layer : self.end_layer])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
-        # EAGLE-3 speculation (fitserve/spec_decode/eagle3.py): {layer index: slot} of the residual
+        # EAGLE-3 speculation (fitserve/spec_decode/eagle3/): {layer index: slot} of the residual
         # streams each forward copies into `aux_hidden` [rows, slots x hidden]; empty: nothing is kept.
         self.aux_slots: dict[int, int] = {}
         self.aux_hidden: torch.Tensor | None = None

@@ -47,7 +47,7 @@ def with_draft(
 def _eagle3_footprint(
     inputs: MemoryInputs, speculative: SpeculativeConfig, trust_remote_code: bool, load_format: str
 ) -> DraftFootprint:
-    """An EAGLE-3 head (fitserve/spec_decode/eagle3.py) in the target's dtype: its one layer, fc, norm,
+    """An EAGLE-3 head (fitserve/spec_decode/eagle3/) in the target's dtype: its one layer, fc, norm,
     lm_head over the draft vocabulary, its embedding when the checkpoint has one (else under tensor parallel
     the target's, read whole for it), d2t, and the target's
     buffer of the three layers' hidden states (max_num_batched_tokens or max_num_seqs x (k + 1) rows);

@@ -6,7 +6,7 @@ Keys: `method`, `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_m
 `disable_by_batch_size`. Methods fitserve runs: `ngram` (prompt lookup), `draft_model` (a smaller model of
 the same vocabulary, fitserve/spec_decode/draft_model.py; also `model` given without `method`), `eagle3`
 (an EAGLE-3 draft head in its released checkpoint format reading the target's hidden states,
-fitserve/spec_decode/eagle3.py), `mtp` (the checkpoint's own multi-token-prediction layer, Qwen3.5 /
+fitserve/spec_decode/eagle3/), `mtp` (the checkpoint's own multi-token-prediction layer, Qwen3.5 /
 Qwen3.6: fitserve/spec_decode/mtp.py; vLLM's `qwen3_next_mtp` and `deepseek_mtp` are read as `mtp`) and, for
 benchmarks only, `oracle` (drafts the tokens a first pass produced, fitserve/spec_decode/oracle.py).
 `eagle` (EAGLE-1) and `suffix` are vLLM's other methods: refused with what runs.

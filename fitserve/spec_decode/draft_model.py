@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +44,7 @@ from fitserve.kv_groups import kv_cache_groups
 from fitserve.kv_layers import LINEAR, kv_layer_specs
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.planner.draft_checkpoint import resolve_draft
+from fitserve.spec_decode.draft_slots import DraftSequence, DraftSlots
 from fitserve.worker.block_table_rows import BlockTableRows
 from fitserve.worker.kv_allocation import layer_caches
 from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
@@ -178,8 +177,8 @@ def draft_kv_bytes_per_token(config: EngineConfig) -> int:
     if spec is None or spec.method not in ("draft_model", "eagle3"):
         return 0
     element = config.cache.torch_kv_cache_dtype(config.model.dtype).itemsize
-    if spec.method == "eagle3":  # the head's one layer (fitserve/spec_decode/eagle3.py)
-        from fitserve.spec_decode.eagle3 import eagle3_kv_elements
+    if spec.method == "eagle3":  # the head's one layer (fitserve/spec_decode/eagle3/)
+        from fitserve.spec_decode.eagle3.checkpoint import eagle3_kv_elements
 
         return eagle3_kv_elements(config) * element
     return _draft_kv_elements(spec.model, spec.revision, config.model.trust_remote_code) * element
@@ -201,23 +200,9 @@ def _draft_kv_elements(model: str, revision: str | None, trust_remote_code: bool
 
 
 # ---- the draft at run time ---------------------------------------------------------------------------
-@dataclass
-class _DraftSequence:
-    """The draft's view of one request: what build_host_inputs and the KV manager read of a request."""
+class DraftModel(DraftSlots):
+    """The draft model, its KV pool and its forwards; DraftSlots keeps each request's state and slots."""
 
-    request_id: str
-    all_token_ids: list[int]  # the request's own list (read, never written)
-    num_prompt_tokens: int
-    num_preemptions: int
-    num_computed_tokens: int = 0  # tokens whose keys and values the draft holds
-    # drafts whose keys and values were written after the known tokens at the last draft (checked
-    # against the request's tokens at the next one) and where they start
-    drafted: tuple[int, ...] = ()
-    drafted_at: int = 0
-    needs_prompt_logprobs: bool = False
-
-
-class DraftModel:
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         from fitserve.models.loader import load_model
         from fitserve.worker.model_runner import loaded_model_bytes
@@ -246,7 +231,7 @@ class DraftModel:
         self.table_rows = BlockTableRows(-(-(model_config.max_model_len + self.k) // self.block_size))
         self.kv_manager: KVCacheManager | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.sequences: dict[str, _DraftSequence] = {}
+        self.sequences: dict[str, DraftSequence] = {}
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The draft's pool: as many blocks as the target's (the plan sized both with one per-token cost)."""
@@ -271,26 +256,15 @@ class DraftModel:
         self.propose([request], {request.request_id})
         self._free(request.request_id)
 
-    # ---- bookkeeping --------------------------------------------------------------------------------
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Gives back the draft state of these requests (finished)."""
-        for request_id in request_ids:
-            self._free(request_id)
-
-    def _free(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            self.kv_manager.free(seq)
-            self.table_rows.release(request_id)
-
-    def _sequence(self, request: Request) -> _DraftSequence:
+    # ---- DraftSlots' hooks -------------------------------------------------------------------------
+    def _sequence(self, request: Request) -> DraftSequence:
         """The request's draft state, its computed length set back to what the request's tokens confirm."""
         seq = self.sequences.get(request.request_id)
         if seq is not None and seq.num_preemptions != request.num_preemptions:
             self._free(request.request_id)  # preempted since: recomputed, as the target is
             seq = None
         if seq is None:
-            seq = _DraftSequence(
+            seq = DraftSequence(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens, request.num_preemptions
             )
             self.sequences[request.request_id] = seq
@@ -310,43 +284,13 @@ class DraftModel:
         seq.num_computed_tokens = min(seq.num_computed_tokens, len(tokens) - 1)
         return seq
 
+    def _slots_needed(self, request: Request, seq: DraftSequence, count: int) -> int:
+        """Slots for the tokens to catch up and the count - 1 drafts fed back."""
+        return len(request.all_token_ids) + count - 1 - seq.num_computed_tokens
+
     # ---- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: list[Request], running_ids: set[str]) -> list[list[int]]:
-        """Up to k greedy drafts for each of `requests` (decoding requests, each with no token in
-        flight), in order; [] for one that gets none (no room left before max_tokens or max_model_len,
-        or no free draft blocks). `running_ids`: the running requests; the draft state of any other is
-        freed (finished, or preempted: recomputed when it decodes again)."""
-        for request_id in [r for r in self.sequences if r not in running_ids]:
-            self._free(request_id)
-        wanted: list[tuple[_DraftSequence, int]] = []
-        for request in requests:
-            count = self._room(request)
-            if count <= 0:
-                continue
-            seq = self._sequence(request)
-            end = seq.num_computed_tokens
-            # slots for the tokens to catch up and the k - 1 drafts fed back
-            need = len(request.all_token_ids) + count - 1 - end
-            if not self.kv_manager.allocate_slots(seq, max(need, 0)):
-                self._free(request.request_id)  # the pool is short: this request drafts later
-                continue
-            wanted.append((seq, count))
-        drafts: dict[str, list[int]] = {}
-        if wanted:
-            drafts = self._draft(wanted)
-        return [drafts.get(r.request_id, []) for r in requests]
-
-    def _room(self, request: Request) -> int:
-        """Drafts worth computing: at most k, and no more than the scheduler could verify (max_tokens,
-        max_model_len)."""
-        room = min(self.k, self.config.model.max_model_len - request.num_tokens - 1)
-        max_tokens = request.params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        return room
-
-    def _draft(self, wanted: list[tuple[_DraftSequence, int]]) -> dict[str, list[int]]:
+    def _draft(self, wanted: list[tuple[DraftSequence, int]]) -> dict[str, list[int]]:
         """The drafts of each (sequence, how many to draft), by request id; blocks already allocated."""
         budget = self.config.scheduler.max_num_batched_tokens
         # 1. catch up, in forwards of at most `budget` tokens; each request's last row drafts its first
@@ -357,7 +301,7 @@ class DraftModel:
         while pending:
             items: list[ScheduledRequest] = []
             left = budget
-            rest: list[tuple[_DraftSequence, int]] = []
+            rest: list[tuple[DraftSequence, int]] = []
             for seq, count in pending:
                 missing = len(seq.all_token_ids) - seq.num_computed_tokens
                 n = min(missing, left)
@@ -402,7 +346,7 @@ class DraftModel:
             seq.drafted = tuple(row[:-1])
         return drafts
 
-    def _item(self, seq: _DraftSequence, start: int, n: int, samples: bool) -> ScheduledRequest:
+    def _item(self, seq: DraftSequence, start: int, n: int, samples: bool) -> ScheduledRequest:
         block_ids = self.kv_manager.block_ids(seq.request_id)
         return ScheduledRequest(seq, start, n, block_ids, samples)  # type: ignore[arg-type]
 

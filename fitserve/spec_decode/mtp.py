@@ -6,7 +6,7 @@ models/qwen3_5_mtp.py).
 The layer's row at position p reads (token p + 1, the target's output hidden state at p, after its final
 norm) and predicts token p + 2 through the target's LM head; its output (after `mtp.norm`) is the next
 step's hidden, so k drafts reuse the one layer k times (vLLM's recurrence: step i reads the draft of step
-i - 1 and the layer's own output). It is run as EAGLE-3's head is (fitserve/spec_decode/eagle3.py, whose
+i - 1 and the layer's own output). It is run as EAGLE-3's head is (fitserve/spec_decode/eagle3/, whose
 drafter this one is): the target copies its output rows into a buffer inside its forward
 (Qwen3_5Model.keep_output_hidden: CUDA graphs captured after replay the copy), the engine hands each
 step's rows over (`after_launch`), the layer keeps its own paged KV cache (one layer, a pool of as many
@@ -46,7 +46,7 @@ from fitserve.models.qwen3_5_mtp import (
     runs_mtp,
     stores_quantized,
 )
-from fitserve.spec_decode.eagle3 import Eagle3Drafter, _HeadSequence, aux_buffer_rows
+from fitserve.spec_decode.eagle3.drafter import Eagle3Drafter, _HeadSequence, aux_buffer_rows
 from fitserve.worker.draft_steps import DraftChannel, exchange_rows, mtp_rank_kv_spec
 from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
 
@@ -129,7 +129,7 @@ def _mtp_tensors(files: Iterable[Path]) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 class _MtpHead:
-    """The MTP layer seen through EAGLE-3's head interface (eagle3.py's drafter calls these): no fc over
+    """The MTP layer seen through EAGLE-3's head interface (eagle3/drafter.py calls these): no fc over
     the target's rows (the layer's own fc reads them with the embedding), the output is both the logits'
     input and the next step's hidden, the drafts are the target's LM head's argmax."""
 

@@ -49,7 +49,7 @@ MAX_PAUSE_STEPS = 1024
 
 
 class Drafter(Protocol):
-    """A model that drafts (spec_decode/draft_model.py's DraftModel, eagle3.py's head, mtp.py's MTP layer,
+    """A model that drafts (spec_decode/draft_model.py's DraftModel, eagle3/'s head, mtp.py's MTP layer,
     which run in the worker layer beside the target's runner)."""
 
     def propose(self, requests: list[Request], running_ids: set[str]) -> list[list[int]]: ...
@@ -70,7 +70,7 @@ class NgramProposer:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None) -> None:
         """`draft`: the loaded draft model of method draft_model (fitserve/spec_decode/draft_model.py),
-        the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3.py, a DraftModel) or the MTP layer
+        the EAGLE-3 head of method eagle3 (fitserve/spec_decode/eagle3/, a DraftModel) or the MTP layer
         of method mtp (fitserve/spec_decode/mtp.py, an EAGLE-3 drafter), which drafts for all the step's
         requests at once."""
         self.config = config
@@ -133,7 +133,7 @@ class Speculator:
 
     def after_launch(self, scheduler_output: SchedulerOutput) -> None:
         """A target step was queued: an EAGLE-3 head or the MTP layer keeps its hidden states
-        (fitserve/spec_decode/eagle3.py, mtp.py); nothing for the other methods."""
+        (fitserve/spec_decode/eagle3/, mtp.py); nothing for the other methods."""
         keep = getattr(self.draft, "after_launch", None)
         if keep is not None:
             keep(scheduler_output)

@@ -153,7 +153,7 @@ def test_back_off_preemption_and_n(target, head):
 def test_long_pause_computes_streams_eagerly(target, head, monkeypatch):
     """With speculation off for many steps, no request holds more than EAGER_ROWS (+ one step's) rows of
     the target's streams, and the drafts that follow are still exact."""
-    import fitserve.spec_decode.eagle3 as eagle3
+    import fitserve.spec_decode.eagle3.drafter as eagle3
 
     monkeypatch.setattr(eagle3, "EAGER_ROWS", 4)
     folder, _ = target
@@ -360,7 +360,7 @@ def bad_heads(tmp_path_factory):
     ],
 )
 def test_bad_heads_are_refused_before_loading(target, bad_heads, name, kwargs, match, monkeypatch):
-    import fitserve.spec_decode.eagle3 as eagle3
+    import fitserve.spec_decode.eagle3.head as eagle3
 
     folder, _ = target
     built = []
@@ -406,7 +406,7 @@ def test_the_plan_counts_the_head(target, head):
 def test_engine_drafts_equal_the_reference(target, head, pause, monkeypatch):
     """Through the engine (chunked prefill, verify steps, refused drafts, steps without drafts and the
     eager catch-up), each draft equals EAGLE-3 computed from scratch on the request's tokens then."""
-    import fitserve.spec_decode.eagle3 as eagle3
+    import fitserve.spec_decode.eagle3.drafter as eagle3
 
     monkeypatch.setattr(eagle3, "EAGER_ROWS", 4)
     folder, hf_model = target

@@ -84,7 +84,7 @@ def test_drafts_at_tp2_equal_drafts_at_tp1(target, copying_folder, layer, monkey
     step without drafts) and eager catch-ups every few rows: TP 2 drafts what TP 1 drafts, step for step,
     and accepts as many; some eager catch-ups were held for a deferred sampling and run later. `copying`:
     an MTP layer whose drafts the target accepts (the random one's it refuses)."""
-    import fitserve.spec_decode.eagle3 as eagle3
+    import fitserve.spec_decode.eagle3.drafter as eagle3
 
     monkeypatch.setattr(eagle3, "EAGER_ROWS", 4)  # read by the first rank's drafter only
     folder = target[0] if layer == "random" else copying_folder
