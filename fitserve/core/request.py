@@ -29,13 +29,13 @@ class RequestStatus(enum.Enum):
         )
 
 
-_FINISHED = frozenset(
-    (
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
-    )
+# A tuple, not a frozenset: `in` compares identities in C, where a set hashes the status through
+# Enum.__hash__, a Python function (is_finished runs for every request of every step).
+_FINISHED = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 )
 
 

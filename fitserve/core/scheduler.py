@@ -91,19 +91,30 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        # The loop below runs for every running request every step: its lookups are hoisted, and a
+        # decoding request (one token missing) skips the chunking arithmetic.
+        running = self.running
+        align_chunk = self._align_chunk
+        allocate_slots = self.kv_manager.allocate_slots
+        threshold = self.config.long_prefill_token_threshold
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._chunk(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
-            if self._align_chunk is not None:  # hybrid models (core/state_slots.py)
-                num_new = self._align_chunk(request, request.num_computed_tokens, num_new)
-            if num_new <= 0 or self._reaches_limit(request):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            missing = len(request.all_token_ids) + request.num_output_placeholders - computed
+            if missing == 1 and align_chunk is None:
+                num_new = 1
+            else:
+                num_new = self._chunk(missing, budget) if threshold or missing > budget else missing
+                if align_chunk is not None:  # hybrid models (core/state_slots.py)
+                    num_new = align_chunk(request, computed, num_new)
+            if num_new <= 0 or (request.num_output_placeholders and self._reaches_limit(request)):
                 i += 1
                 continue
-            drafts = self._drafts(request, num_new, budget)
+            drafts = self._drafts(request, num_new, budget) if request.spec_token_ids else ()
             num_new += len(drafts)
-            while not self.kv_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
+            while not allocate_slots(request, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -176,13 +187,13 @@ class Scheduler:
     def _reaches_limit(self, request: Request) -> bool:
         """True when the tokens in flight already end the request (max_tokens or max_model_len): it
         finishes when they arrive, so computing another would be wasted."""
-        if not request.num_output_placeholders:
+        placeholders = request.num_output_placeholders
+        if not placeholders:
             return False
         max_tokens = request.params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        if max_tokens is not None and num_outputs >= max_tokens:
+        if max_tokens is not None and len(request.output_token_ids) + placeholders >= max_tokens:
             return True
-        return request.num_tokens_with_placeholders >= self.config.max_model_len
+        return len(request.all_token_ids) + placeholders >= self.config.max_model_len
 
     def _gated_on_sibling(self, request: Request) -> bool:
         first = request.waits_for
@@ -195,9 +206,9 @@ class Scheduler:
 
     def _record(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
-        request.num_computed_tokens += num_new
+        computed = request.num_computed_tokens = start + num_new
         # drafts are computed past the known tokens (rolled back to the accepted ones afterwards)
-        samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+        samples = computed >= len(request.all_token_ids) + request.num_output_placeholders
         if samples:
             request.num_output_placeholders += 1
         block_ids = self.kv_manager.block_ids(request.request_id)
@@ -221,6 +232,7 @@ class Scheduler:
         verified drafts gets its first token here, the rest through append_tokens.
         """
         progressed = []
+        running = RequestStatus.RUNNING
         for item in output.scheduled:
             if not item.samples:
                 continue
@@ -230,7 +242,7 @@ class Scheduler:
                 # the drafts' keys and values beyond the accepted ones are written over later
                 request.num_computed_tokens = item.start + 1
             token_id = sampled.get(request.request_id)
-            if token_id is None or request.is_finished:
+            if token_id is None or (request.status is not running and request.is_finished):
                 continue
             self._append(request, token_id)
             progressed.append(request)
@@ -257,15 +269,17 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        num_outputs = len(request.output_token_ids)
+        if num_outputs >= params.min_tokens:
             if token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_outputs >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

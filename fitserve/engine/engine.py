@@ -466,7 +466,7 @@ class Engine:
             self.speculator.after_launch(scheduler_output)
         now = time.time()
         self._count_tokens(scheduler_output)
-        self.output_processor.mark_scheduled([s.request.request_id for s in scheduler_output.scheduled], now)
+        self.output_processor.mark_scheduled((s.request.request_id for s in scheduler_output.scheduled), now)
         return InFlightStep(scheduler_output, launched)
 
     def _take_tokens(self, step: InFlightStep) -> list[RequestOutput]:
@@ -522,14 +522,17 @@ class Engine:
             self.output_processor.fail(rejection.request.parent_id, rejection.message)
 
     def _count_tokens(self, scheduler_output: SchedulerOutput) -> None:
-        step_tokens = 0
+        prompt_tokens = samples = 0
         for item in scheduler_output.scheduled:
-            prompt_len = item.request.num_prompt_tokens
-            prompt_tokens = max(0, min(item.start + item.num_new_tokens, prompt_len) - item.start)
-            step_tokens += prompt_tokens + (1 if item.samples else 0)
-            self.num_prompt_tokens_total += prompt_tokens
+            start = item.start
+            prompt_len = len(item.request.prompt_token_ids)
+            if start < prompt_len:  # a decoding request's rows are past its prompt
+                prompt_tokens += min(start + item.num_new_tokens, prompt_len) - start
             if item.samples:
-                self.num_generation_tokens_total += 1
+                samples += 1
+        step_tokens = prompt_tokens + samples
+        self.num_prompt_tokens_total += prompt_tokens
+        self.num_generation_tokens_total += samples
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, step_tokens)] += 1
         self.iteration_tokens_sum += step_tokens
 

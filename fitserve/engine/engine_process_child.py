@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fitserve.core.outputs import RequestOutput
+from fitserve.engine.engine_gc import settle_engine_heap
 from fitserve.engine.engine_loop import STOP, AbortCommand, AddCommand, EngineLoop
 from fitserve.engine.engine_process_pipe import EngineReady, Reply, portable_error, widen_pipe
 from fitserve.engine.output_deltas import OutputEncoder
@@ -129,6 +130,8 @@ def run_engine_process(
         replies.send(("config", config))
         engine = Engine(config)
         engine.output_processor.decode_logprob_tokens = decode_logprob_tokens
+        engine.output_processor.share_token_lists = True  # each step's outputs are encoded at once
+        settle_engine_heap()
         ready = EngineReady(
             memory_plan=engine.memory_plan,
             generation_defaults=engine.generation_defaults,

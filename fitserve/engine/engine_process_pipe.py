@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fitserve.core.outputs import RequestOutput
+from fitserve.engine.output_deltas import WireOutput
 
 _F_SETPIPE_SZ = 1031  # Linux: 1 MiB pipes, so neither side waits for the other to read a burst
 _PIPE_BYTES = 1 << 20
@@ -32,11 +33,12 @@ class EngineReady:
 
 @dataclass
 class Reply:
-    """One message from the engine process. `outputs` travel as deltas (output_deltas.py); the server's
-    receiver thread turns them back into cumulative RequestOutputs before anyone sees them."""
+    """One message from the engine process. `outputs` travel as deltas in plain tuples (output_deltas.py);
+    the server's receiver thread turns them back into cumulative RequestOutputs, in place, before anyone
+    sees them."""
 
     accepted: list[tuple[str, BaseException | None]] = field(default_factory=list)
-    outputs: list[RequestOutput] | None = None
+    outputs: list[WireOutput] | list[RequestOutput] | None = None
     failed: tuple[list[str], BaseException] | None = None
     stats: Any = None
     died: BaseException | None = None  # the engine loop raised; the process exits

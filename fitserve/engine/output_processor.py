@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -18,6 +18,11 @@ from fitserve.core.outputs import (
 from fitserve.core.request import Request, RequestStatus
 from fitserve.core.sampling_params import RequestOutputKind, SamplingParams
 from fitserve.engine.detokenizer import IncrementalDetokenizer, decode_token
+
+# A child whose status is one of these has finished (Request.is_finished, without a property call per
+# child and step). A tuple, not a set: its `in` compares identities in C, where a set would hash each
+# status through Enum.__hash__, a Python function (three calls per request and step).
+FINISHED_STATUSES = tuple(status for status in RequestStatus if status.is_finished)
 
 
 @dataclass
@@ -50,6 +55,12 @@ class OutputProcessor:
         # entries, and every stream waits while the engine thread works (benchmarks/prompt_logprobs.py).
         self.decode_logprob_tokens = True
         self._token_texts: dict[int, str] = {}  # token id -> its text; at most one entry per vocabulary id
+        # True where every output is read at once, before the next step (the engine process encodes them
+        # into deltas, output_deltas.py): a choice's token ids and logprobs are then the request's own
+        # lists, not copies (copying each request's whole output every step is O(length) per token).
+        # False (the engine thread, LLM): each output keeps lists of its own.
+        self.share_token_lists = False
+        self._unscheduled: set[str] = set()  # children not scheduled yet (for first_scheduled_time)
         self.parents: dict[str, ParentRequest] = {}
         self.child_to_parent: dict[str, ParentRequest] = {}
 
@@ -62,13 +73,20 @@ class OutputProcessor:
             parent.prompt_logprobs = [None]
         for child in parent.children:
             self.child_to_parent[child.request_id] = parent
+            self._unscheduled.add(child.request_id)
 
     def child_ids(self, parent_id: str) -> list[str]:
         parent = self.parents.get(parent_id)
         return [c.request_id for c in parent.children] if parent else []
 
-    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
-        for child_id in child_ids:
+    def mark_scheduled(self, child_ids: Iterable[str], now: float) -> None:
+        """Sets first_scheduled_time of the parents of these children that had none; nothing to look at
+        (every step of a busy server) once each child has been scheduled."""
+        unscheduled = self._unscheduled
+        if not unscheduled:
+            return
+        for child_id in unscheduled.intersection(child_ids):
+            unscheduled.discard(child_id)
             parent = self.child_to_parent.get(child_id)
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
@@ -88,40 +106,54 @@ class OutputProcessor:
     ) -> list[tuple[Request, str]]:
         """Feed each new token to its detokenizer; returns the children a stop string just ended."""
         stopped: list[tuple[Request, str]] = []
+        child_to_parent = self.child_to_parent
+        stopped_status = RequestStatus.FINISHED_STOPPED
         for child in progressed:
-            parent = self.child_to_parent.get(child.request_id)
+            parent = child_to_parent.get(child.request_id)
             if parent is None:  # aborted after its token was sampled
                 continue
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-            parent.metrics.last_token_time = now
-            token_id = child.output_token_ids[-1]
-            entry = token_logprobs.get(child.request_id)
-            if entry is not None:
-                parent.logprobs[child.index].append(self._position_logprobs(entry))
-                parent.cumulative_logprobs[child.index] += entry.logprobs[0]
+            metrics = parent.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if token_logprobs:
+                entry = token_logprobs.get(child.request_id)
+                if entry is not None:
+                    parent.logprobs[child.index].append(self._position_logprobs(entry))
+                    parent.cumulative_logprobs[child.index] += entry.logprobs[0]
             detokenizer = parent.detokenizers[child.index]
             if detokenizer is None:
                 continue
-            if _ended_by_stop_token(child, parent.params.include_stop_str_in_output):
-                stop = None  # the EOS / stop token's own text is left out, as vLLM does
+            status = child.status
+            if status is stopped_status and not parent.params.include_stop_str_in_output:
+                # ended by an EOS / stop token (the scheduler finished it with "stop" as it was sampled;
+                # stop strings end a child only after its text is built): the token's own text is left
+                # out, as vLLM does
+                stop = None
             else:
-                stop = detokenizer.add_tokens([token_id])
-            if stop is None and child.is_finished:
+                stop = detokenizer.add_tokens([child.output_token_ids[-1]])
+            finished = status in FINISHED_STATUSES
+            if stop is None and finished:
                 detokenizer.finish()  # flush a trailing partial character as decode() would
-            if stop is not None and not child.is_finished:
+            if stop is not None and not finished:
                 stopped.append((child, stop))
         return stopped
 
     def make_outputs(self, parent_ids: list[str]) -> list[RequestOutput]:
         outputs = []
         now = time.time()
+        parents = self.parents
+        final_only = RequestOutputKind.FINAL_ONLY
         for parent_id in parent_ids:
-            parent = self.parents.get(parent_id)
+            parent = parents.get(parent_id)
             if parent is None:
                 continue
-            finished = parent.finished
-            if not finished and parent.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            children = parent.children
+            if len(children) == 1:  # the common case, without a generator per output
+                finished = children[0].status in FINISHED_STATUSES
+            else:
+                finished = all(child.status in FINISHED_STATUSES for child in children)
+            if not finished and parent.params.output_kind is final_only:
                 continue
             if finished:
                 parent.metrics.finished_time = now
@@ -144,35 +176,44 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for child in parent.children:
             self.child_to_parent.pop(child.request_id, None)
+            self._unscheduled.discard(child.request_id)
 
     def _request_output(self, parent: ParentRequest, finished: bool) -> RequestOutput:
         completions = []
         want_logprobs = parent.params.logprobs is not None
+        shared = self.share_token_lists
         for child, detokenizer in zip(parent.children, parent.detokenizers):
+            child_finished = child.status in FINISHED_STATUSES
             text = ""
             if detokenizer is not None:
-                text = detokenizer.output_text if child.is_finished else detokenizer.stream_text(False)
+                text = detokenizer.output_text if child_finished else detokenizer.stream_text(False)
+            index = child.index
+            logprobs = None
+            if want_logprobs:
+                logprobs = parent.logprobs[index] if shared else parent.logprobs[index].copy()
             completions.append(
                 CompletionOutput(
-                    index=child.index,
-                    text=text,
-                    token_ids=list(child.output_token_ids),
-                    cumulative_logprob=parent.cumulative_logprobs[child.index] if want_logprobs else None,
-                    logprobs=list(parent.logprobs[child.index]) if want_logprobs else None,
-                    finish_reason=child.status.value if child.is_finished else None,
-                    stop_reason=child.stop_reason,
+                    index,
+                    text,
+                    child.output_token_ids if shared else child.output_token_ids.copy(),
+                    parent.cumulative_logprobs[index] if want_logprobs else None,
+                    logprobs,
+                    child.status.value if child_finished else None,
+                    child.stop_reason,
                 )
             )
+        num_cached_tokens = parent.children[0].num_cached_tokens
         return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            prompt_logprobs=self._prompt_logprobs(parent),
-            metrics=parent.metrics,
-            num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
-            error=parent.error if finished else None,
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            finished,
+            None if parent.prompt_logprobs is None else self._prompt_logprobs(parent),
+            parent.metrics,
+            num_cached_tokens if num_cached_tokens > 0 else 0,
+            {},
+            parent.error if finished else None,
         )
 
     def _prompt_logprobs(self, parent: ParentRequest) -> Sequence[PositionLogprobs | None] | None:
@@ -241,9 +282,3 @@ class LazyPromptLogprobs(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._positions())
-
-
-def _ended_by_stop_token(child: Request, include_stop_str_in_output: bool) -> bool:
-    """The child's last token is an end-of-sequence or stop_token_ids token (the scheduler finished it
-    with "stop" as it was sampled: stop strings end a child only after its text is built)."""
-    return child.status is RequestStatus.FINISHED_STOPPED and not include_stop_str_in_output

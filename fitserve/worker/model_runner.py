@@ -130,6 +130,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # Each request's sampling row, kept across its steps (_sampling_rows)
+        self._rows: dict[str, SamplingRow] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
@@ -309,6 +311,7 @@ class ModelRunner:
         tokens, which rows with penalties or a grammar read)."""
         for request_id in scheduler_output.finished_req_ids:
             self.generators.pop(request_id, None)
+            self._rows.pop(request_id, None)
             self.block_table_rows.release(request_id)
             if self.group_tables is not None:
                 self.group_tables.release(request_id)
@@ -319,7 +322,7 @@ class ModelRunner:
         drafts = {item.request.request_id: item.draft_token_ids for item in scheduled if item.draft_token_ids}
         if drafts:
             scheduled = verify_rows(scheduled)  # k + 1 one-token rows per request with drafts
-        sampling_rows = self._sampling_rows(scheduled)
+        rows = self._sampling_rows(scheduled)
         host, sample_items = self._host_inputs(scheduled)
         if self.step_sender is not None:
             self.step_sender(host)  # the other tensor-parallel ranks run the same step
@@ -330,7 +333,6 @@ class ModelRunner:
         if not sample_items:
             return LaunchedStep(lambda: output)
         logits = self._sample_logits(hidden, inputs)
-        rows = [sampling_rows[_row_key(item)] for item in sample_items]
         needs_history = any(row.needs_token_history for row in rows)
         launched: list = []
 
@@ -350,6 +352,15 @@ class ModelRunner:
 
         def finish() -> ModelRunnerOutput:
             result = launched[0].result()
+            if not drafts:  # one row per request: the common case, without the verify bookkeeping
+                request_ids = [item.request.request_id for item in sample_items]
+                output.sampled = dict(zip(request_ids, result.sampled_token_ids, strict=True))
+                output.logprobs = {
+                    request_id: entry
+                    for request_id, entry in zip(request_ids, result.logprobs, strict=True)
+                    if entry is not None
+                }
+                return output
             for item, token_id, token_logprobs in zip(
                 sample_items, result.sampled_token_ids, result.logprobs
             ):
@@ -453,20 +464,39 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows])
             output.prompt_logprobs[request_id] = compute_prompt_logprobs(logits, next_ids, num_top)
 
-    def _sampling_rows(self, scheduled: list[ScheduledRequest]) -> dict[str, SamplingRow]:
-        """The sampling row of every request that samples this step. A request whose row cannot be made
-        fails alone: RequestsFailedError names it (and every other one that failed), nothing is queued."""
-        rows: dict[str | tuple[str, int], SamplingRow] = {}
+    def _sampling_rows(self, scheduled: list[ScheduledRequest]) -> list[SamplingRow]:
+        """The sampling row of every request that samples this step, in the order of the scheduled rows
+        (that of build_host_inputs' sampled items). A request's row is kept across its steps (its lists
+        are the request's own, which grow in place) and only its count of tokens in flight is brought up
+        to date. A request whose row cannot be made fails alone: RequestsFailedError names it (and every
+        other one that failed), nothing is queued."""
+        rows: list[SamplingRow] = []
         failures: dict[str, BaseException] = {}
+        kept = self._rows
         for item in scheduled:
             if not item.samples:
                 continue
-            request_id = item.request.request_id
+            request = item.request
+            if not item.draft_token_ids:
+                row = kept.get(request.request_id)
+                if (
+                    row is not None
+                    and row.output_token_ids is request.output_token_ids
+                    and row.grammar is request.grammar
+                    and row.params is request.params
+                ):
+                    row.num_pending_outputs = request.num_output_placeholders - 1
+                    rows.append(row)
+                    continue
             try:
-                rows[_row_key(item)] = self._sampling_row(item)
+                row = self._sampling_row(item)
             except Exception as error:  # noqa: BLE001 - attributed to its request, logged by the engine
-                self.generators.pop(request_id, None)
-                failures[request_id] = error
+                self.generators.pop(request.request_id, None)
+                failures[request.request_id] = error
+                continue
+            if not item.draft_token_ids:
+                kept[request.request_id] = row
+            rows.append(row)
         if failures:
             raise RequestsFailedError(failures)
         return rows
@@ -519,10 +549,3 @@ class ModelRunner:
                 "sample it: the scheduler and the model runner disagree (a bug; please report it)"
             )
         return index
-
-
-def _row_key(item: ScheduledRequest) -> str | tuple[str, int]:
-    """A sampling row's key: the request, and for a verify row past the first its position."""
-    if item.draft_token_ids:
-        return (item.request.request_id, len(item.draft_token_ids))
-    return item.request.request_id

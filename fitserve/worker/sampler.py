@@ -20,12 +20,13 @@ Order of operations, per row, all as tensor ops over the batch (no Python loop o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from fitserve.core.outputs import TokenLogprobs
-from fitserve.core.sampling_params import SamplingParams, SamplingType
+from fitserve.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 from fitserve.worker.logits_processors import (
     apply_allowed_token_ids,
     apply_grammar_bitmasks,
@@ -60,18 +61,19 @@ class SamplingRow:
     def num_generated(self) -> int:
         return len(self.output_token_ids) + self.num_pending_outputs
 
-    @property
+    @cached_property
     def needs_token_history(self) -> bool:
         """Penalties and bad words of several tokens read the exact output tokens, and a grammar's mask
         needs its matcher advanced by every token sampled so far, so the next step must wait for this
-        one's."""
+        one's. Read once per row: a row's params and grammar are not replaced (the model runner keeps a
+        request's row across steps only while both are the request's own)."""
         p = self.params
         return (
             p.repetition_penalty != 1.0
             or p.frequency_penalty != 0.0
             or p.presence_penalty != 0.0
             or self.grammar is not None
-            or any(len(ids) > 1 for ids in p.bad_words_token_ids)
+            or (bool(p.bad_words_token_ids) and any(len(ids) > 1 for ids in p.bad_words_token_ids))
         )
 
 
@@ -92,24 +94,39 @@ class Sampler:
                 f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows: "
                 "pass logits [num_rows, vocab_size], one row per SamplingRow"
             )
-        greedy = [i for i, row in enumerate(rows) if row.params.sampling_type == SamplingType.GREEDY]
-        random = [i for i, row in enumerate(rows) if row.params.sampling_type != SamplingType.GREEDY]
+        # One pass over the rows (this runs for every row of every step): which are greedy, which ask
+        # for filters, logprobs, or any edit of their logits.
+        greedy: list[int] = []
+        random: list[int] = []
+        wants_logprobs: list[int] = []
+        filtered = row_edits = False
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.temperature < GREEDY_TEMPERATURE_EPS:
+                greedy.append(i)
+            else:
+                random.append(i)
+                if not filtered and _has_filters(row):
+                    filtered = True
+            if not row_edits and _edits_logits(row):
+                row_edits = True
+            if p.logprobs is not None:
+                wants_logprobs.append(i)
         random_rows = [rows[i] for i in random]
         race_kernel = _race_kernel(logits, random_rows) if random else None
-        filtered = any(_has_filters(row) for row in random_rows)
         # The caller's logits stay as they are: a copy where anything below edits them in place (the
         # race kernel without filters only reads them).
-        edits = bool(random) and (race_kernel is None or filtered)
-        edits = edits or any(_edits_logits(row) for row in rows)
+        edits = row_edits or (bool(random) and (race_kernel is None or filtered))
         # Logits in the model dtype (the LM head's on CUDA) are read as they are by the argmax and race
         # kernels; anything that edits them works on a float32 copy.
         processed = logits.to(torch.float32, copy=True) if edits else logits
-        apply_allowed_token_ids(processed, rows)
-        apply_logit_bias(processed, rows)
-        ban_bad_words(processed, rows)
-        apply_grammar_bitmasks(processed, rows)
-        apply_penalties(processed, rows)
-        mask_stop_tokens_before_min_tokens(processed, rows)
+        if row_edits:  # each edit below leaves a row alone unless _edits_logits holds for it
+            apply_allowed_token_ids(processed, rows)
+            apply_logit_bias(processed, rows)
+            ban_bad_words(processed, rows)
+            apply_grammar_bitmasks(processed, rows)
+            apply_penalties(processed, rows)
+            mask_stop_tokens_before_min_tokens(processed, rows)
 
         if not random:
             sampled = argmax_rows(processed)
@@ -122,7 +139,6 @@ class Sampler:
             random_idx = index_tensor(random, logits.device)
             sampled[random_idx] = _sample_random(processed[random_idx], random_rows, race_kernel, filtered)
 
-        wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprob_tensors = None
         if wants_logprobs:
             idx = index_tensor(wants_logprobs, logits.device)
@@ -279,11 +295,11 @@ def _edits_logits(row: SamplingRow) -> bool:
     this row's logits."""
     p = row.params
     return (
-        row.needs_token_history
-        or row.num_generated < p.min_tokens
-        or p.logit_bias is not None
+        p.logit_bias is not None
         or p.allowed_token_ids is not None
         or bool(p.bad_words_token_ids)
+        or row.needs_token_history
+        or (p.min_tokens > 0 and row.num_generated < p.min_tokens)
     )
 
 

@@ -86,65 +86,29 @@ def build_host_inputs(
 ) -> tuple[HostInputs, list[ScheduledRequest]]:
     """The step's host inputs, and the requests that sample, in row order. state_rings: a hybrid model's
     pool rows under speculative decoding (worker/state_rings.py)."""
-    bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    sample_indices: list[int] = []
-    sample_items: list[ScheduledRequest] = []
-    # Rows whose token is still in flight, and where the last step's sampled ids hold it.
-    placeholder_rows: list[int] = []
-    placeholder_sources: list[int] = []
-    prompt_rows: PromptLogprobRows = {}
-    max_blocks = 0
-    table_rows: list[int] = []
-    row_of_request = table_rows_of.row
-    for item in scheduled:
-        request = item.request
-        start, n = item.start, item.num_new_tokens
-        row_offset = len(input_ids)
-        table = item.block_ids
-        known = request.all_token_ids
-        if n == 1:  # decode: the common case, kept cheap
-            positions.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-        else:
-            positions.extend(range(start, start + n))
-            extend_slots(slots, table, start, start + n, bs)
-        if item.draft_token_ids and start >= len(known):  # a verify row (spec_decode/verify.py)
-            input_ids.append(item.draft_token_ids[-1])
-        elif start + n <= len(known):
-            input_ids.extend(known[start : start + n])
-        else:  # the last token is in flight: only ever one (see Scheduler)
-            input_ids.extend(known[start:])
-            input_ids.append(-1)  # written on the device from the last step's sampled ids
-            placeholder_rows.append(len(input_ids) - 1)
-            placeholder_sources.append(in_flight_index(request.request_id))
-        table_rows.append(row_of_request(request.request_id, table))
-        max_blocks = max(max_blocks, len(table))
-        query_lens.append(n)
-        seq_lens.append(start + n)
-        if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
-            # Row j predicts token start + j + 1; keep those that are prompt tokens.
-            last = min(start + n, request.num_prompt_tokens - 1)
-            rows = list(range(row_offset, row_offset + last - start))
-            next_ids = request.all_token_ids[start + 1 : last + 1]
-            prompt_rows[request.request_id] = (rows, next_ids, request.params.prompt_logprobs)
-        if item.samples:
-            sample_indices.append(row_offset + n - 1)
-            sample_items.append(item)
-    query_start_loc = [0]
-    for q in query_lens:
-        query_start_loc.append(query_start_loc[-1] + q)
-    block_tables = table_rows_of.gather(table_rows, max_blocks)
+    if all(item.num_new_tokens == 1 for item in scheduled):  # a decode step: the common case
+        rows = _one_token_rows(scheduled, block_size, table_rows_of, in_flight_index)
+    else:
+        rows = _rows(scheduled, block_size, table_rows_of, in_flight_index)
+    (
+        input_ids,
+        positions,
+        slots,
+        query_lens,
+        seq_lens,
+        block_tables,
+        placeholder_rows,
+        placeholder_sources,
+        sample_indices,
+        sample_items,
+        prompt_rows,
+    ) = rows
     all_rows = len(sample_indices) == len(input_ids)
     arrays = [
         np.array(input_ids, dtype=np.int64),
-        np.array(positions, dtype=np.int64),
-        np.array(slots, dtype=np.int64),
-        np.array(query_start_loc, dtype=np.int32),
+        positions,
+        slots,
+        np.cumsum([0, *query_lens], dtype=np.int32),
         np.array(seq_lens, dtype=np.int32),
         block_tables,
         np.array(placeholder_rows, dtype=np.int64),
@@ -177,6 +141,143 @@ def build_host_inputs(
         state_chain=chain.sizes if chain is not None else None,
     )
     return host, sample_items
+
+
+def _rows(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    table_rows_of: BlockTableRows,
+    in_flight_index: Callable[[str], int],
+) -> tuple:
+    """Any step's rows: (input ids, positions, slots, query lens, seq lens, block tables, placeholder rows,
+    their sources, sampled rows, sampled items, prompt-logprob rows)."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    sample_indices: list[int] = []
+    sample_items: list[ScheduledRequest] = []
+    # Rows whose token is still in flight, and where the last step's sampled ids hold it.
+    placeholder_rows: list[int] = []
+    placeholder_sources: list[int] = []
+    prompt_rows: PromptLogprobRows = {}
+    max_blocks = 0
+    table_rows: list[int] = []
+    row_of_request = table_rows_of.row
+    for item in scheduled:
+        request = item.request
+        start, n = item.start, item.num_new_tokens
+        row_offset = len(input_ids)
+        table = item.block_ids
+        known = request.all_token_ids
+        if n == 1:
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            positions.extend(range(start, start + n))
+            extend_slots(slots, table, start, start + n, bs)
+        if item.draft_token_ids and start >= len(known):  # a verify row (spec_decode/verify.py)
+            input_ids.append(item.draft_token_ids[-1])
+        elif start + n <= len(known):
+            input_ids.extend(known[start : start + n])
+        else:  # the last token is in flight: only ever one (see Scheduler)
+            input_ids.extend(known[start:])
+            input_ids.append(-1)  # written on the device from the last step's sampled ids
+            placeholder_rows.append(len(input_ids) - 1)
+            placeholder_sources.append(in_flight_index(request.request_id))
+        table_rows.append(row_of_request(request.request_id, table))
+        max_blocks = max(max_blocks, len(table))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
+            _add_prompt_rows(prompt_rows, request, start, n, row_offset)
+        if item.samples:
+            sample_indices.append(row_offset + n - 1)
+            sample_items.append(item)
+    block_tables = table_rows_of.gather(table_rows, max_blocks)
+    return (
+        input_ids,
+        np.array(positions, dtype=np.int64),
+        np.array(slots, dtype=np.int64),
+        query_lens,
+        seq_lens,
+        block_tables,
+        placeholder_rows,
+        placeholder_sources,
+        sample_indices,
+        sample_items,
+        prompt_rows,
+    )
+
+
+def _one_token_rows(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    table_rows_of: BlockTableRows,
+    in_flight_index: Callable[[str], int],
+) -> tuple:
+    """_rows for a step whose every row is one token (a decode step, or a verify step's rows): the same
+    arrays, with the positions, sequence lengths and cache slots computed by numpy from the persistent
+    block table rows instead of one request at a time."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    sample_indices: list[int] = []
+    sample_items: list[ScheduledRequest] = []
+    placeholder_rows: list[int] = []
+    placeholder_sources: list[int] = []
+    prompt_rows: PromptLogprobRows = {}
+    max_blocks = 0
+    table_rows: list[int] = []
+    row_of_request = table_rows_of.row
+    for i, item in enumerate(scheduled):
+        request = item.request
+        start = item.start
+        table = item.block_ids
+        known = request.all_token_ids
+        positions.append(start)
+        if item.draft_token_ids and start >= len(known):  # a verify row (spec_decode/verify.py)
+            input_ids.append(item.draft_token_ids[-1])
+        elif start < len(known):
+            input_ids.extend(known[start : start + 1])
+        else:  # the token is in flight
+            input_ids.append(-1)  # written on the device from the last step's sampled ids
+            placeholder_rows.append(i)
+            placeholder_sources.append(in_flight_index(request.request_id))
+        table_rows.append(row_of_request(request.request_id, table))
+        if len(table) > max_blocks:
+            max_blocks = len(table)
+        if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
+            _add_prompt_rows(prompt_rows, request, start, 1, i)
+        if item.samples:
+            sample_indices.append(i)
+            sample_items.append(item)
+    position_array = np.array(positions, dtype=np.int64)
+    table_blocks = table_rows_of.table[np.array(table_rows, dtype=np.int64), position_array // block_size]
+    slots = table_blocks.astype(np.int64) * block_size + position_array % block_size
+    return (
+        input_ids,
+        position_array,
+        slots,
+        [1] * len(scheduled),
+        (position_array + 1).tolist(),
+        table_rows_of.gather(table_rows, max_blocks),
+        placeholder_rows,
+        placeholder_sources,
+        sample_indices,
+        sample_items,
+        prompt_rows,
+    )
+
+
+def _add_prompt_rows(prompt_rows: PromptLogprobRows, request, start: int, n: int, row_offset: int) -> None:
+    """The rows of a request's prompt positions computed this step: row j predicts token start + j + 1;
+    those that are prompt tokens are kept."""
+    last = min(start + n, request.num_prompt_tokens - 1)
+    rows = list(range(row_offset, row_offset + last - start))
+    next_ids = request.all_token_ids[start + 1 : last + 1]
+    prompt_rows[request.request_id] = (rows, next_ids, request.params.prompt_logprobs)
 
 
 def _state_copies(slots: StepStateSlots) -> list[np.ndarray]:
