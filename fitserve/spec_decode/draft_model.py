@@ -323,28 +323,39 @@ class DraftModel(DraftSlots):
                 self._forward(items, None, logits=False)
             pending = rest
         # 2. k - 1 decode steps, each row's token the one the step before drafted (on the device)
-        last = torch.cat(sampled) if len(sampled) > 1 else sampled[0]
-        index = first_index
-        steps = [(last, dict(index))]
+        first = torch.cat(sampled) if len(sampled) > 1 else sampled[0]
+        drafts = self._recurrent_drafts(wanted, (first, first_index), self._forward)
+        for seq, _ in wanted:
+            # the drafts fed back (all but the last) have keys and values after the known tokens
+            seq.drafted_at = len(seq.all_token_ids)
+            seq.drafted = tuple(drafts[seq.request_id][:-1])
+        return drafts
+
+    def _recurrent_drafts(
+        self,
+        wanted: list[tuple[DraftSequence, int]],
+        first: tuple[torch.Tensor, dict[str, int]],
+        step: Any,
+    ) -> dict[str, list[int]]:
+        """Each request's drafts by id: `first` (the first drafts, each request's row among them), then
+        `step(items, previous)` for the next position of every request that wants more, whose row reads its
+        token from the step before's drafts on the device; one copy to the host for the whole draft."""
+        tokens, index = first
+        steps = [(tokens, dict(index))]
         for j in range(1, max(count for _, count in wanted)):
             active = [seq for seq, count in wanted if count > j]
             items = [self._item(seq, len(seq.all_token_ids) + j - 1, 1, samples=True) for seq in active]
-            last = self._forward(items, (last, index))
+            tokens = step(items, (tokens, index))
             index = {seq.request_id: i for i, seq in enumerate(active)}
-            steps.append((last, dict(index)))
-        # one copy to the host for the whole draft
-        host = torch.cat([tokens for tokens, _ in steps]).tolist()
+            steps.append((tokens, dict(index)))
+        host = torch.cat([t for t, _ in steps]).tolist()
         starts = [0]
-        for tokens, _ in steps:
-            starts.append(starts[-1] + tokens.shape[0])
-        drafts: dict[str, list[int]] = {}
-        for seq, count in wanted:
-            row = [host[starts[j] + steps[j][1][seq.request_id]] for j in range(count)]
-            drafts[seq.request_id] = row
-            # the drafts fed back (all but the last) have keys and values after the known tokens
-            seq.drafted_at = len(seq.all_token_ids)
-            seq.drafted = tuple(row[:-1])
-        return drafts
+        for t, _ in steps:
+            starts.append(starts[-1] + t.shape[0])
+        return {
+            seq.request_id: [host[starts[j] + steps[j][1][seq.request_id]] for j in range(count)]
+            for seq, count in wanted
+        }
 
     def _item(self, seq: DraftSequence, start: int, n: int, samples: bool) -> ScheduledRequest:
         block_ids = self.kv_manager.block_ids(seq.request_id)

@@ -352,15 +352,6 @@ class ModelRunner:
 
         def finish() -> ModelRunnerOutput:
             result = launched[0].result()
-            if not drafts:  # one row per request: the common case, without the verify bookkeeping
-                request_ids = [item.request.request_id for item in sample_items]
-                output.sampled = dict(zip(request_ids, result.sampled_token_ids, strict=True))
-                output.logprobs = {
-                    request_id: entry
-                    for request_id, entry in zip(request_ids, result.logprobs, strict=True)
-                    if entry is not None
-                }
-                return output
             for item, token_id, token_logprobs in zip(
                 sample_items, result.sampled_token_ids, result.logprobs
             ):

@@ -311,16 +311,9 @@ class RayRank:
             on_failure(self, reason)
             return
         self._connection = connection
-        while True:
-            try:
-                kind, payload = pickle.loads(connection.recv_bytes())
-            except (EOFError, OSError):
-                on_failure(self, self.exit_reason())
-                return
-            if kind == tp_worker.FAILED:
-                on_failure(self, payload)
-                return
-            self.replies.put((kind, payload))
+        from fitserve.worker.tp_executor import read_rank_replies
+
+        read_rank_replies(self, connection, on_failure)
 
     def send(self, data: bytes) -> None:
         if self._connection is None:

@@ -86,10 +86,8 @@ def build_host_inputs(
 ) -> tuple[HostInputs, list[ScheduledRequest]]:
     """The step's host inputs, and the requests that sample, in row order. state_rings: a hybrid model's
     pool rows under speculative decoding (worker/state_rings.py)."""
-    if all(item.num_new_tokens == 1 for item in scheduled):  # a decode step: the common case
-        rows = _one_token_rows(scheduled, block_size, table_rows_of, in_flight_index)
-    else:
-        rows = _rows(scheduled, block_size, table_rows_of, in_flight_index)
+    one_token = all(item.num_new_tokens == 1 for item in scheduled)  # a decode step: the common case
+    rows = _rows(scheduled, block_size, table_rows_of, in_flight_index, one_token)
     (
         input_ids,
         positions,
@@ -148,9 +146,12 @@ def _rows(
     block_size: int,
     table_rows_of: BlockTableRows,
     in_flight_index: Callable[[str], int],
+    one_token: bool = False,
 ) -> tuple:
     """Any step's rows: (input ids, positions, slots, query lens, seq lens, block tables, placeholder rows,
-    their sources, sampled rows, sampled items, prompt-logprob rows)."""
+    their sources, sampled rows, sampled items, prompt-logprob rows). one_token: every row is one token (a
+    decode step, or a verify step's rows): the cache slots then come from numpy over the persistent block
+    table rows instead of one request at a time."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -172,7 +173,9 @@ def _rows(
         row_offset = len(input_ids)
         table = item.block_ids
         known = request.all_token_ids
-        if n == 1:
+        if one_token:
+            positions.append(start)  # its slot below, with every row's
+        elif n == 1:
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
         else:
@@ -196,72 +199,18 @@ def _rows(
         if item.samples:
             sample_indices.append(row_offset + n - 1)
             sample_items.append(item)
-    block_tables = table_rows_of.gather(table_rows, max_blocks)
-    return (
-        input_ids,
-        np.array(positions, dtype=np.int64),
-        np.array(slots, dtype=np.int64),
-        query_lens,
-        seq_lens,
-        block_tables,
-        placeholder_rows,
-        placeholder_sources,
-        sample_indices,
-        sample_items,
-        prompt_rows,
-    )
-
-
-def _one_token_rows(
-    scheduled: list[ScheduledRequest],
-    block_size: int,
-    table_rows_of: BlockTableRows,
-    in_flight_index: Callable[[str], int],
-) -> tuple:
-    """_rows for a step whose every row is one token (a decode step, or a verify step's rows): the same
-    arrays, with the positions, sequence lengths and cache slots computed by numpy from the persistent
-    block table rows instead of one request at a time."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    sample_indices: list[int] = []
-    sample_items: list[ScheduledRequest] = []
-    placeholder_rows: list[int] = []
-    placeholder_sources: list[int] = []
-    prompt_rows: PromptLogprobRows = {}
-    max_blocks = 0
-    table_rows: list[int] = []
-    row_of_request = table_rows_of.row
-    for i, item in enumerate(scheduled):
-        request = item.request
-        start = item.start
-        table = item.block_ids
-        known = request.all_token_ids
-        positions.append(start)
-        if item.draft_token_ids and start >= len(known):  # a verify row (spec_decode/verify.py)
-            input_ids.append(item.draft_token_ids[-1])
-        elif start < len(known):
-            input_ids.extend(known[start : start + 1])
-        else:  # the token is in flight
-            input_ids.append(-1)  # written on the device from the last step's sampled ids
-            placeholder_rows.append(i)
-            placeholder_sources.append(in_flight_index(request.request_id))
-        table_rows.append(row_of_request(request.request_id, table))
-        if len(table) > max_blocks:
-            max_blocks = len(table)
-        if request.needs_prompt_logprobs and start < request.num_prompt_tokens - 1:
-            _add_prompt_rows(prompt_rows, request, start, 1, i)
-        if item.samples:
-            sample_indices.append(i)
-            sample_items.append(item)
     position_array = np.array(positions, dtype=np.int64)
-    table_blocks = table_rows_of.table[np.array(table_rows, dtype=np.int64), position_array // block_size]
-    slots = table_blocks.astype(np.int64) * block_size + position_array % block_size
+    if one_token:
+        blocks = table_rows_of.table[np.array(table_rows, dtype=np.int64), position_array // bs]
+        slot_array = blocks.astype(np.int64) * bs + position_array % bs
+    else:
+        slot_array = np.array(slots, dtype=np.int64)
     return (
         input_ids,
         position_array,
-        slots,
-        [1] * len(scheduled),
-        (position_array + 1).tolist(),
+        slot_array,
+        query_lens,
+        seq_lens,
         table_rows_of.gather(table_rows, max_blocks),
         placeholder_rows,
         placeholder_sources,

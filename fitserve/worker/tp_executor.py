@@ -130,16 +130,22 @@ class _Rank:
         return f"its process exited (exit code {code})"
 
     def read_replies(self, on_failure: Any) -> None:
-        while True:
-            try:
-                kind, payload = pickle.loads(self._replies_in.recv_bytes())
-            except (EOFError, OSError):
-                on_failure(self, self.exit_reason())
-                return
-            if kind == tp_worker.FAILED:
-                on_failure(self, payload)
-                return
-            self.replies.put((kind, payload))
+        read_rank_replies(self, self._replies_in, on_failure)
+
+
+def read_rank_replies(rank: Any, connection: multiprocessing.connection.Connection, on_failure: Any) -> None:
+    """Puts a rank's replies (_Rank, or ray_ranks.RayRank) on its queue until it reports a failure or its
+    connection closes; `on_failure(rank, reason)` then gets why."""
+    while True:
+        try:
+            kind, payload = pickle.loads(connection.recv_bytes())
+        except (EOFError, OSError):
+            on_failure(rank, rank.exit_reason())
+            return
+        if kind == tp_worker.FAILED:
+            on_failure(rank, payload)
+            return
+        rank.replies.put((kind, payload))
 
 
 class MultiprocExecutor:

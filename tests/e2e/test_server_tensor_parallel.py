@@ -20,21 +20,16 @@ PROMPT = [5, 17, 33, 2, 90, 41, 8]
 MAX_TOKENS = 16
 
 
+def tp2_flags(folder: Path, *extra: str) -> list[str]:
+    """The flags of a TP 2 server of the tiny model (also the Ray backend's: tests/e2e/test_server_ray.py)."""
+    model = [str(folder), "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "256"]
+    return [*model, "--tensor-parallel-size", "2", *extra]
+
+
 @pytest.fixture(scope="module")
 def tp2_server(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    flags = [
-        str(tiny_llama_folder),
-        "--served-model-name",
-        "m",
-        "--tensor-parallel-size",
-        "2",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-    ]
     log_path = tmp_path_factory.mktemp("tp2-server") / "server.log"
-    server = start_server(flags, log_path, str(tmp_path_factory.mktemp("cache")), None)
+    server = start_server(tp2_flags(tiny_llama_folder), log_path, str(tmp_path_factory.mktemp("cache")), None)
     yield server
     server.stop(signal.SIGKILL if server.process.poll() is None else signal.SIGINT)
 
@@ -49,26 +44,37 @@ def _complete(server: LiveServer) -> httpx.Response:
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
-def test_tp2_server_answers_as_one_rank_does_then_503_once_a_rank_dies(tiny_llama_folder, tp2_server):
-    reply = _complete(tp2_server)
+def assert_answers_as_one_rank(server: LiveServer, folder: Path) -> None:
+    """The server's greedy completion is the one rank's (LLM in this process)."""
+    reply = _complete(server)
     assert reply.status_code == 200, reply.text
-    llm = LLM(str(tiny_llama_folder), dtype="float32", max_model_len=256)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].text
     assert reply.json()["choices"][0]["text"] == expected
+
+
+def assert_answers_503_once_rank_1_failed(server: LiveServer, reason: str) -> None:
+    """After a rank was killed: the next request fails within 30 s instead of hanging, /health turns 503,
+    the log names rank 1 and `reason`, and later requests get 503."""
+    started = time.monotonic()
+    failed = _complete(server)
+    assert failed.status_code in (500, 503), failed.text
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "/health still answers 200 with a rank gone"
+        time.sleep(0.2)
+    assert f"tensor-parallel rank 1 failed: {reason}" in server.log()
+    assert _complete(server).status_code == 503
+
+
+def test_tp2_server_answers_as_one_rank_does_then_503_once_a_rank_dies(tiny_llama_folder, tp2_server):
+    assert_answers_as_one_rank(tp2_server, tiny_llama_folder)
     assert "Tensor parallel: 2 ranks (gloo)" in tp2_server.log()
 
     ranks = _rank_pids(tp2_server.process.pid)
     assert ranks, "the server started no rank process"
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    failed = _complete(tp2_server)
-    assert failed.status_code in (500, 503), failed.text
-    assert time.monotonic() - started < 30
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{tp2_server.url}/health", timeout=5).status_code != 503:
-        assert time.monotonic() < deadline, "/health still answers 200 with a rank gone"
-        time.sleep(0.2)
-    assert "tensor-parallel rank 1 failed: its process exited" in tp2_server.log()
-    assert _complete(tp2_server).status_code == 503
+    assert_answers_503_once_rank_1_failed(tp2_server, "its process exited")

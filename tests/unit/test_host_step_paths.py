@@ -22,7 +22,7 @@ from fitserve.engine.output_deltas import (
     OutputEncoder,
 )
 from fitserve.worker.block_table_rows import BlockTableRows
-from fitserve.worker.step_inputs import _one_token_rows, _rows, build_host_inputs
+from fitserve.worker.step_inputs import _rows, build_host_inputs
 from tests.unit.test_engine_vs_hf import save_tiny_model
 
 BLOCK_SIZE = 4
@@ -57,7 +57,7 @@ def _one_token_step() -> tuple[list[ScheduledRequest], dict[str, int]]:
 
 def test_one_token_rows_equal_the_general_rows() -> None:
     items, in_flight = _one_token_step()
-    fast = _one_token_rows(items, BLOCK_SIZE, BlockTableRows(8, initial_rows=2), in_flight.__getitem__)
+    fast = _rows(items, BLOCK_SIZE, BlockTableRows(8, initial_rows=2), in_flight.__getitem__, one_token=True)
     general = _rows(items, BLOCK_SIZE, BlockTableRows(8, initial_rows=2), in_flight.__getitem__)
     for got, want in zip(fast, general, strict=True):
         if isinstance(want, np.ndarray):

@@ -256,26 +256,19 @@ class Eagle3Drafter(DraftModel):
     @torch.inference_mode()
     def _draft(self, wanted: list[tuple[_HeadSequence, int]]) -> dict[str, list[int]]:
         """Catch-up forwards whose last rows give the first drafts, then k - 1 recurrent steps."""
-        count_of = {seq.request_id: count for seq, count in wanted}
         tokens, prenorm, index = self._catch_up(
             [(seq, len(seq.all_token_ids.tokens) - 2) for seq, _ in wanted],
             sample=True,  # type: ignore
         )
-        steps = [(tokens, dict(index))]
-        for j in range(1, max(count_of.values())):
-            active = [seq for seq, count in wanted if count > j]
-            items = [self._item(seq, len(seq.all_token_ids) + j - 1, 1, samples=True) for seq in active]
-            tokens, prenorm = self._step(items, (tokens, index), prenorm)
-            index = {seq.request_id: i for i, seq in enumerate(active)}
-            steps.append((tokens, dict(index)))
-        host = torch.cat([t for t, _ in steps]).tolist()
-        starts = [0]
-        for t, _ in steps:
-            starts.append(starts[-1] + t.shape[0])
-        return {
-            seq.request_id: [host[starts[j] + steps[j][1][seq.request_id]] for j in range(count)]
-            for seq, count in wanted
-        }
+
+        def step(
+            items: list[ScheduledRequest], previous: tuple[torch.Tensor, dict[str, int]]
+        ) -> torch.Tensor:
+            nonlocal prenorm  # each step's hidden input is the step before's output
+            drafted, prenorm = self._step(items, previous, prenorm)
+            return drafted
+
+        return self._recurrent_drafts(wanted, (tokens, index), step)
 
     def _catch_up(
         self, targets: list[tuple[_HeadSequence, int]], sample: bool
