@@ -45,6 +45,22 @@ CALLS_PER_GRAPH = 20
 EAGER_CALLS = 200
 
 
+def packed_copies(first) -> list:
+    """Copies of a packed weight (same values, own counters) until together they outgrow the L2, so
+    that timed calls cycling through them read their weight from HBM."""
+    packs = [first]
+    while len(packs) * first.nbytes() < L2_BYTES_TO_BEAT:
+        packs.append(
+            dataclasses.replace(
+                first,
+                qweight=first.qweight.clone(),
+                scale_zero=first.scale_zero.clone(),
+                counters=first.counters.clone(),
+            )
+        )
+    return packs
+
+
 def shapes(model: str) -> dict[str, tuple[int, int]]:
     """Layer name -> (in_features K, out_features N): skinny_gemm.py's decoder layers, transposed."""
     return {name: (k, n) for name, (n, k) in layer_shapes(model).items() if name != "lm_head"}
@@ -186,17 +202,7 @@ def main() -> None:
             del codes
             int4_bytes = first.nbytes()
             bf16_bytes = out_features * in_features * 2
-            # copies of the packed weight (same values) until they outgrow the L2
-            packs = [first]
-            while len(packs) * int4_bytes < L2_BYTES_TO_BEAT:
-                packs.append(
-                    dataclasses.replace(
-                        first,
-                        qweight=first.qweight.clone(),
-                        scale_zero=first.scale_zero.clone(),
-                        counters=first.counters.clone(),
-                    )
-                )
+            packs = packed_copies(first)
             weights = [dequantized] + [
                 dequantized.clone() for _ in range(max(1, -(-L2_BYTES_TO_BEAT // bf16_bytes)) - 1)
             ]

@@ -47,6 +47,9 @@ WORDS_PER_BLOCK = BLOCK_K // 8
 # tiles of x (x rows per launch / the smallest row tile); counters has one slot per output tile.
 MIN_BLOCK_N = 16
 MAX_SPLIT_ROW_TILES = 8
+# Zero points the packed-pair dequantization keeps exact (kernels/int4_pair_dequant.py: 128 + z in
+# bfloat16); GPTQ's stored zero + 1 reaches 16.
+MAX_PAIRED_ZERO = 16
 
 
 def packed_int4_bytes(in_features: int, out_features: int, group_size: int, dtype_bytes: int = 2) -> int:
@@ -70,6 +73,8 @@ class PackedInt4:
     in_features: int  # K
     out_features: int  # N
     integer_zeros: bool  # every zero point (as stored) is an integer: the decode kernel's fast path
+    # ... and each is in 0 .. MAX_PAIRED_ZERO: the tensor-core kernel's packed-pair dequantization
+    paired_zeros: bool = False
 
     def to(self, device: torch.device) -> PackedInt4:
         """The same weight with its tensors on `device`."""
@@ -166,6 +171,10 @@ def repack_int4(
         -(-out_features // MIN_BLOCK_N) * MAX_SPLIT_ROW_TILES, dtype=torch.int32, device=device
     )
     stored_zeros = scale_zero[..., 1]
+    integer_zeros = bool(torch.equal(stored_zeros, stored_zeros.round()))
+    in_range = not stored_zeros.numel() or (
+        float(stored_zeros.min()) >= 0 and float(stored_zeros.max()) <= MAX_PAIRED_ZERO
+    )
     return PackedInt4(
         qweight=qweight,
         scale_zero=scale_zero,
@@ -173,7 +182,8 @@ def repack_int4(
         group_size=group_size,
         in_features=in_features,
         out_features=out_features,
-        integer_zeros=bool(torch.equal(stored_zeros, stored_zeros.round())),
+        integer_zeros=integer_zeros,
+        paired_zeros=integer_zeros and in_range,
     )
 
 

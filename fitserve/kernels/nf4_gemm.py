@@ -15,8 +15,9 @@ slower on the H100 (see LOOKUP). x is read as its even and odd columns to match.
 - `_nf4_dot_kernel` (2 and more rows, tensor cores): w = value * absmax rounded to x's dtype, then two
   tl.dot of depth BLOCK_K / 2 (even columns, odd columns) into a float32 [BLOCK_M, BLOCK_N] tile.
 
-Split-K as in kernels/int4_gemm.py (its `_finish`: partials in a workspace, the last program of a tile
-sums them in split order, deterministic, no host sync), so calls can be captured in CUDA graphs.
+Split-K as in kernels/int4_gemm.py (kernels/int4_kernel_parts.py `_finish`: partials in a workspace, the
+last program of a tile sums them in split order, deterministic, no host sync), so calls can be captured in
+CUDA graphs.
 Measured on the H100 (benchmarks/gpu/nf4_gemm.py, benchmarks/results/h100_nf4_gemm.json): at batch 1 the
 four Llama-3.1-8B layers take ~1.35x less time than bf16's, short of the 2x the 4-bit bytes allow. A
 step over several blocks (each column's absmax taken by tl.gather from a [BLOCK_N, blocks] tile) measured
@@ -37,7 +38,8 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-from fitserve.kernels.int4_gemm import _finish, sm_count
+from fitserve.kernels.int4_gemm import sm_count
+from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

@@ -9,6 +9,8 @@ zero point gives errors of order max|ref|.)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -354,3 +356,40 @@ def test_apply_dispatch_and_graph_capture(monkeypatch) -> None:
     torch.cuda.synchronize()
     eager = method.apply(layer, x)  # cuBLAS may pick another algorithm in a capture: one bf16 step apart
     torch.testing.assert_close(captured, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 1024])
+@pytest.mark.parametrize("wide_k", [False, True])
+def test_paired_dequantization_is_the_reference_rounded_once(group_size: int, dtype, wide_k: bool) -> None:
+    """The packed-pair route (int4_pair_dequant.py) computes each weight as (code - z) * s rounded once to
+    the activation dtype: with x one-hot rows, y is that weight column exactly, bit for bit."""
+    out_features, in_features = 16 * 9, 1024
+    codes, scales, zeros = random_int4(out_features, in_features, group_size, seed=group_size)
+    packed = repack_int4(codes, scales, zeros, group_size, dtype)
+    assert packed.paired_zeros
+    columns = torch.tensor([0, 31, 32, 127, 128, 255, 256, 777, 1023], device="cuda")
+    x = torch.zeros(16, in_features, device="cuda", dtype=dtype)
+    x[torch.arange(len(columns)), columns] = 1
+    config = Int4GemmConfig(
+        "dot", 16, 64, num_warps=4, num_stages=3, swap_ab=True, wide_k=wide_k, paired=True
+    )
+    y = int4_linear(x, packed, config=config)
+    expected = dequantize_packed(packed).to(dtype)[:, columns].T
+    assert torch.equal(y[: len(columns)], expected)
+
+
+def test_paired_and_float_routes_agree_and_fractional_zeros_keep_the_float_route() -> None:
+    codes, scales, zeros = random_int4(4096, 4096, 128)
+    packed = repack_int4(codes, scales, zeros, 128, torch.bfloat16)
+    x = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
+    paired = Int4GemmConfig("dot", 64, 64, num_warps=4, num_stages=3, swap_ab=True, paired=True)
+    y_paired = int4_linear(x, packed, config=paired)
+    y_float = int4_linear(x, packed, config=dataclasses.replace(paired, paired=False))
+    reference = x.float() @ dequantize_packed(packed).T
+    scale = reference.abs().max().item()
+    assert (y_paired.float() - reference).abs().max().item() <= 2**-7 * scale
+    assert (y_paired.float() - y_float.float()).abs().max().item() <= 2**-7 * scale
+    fractional = repack_int4(codes, scales, zeros + 0.25, 128, torch.bfloat16)
+    assert fractional.integer_zeros is False and fractional.paired_zeros is False
+    check(33, 4096, 4096, 128, torch.bfloat16, config=paired, integer_zeros=False)
