@@ -39,9 +39,15 @@ TP_COMMUNICATION_BYTES = 512 * MiB
 CPU_RUNTIME_OVERHEAD_BYTES = 512 * MiB
 # One captured CUDA graph keeps its kernels' parameters and launch state: ~256 KiB per decoder layer.
 CUDA_GRAPH_BYTES_PER_LAYER = 256 * 1024
-# The sampler's float32 working copies of the [rows, vocab] logits: the logits, probabilities, and
-# the sorted values plus int64 indices of a top-k/top-p sort (counted as 2).
-SAMPLER_FP32_COPIES = 4
+# The sampler (worker/sampler.py) edits and filters logits in float32 copies of this many rows at a time,
+# so its float32 working set does not grow with max_num_seqs.
+SAMPLER_ROWS_PER_CHUNK = 32
+# Bytes per logit of one such chunk at its largest stage, top-p's sort (worker/sampler.py's table): the
+# chunk's float32 copy (4), the top-p rows gathered out of a chunk that mixes them with others (4), the
+# sorted values and their int64 token ids (4 + 8), and the scratch of torch's stable CUDA sort of fewer
+# than 128 rows (aten SortStable.cu, segmented_sort_pairs_by_full_sort: two int2 (token, row) arrays
+# 8 + 8, the keys it sorts into 4, and cub's radix sort buffers of a key and an int2 4 + 8).
+SAMPLER_CHUNK_BYTES_PER_LOGIT = 4 + 4 + (4 + 8) + (8 + 8 + 4 + 4 + 8)
 
 
 def weight_bytes_total(inputs: MemoryInputs) -> int:
@@ -198,11 +204,27 @@ def forward_activation_bytes(inputs: MemoryInputs, num_tokens: int) -> int:
 
 
 def sampling_activation_bytes(inputs: MemoryInputs, num_tokens: int, num_rows: int) -> int:
-    """The final hidden states of the step, plus the LM head's logits for the sampled rows and the
-    sampler's float32 copies of them."""
+    """The sampling of a step of `num_tokens` tokens and `num_rows` sampled rows, at its peak:
+
+    - the final hidden states of every token (the model dtype), alive until the step ends;
+    - the LM head's logits of the sampled rows: the model dtype on a GPU, float32 on the CPU
+      (layers/vocab_embedding.py), only read by the sampler;
+    - the larger of what the sampler adds to them (worker/sampler.py's table): the logits of the random
+      rows gathered for the race kernel when greedy rows sit beside them (at most all rows again), or
+      one float32 chunk of SAMPLER_ROWS_PER_CHUNK rows at its largest stage
+      (SAMPLER_CHUNK_BYTES_PER_LOGIT per logit). Logprobs come after the sampling, in chunks of the
+      same rows and fewer bytes per logit.
+
+    Not counted: prompt logprobs, whose logits are those of the prompt positions scored in the step (up
+    to num_tokens rows; the model runner computes them per request).
+    """
     d = DTYPE_BYTES[inputs.dtype]
     vocab = inputs.shape.vocab_size
-    return num_tokens * inputs.shape.hidden_size * d + num_rows * vocab * (d + 4 * SAMPLER_FP32_COPIES)
+    logit_bytes = d if inputs.on_gpu else 4
+    hidden_states = num_tokens * inputs.shape.hidden_size * d
+    logits = num_rows * vocab * logit_bytes
+    float32_chunk = min(num_rows, SAMPLER_ROWS_PER_CHUNK) * vocab * SAMPLER_CHUNK_BYTES_PER_LOGIT
+    return hidden_states + logits + max(logits, float32_chunk)
 
 
 def activation_peak_bytes(inputs: MemoryInputs) -> int:

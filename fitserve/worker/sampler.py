@@ -15,10 +15,48 @@ Order of operations, per row, all as tensor ops over the batch (no Python loop o
      rows without one share a single draw. On CUDA, when no row has its own generator, the race runs
      in one kernel as argmax(logits / temperature - log q) (the same distribution, kernels/argmax.py),
      reading the logits once when no filter is asked for.
+
+Memory. The caller's logits [R, V] (the model dtype on CUDA, d bytes a logit) are only read. Whatever
+edits or filters logits works on float32 copies of at most SAMPLER_ROWS_PER_CHUNK rows (c rows x V
+below), one chunk after another, each chunk's ids written into the output before the next copy is made,
+so the float32 working set does not grow with R. Live at once on a CUDA device beside the logits, in
+bytes per logit (the planner's sampling term, planner/memory_estimates.py, counts the largest):
+
+  path or stage                                    alive at its peak
+  greedy rows without edits                        nothing of [R, V]: one argmax read of every row
+  random rows, race kernel, no edit nor filter     nothing of [R, V]; beside greedy rows, the random
+                                                   rows' logits gathered for the kernel: d x R_random
+  --- a float32 chunk of c rows: edited greedy rows; random rows with a filter, an edit, or without the
+      race kernel (CPU, or a row with its own generator) ---
+  the chunk's copy                                 4 (+ d while a gathered chunk widens)
+  allowed_token_ids / bitmasks / bad words, bias   4 + ~9 (mask, the rows edited, their new values)
+  penalties: repetition / frequency, presence      4 + ~18 / 4 + ~25 (seen or counts, where() operands)
+  temperature, min_p                               4 (+ 1, a mask)
+  top_k                                            4 + 1 (a mask) + 12 x k / V (values and ids); past
+                                                   k = 4096 torch sorts them with scratch, so rows go
+                                                   through topk a few at a time (at most 8 MiB a pass)
+  top_p                                            4 + 4 (the limited rows, in a mixed chunk) + 12
+                                                   (sorted values, int64 ids) + 32 (torch's CUDA sort
+                                                   scratch below 128 rows) = 52, the largest
+  race kernel / torch race                         4 / 4 + 4 (softmax) + 4 (draws) + 4 (unseeded draws)
+  --- after the sampling ---
+  logprobs, c rows at a time                       d (gathered) + 4 (float32) + 4 (log_softmax) + 1
+
+Stage temporaries are dropped as the next stage starts (top-p's sort, softmax and cumulative sum are
+freed one by one).
+
+Tokens are bitwise those of sampling all rows in one float32 copy wherever that is deterministic: every
+stage is per row, and per-request generators draw per row. The draws shared by rows without a generator
+are taken chunk by chunk: on the CPU the same numbers in the same order (torch's CPU generator is
+sequential); on CUDA the race kernel numbers its draws by the row within the chunk, so each chunk after
+the first draws a seed of its own, and torch's CUDA exponential draws differ by chunk too: on CUDA a
+step of more than SAMPLER_ROWS_PER_CHUNK random rows through float32 gets other (equally distributed)
+draws than one copy of all rows would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -27,6 +65,7 @@ import torch
 
 from fitserve.core.outputs import TokenLogprobs
 from fitserve.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from fitserve.planner.memory_estimates import SAMPLER_ROWS_PER_CHUNK
 from fitserve.worker.logits_processors import (
     apply_allowed_token_ids,
     apply_grammar_bitmasks,
@@ -35,10 +74,9 @@ from fitserve.worker.logits_processors import (
     ban_bad_words,
     mask_stop_tokens_before_min_tokens,
 )
+from fitserve.worker.sampling_filters import RandomRowParams, apply_min_p, apply_top_k, apply_top_p
 from fitserve.worker.tensor_index import index_tensor, row_floats
-from fitserve.worker.transfer import start_copies_to_host_aside, to_device
-
-TOP_P_ROWS_PER_CHUNK = 64
+from fitserve.worker.transfer import start_copies_to_host_aside
 
 
 @dataclass
@@ -112,39 +150,29 @@ class Sampler:
                 row_edits = True
             if p.logprobs is not None:
                 wants_logprobs.append(i)
-        random_rows = [rows[i] for i in random]
-        race_kernel = _race_kernel(logits, random_rows) if random else None
-        # The caller's logits stay as they are: a copy where anything below edits them in place (the
-        # race kernel without filters only reads them).
-        edits = row_edits or (bool(random) and (race_kernel is None or filtered))
-        # Logits in the model dtype (the LM head's on CUDA) are read as they are by the argmax and race
-        # kernels; anything that edits them works on a float32 copy.
-        processed = logits.to(torch.float32, copy=True) if edits else logits
-        if row_edits:  # each edit below leaves a row alone unless _edits_logits holds for it
-            apply_allowed_token_ids(processed, rows)
-            apply_logit_bias(processed, rows)
-            ban_bad_words(processed, rows)
-            apply_grammar_bitmasks(processed, rows)
-            apply_penalties(processed, rows)
-            mask_stop_tokens_before_min_tokens(processed, rows)
-
-        if not random:
-            sampled = argmax_rows(processed)
-        elif not greedy:
-            sampled = _sample_random(processed, rows, race_kernel, filtered)
-        else:
-            sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            greedy_idx = index_tensor(greedy, logits.device)
-            sampled[greedy_idx] = argmax_rows(processed[greedy_idx])
-            random_idx = index_tensor(random, logits.device)
-            sampled[random_idx] = _sample_random(processed[random_idx], random_rows, race_kernel, filtered)
+        # The caller's logits (the model dtype on CUDA) are only read: the argmax and race kernels read
+        # them as they are; whatever edits or filters them works on float32 copies of a few rows at a time.
+        device = logits.device
+        sampled = None
+        if greedy:
+            sampled = _sample_greedy(logits, rows, greedy, row_edits)
+        if random:
+            random_idx = None if len(random) == len(rows) else index_tensor(random, device)
+            random_ids = _sample_random_rows(logits, rows, random, random_idx, filtered, row_edits)
+            if sampled is None or random_idx is None:
+                sampled = random_ids
+            else:
+                sampled[random_idx] = random_ids
+        if sampled is None:  # no rows
+            sampled = torch.empty(0, dtype=torch.long, device=device)
 
         logprob_tensors = None
         if wants_logprobs:
-            idx = index_tensor(wants_logprobs, logits.device)
-            raw_logprobs = torch.log_softmax(logits[idx].to(torch.float32), dim=-1)
+            everyone = len(wants_logprobs) == len(rows)
+            idx = None if everyone else index_tensor(wants_logprobs, logits.device)
+            chosen = sampled if idx is None else sampled[idx]
             num_tops = [rows[i].params.logprobs or 0 for i in wants_logprobs]
-            logprob_tensors = LogprobTensors.compute(raw_logprobs, sampled[idx], num_tops)
+            logprob_tensors = LogprobTensors.from_logits(logits, idx, chosen, num_tops)
         return PendingSample(sampled, wants_logprobs, logprob_tensors)
 
 
@@ -161,17 +189,32 @@ class LogprobTensors:
     num_tops: list[int]
 
     @classmethod
-    def compute(cls, logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]) -> LogprobTensors:
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-        ranks = (logprobs >= chosen).sum(dim=-1)
-        max_top = min(max(num_tops), logprobs.shape[1])
-        top = logprobs.topk(max_top, dim=-1) if max_top > 0 else None
+    def from_logits(
+        cls, logits: torch.Tensor, idx: torch.Tensor | None, token_ids: torch.Tensor, num_tops: list[int]
+    ) -> LogprobTensors:
+        """From the raw log_softmax of the logits rows `idx` (None: every row), in float32 a chunk of
+        SAMPLER_ROWS_PER_CHUNK rows at a time: token_ids [rows] are the chosen ids, num_tops[j] how
+        many top tokens row j asks for."""
+        num_rows = len(num_tops)
+        max_top = min(max(num_tops), logits.shape[1])
+        parts = [
+            _logprob_chunk(
+                logits, idx, token_ids, first, min(first + SAMPLER_ROWS_PER_CHUNK, num_rows), max_top
+            )
+            for first in range(0, num_rows, SAMPLER_ROWS_PER_CHUNK)
+        ]
+        if len(parts) == 1:
+            chosen, ranks, top_logprobs, top_ids = parts[0]
+        else:
+            chosen, ranks = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            top_logprobs = torch.cat([p[2] for p in parts]) if max_top > 0 else None
+            top_ids = torch.cat([p[3] for p in parts]) if max_top > 0 else None
         return cls(
             chosen_ids=token_ids,
-            chosen_logprobs=chosen.squeeze(1),
+            chosen_logprobs=chosen,
             chosen_ranks=ranks,
-            top_logprobs=top.values if top is not None else None,
-            top_ids=top.indices if top is not None else None,
+            top_logprobs=top_logprobs,
+            top_ids=top_ids,
             num_tops=num_tops,
         )
 
@@ -233,9 +276,27 @@ def compute_prompt_logprobs(
         )
     if not next_token_ids:
         return []
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
     token_ids = index_tensor(next_token_ids, logits.device)
-    return LogprobTensors.compute(logprobs, token_ids, [num_top] * len(next_token_ids)).entries()
+    return LogprobTensors.from_logits(logits, None, token_ids, [num_top] * len(next_token_ids)).entries()
+
+
+def _logprob_chunk(
+    logits: torch.Tensor,
+    idx: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    first: int,
+    last: int,
+    max_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Rows first..last of LogprobTensors.from_logits: the chosen tokens' logprobs and ranks, and the
+    max_top best logprobs and ids (None when max_top is 0)."""
+    rows = logits[first:last] if idx is None else logits[idx[first:last]]
+    logprobs = torch.log_softmax(rows.to(torch.float32), dim=-1)
+    del rows
+    chosen = logprobs.gather(1, token_ids[first:last].unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top = logprobs.topk(max_top, dim=-1) if max_top > 0 else None
+    return chosen.squeeze(1), ranks, *((top.values, top.indices) if top is not None else (None, None))
 
 
 def _race_kernel(logits: torch.Tensor, rows: list[SamplingRow]) -> Any:
@@ -253,23 +314,128 @@ def _has_filters(row: SamplingRow) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _sample_random(
-    logits: torch.Tensor, rows: list[SamplingRow], race_kernel: Any, filtered: bool
+def _sample_greedy(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[int], row_edits: bool
 ) -> torch.Tensor:
-    """logits [R, V] (after penalties) of random rows -> sampled ids [R]. race_kernel: _race_kernel's
-    answer for these rows; filtered: any row asks for top_k, top_p or min_p. Modifies logits unless
-    the race kernel runs without filters."""
+    """int64 [len(rows)] whose `greedy` positions hold those rows' argmax (the others are left for the
+    random rows). Rows without edits read the caller's logits in one argmax over every row (widening
+    to float32 is exact, so the model dtype gives the same ids); edited rows go through float32 chunks."""
+    edited = [i for i in greedy if _edits_logits(rows[i])] if row_edits else []
+    if len(edited) < len(greedy):
+        sampled = argmax_rows(logits)
+    elif len(edited) == len(rows):  # every row greedy and edited
+        return _in_float32_chunks(logits, None, rows, True, _argmax_chunk)
+    else:
+        sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if edited:
+        idx = index_tensor(edited, logits.device)
+        sampled[idx] = _in_float32_chunks(logits, idx, [rows[i] for i in edited], True, _argmax_chunk)
+    return sampled
+
+
+def _argmax_chunk(block: torch.Tensor, rows: list[SamplingRow], first: int, last: int) -> torch.Tensor:
+    return argmax_rows(block)
+
+
+def _sample_random_rows(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    random: list[int],
+    idx: torch.Tensor | None,
+    filtered: bool,
+    row_edits: bool,
+) -> torch.Tensor:
+    """int64 [len(random)]: the tokens of the random rows `random` (positions in rows, on the device as
+    idx; None when they are every row), in that order. filtered: a random row asks for top_k, top_p or
+    min_p; row_edits: some row's logits are edited."""
     device = logits.device
-    temperature = row_floats([row.params.temperature for row in rows], device)
+    random_rows = [rows[i] for i in random]
+    race_kernel = _race_kernel(logits, random_rows)
+    if race_kernel is not None and not filtered and not row_edits:
+        # the race in one read of the logits in the model dtype, its draws from a seed of torch's generator
+        temperature = row_floats([row.params.temperature for row in random_rows], device)
+        seed = torch.randint(0, 2**62, (1,), device=device)
+        own = logits if idx is None else logits[idx]
+        return race_kernel.race_rows(own, seed, scale=temperature.reciprocal())
+    params = RandomRowParams.of([row.params for row in random_rows], logits.shape[1], device)
+
+    def sample_chunk(
+        block: torch.Tensor, chunk_rows: list[SamplingRow], first: int, last: int
+    ) -> torch.Tensor:
+        return _sample_random(block, chunk_rows, race_kernel, filtered, params.rows(first, last))
+
+    return _in_float32_chunks(logits, idx, random_rows, row_edits, sample_chunk)
+
+
+ChunkSampler = Callable[[torch.Tensor, list[SamplingRow], int, int], torch.Tensor]
+
+
+def _in_float32_chunks(
+    logits: torch.Tensor,
+    idx: torch.Tensor | None,
+    group_rows: list[SamplingRow],
+    row_edits: bool,
+    sample_chunk: ChunkSampler,
+) -> torch.Tensor:
+    """int64 [len(group_rows)]: the rows `idx` of logits (None: every row, in order), whose SamplingRows
+    are group_rows, sampled SAMPLER_ROWS_PER_CHUNK rows at a time by sample_chunk(block, chunk_rows,
+    first, last) from a float32 copy `block` of rows first..last of the group, edited first when
+    row_edits. One chunk's copy and temporaries are freed before the next chunk's are made."""
+    num_rows = len(group_rows)
+    if num_rows <= SAMPLER_ROWS_PER_CHUNK:
+        return _float32_chunk_ids(logits, idx, group_rows, 0, num_rows, row_edits, sample_chunk)
+    sampled = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    for first in range(0, num_rows, SAMPLER_ROWS_PER_CHUNK):
+        last = min(first + SAMPLER_ROWS_PER_CHUNK, num_rows)
+        sampled[first:last] = _float32_chunk_ids(
+            logits, idx, group_rows, first, last, row_edits, sample_chunk
+        )
+    return sampled
+
+
+def _float32_chunk_ids(
+    logits: torch.Tensor,
+    idx: torch.Tensor | None,
+    group_rows: list[SamplingRow],
+    first: int,
+    last: int,
+    row_edits: bool,
+    sample_chunk: ChunkSampler,
+) -> torch.Tensor:
+    # A copy: the caller's logits stay as they are (a gather is one already). It lives in this frame
+    # alone, so it is freed when the chunk's ids come back.
+    if idx is None:
+        block = logits[first:last].to(torch.float32, copy=True)
+    else:
+        block = logits[idx[first:last]].to(torch.float32)
+    chunk_rows = group_rows[first:last]
+    if row_edits:  # each edit leaves a row alone unless _edits_logits holds for it
+        apply_allowed_token_ids(block, chunk_rows)
+        apply_logit_bias(block, chunk_rows)
+        ban_bad_words(block, chunk_rows)
+        apply_grammar_bitmasks(block, chunk_rows)
+        apply_penalties(block, chunk_rows)
+        mask_stop_tokens_before_min_tokens(block, chunk_rows)
+    return sample_chunk(block, chunk_rows, first, last)
+
+
+def _sample_random(
+    logits: torch.Tensor, rows: list[SamplingRow], race_kernel: Any, filtered: bool, params: RandomRowParams
+) -> torch.Tensor:
+    """logits [R, V] (a float32 chunk, after the edits) of random rows -> sampled ids [R]. race_kernel:
+    _race_kernel's answer for these rows; filtered: any row of the step asks for top_k, top_p or min_p.
+    Modifies logits unless the race kernel runs without filters."""
+    device = logits.device
     if race_kernel is not None:
-        # the race below in one read of the logits, its draws from a seed of torch's generator
+        # the race below in one read of the logits, its draws from a seed of torch's generator (one per
+        # chunk: the kernel numbers its draws by the row within the tensor it is given)
         seed = torch.randint(0, 2**62, (1,), device=device)
         if not filtered:
-            return race_kernel.race_rows(logits, seed, scale=temperature.reciprocal())
-    logits.div_(temperature.unsqueeze(1))
-    _apply_top_k(logits, [row.params.top_k for row in rows])
-    _apply_top_p(logits, [row.params.top_p for row in rows])
-    _apply_min_p(logits, [row.params.min_p for row in rows])
+            return race_kernel.race_rows(logits, seed, scale=params.temperature.reciprocal())
+    logits.div_(params.temperature.unsqueeze(1))
+    apply_top_k(logits, params)
+    apply_top_p(logits, params)
+    apply_min_p(logits, params)
     if race_kernel is not None:
         return race_kernel.race_rows(logits, seed)
     probs = torch.softmax(logits, dim=-1)
@@ -313,48 +479,3 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         if argmax.supports(x):
             return argmax.argmax_rows(x)
     return x.argmax(dim=-1)
-
-
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
-    vocab_size = logits.shape[1]
-    ks = [k if 0 < k < vocab_size else 0 for k in top_ks]  # 0 = keep everything
-    if not any(ks):
-        return
-    k = to_device(ks, torch.long, logits.device).unsqueeze(1)
-    top_values = logits.topk(max(ks), dim=-1).values
-    kth_value = top_values.gather(1, (k - 1).clamp(min=0))
-    kth_value = torch.where(k > 0, kth_value, torch.full_like(kth_value, -torch.inf))
-    logits.masked_fill_(logits < kth_value, -torch.inf)
-
-
-def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> None:
-    """Keep a token if the probability of the tokens ranked above it is below top_p (so the most
-    likely token always stays). Ties rank by token id, lowest first."""
-    limited = [j for j, p in enumerate(top_ps) if p < 1.0]
-    if not limited:
-        return
-    device = logits.device
-    # Rows go through the sort in chunks: a full-vocabulary sort of every row at once would hold
-    # several [rows, vocab] temporaries (values, int64 indices, probabilities, sums) at the same time.
-    for first in range(0, len(limited), TOP_P_ROWS_PER_CHUNK):
-        chunk = limited[first : first + TOP_P_ROWS_PER_CHUNK]
-        idx = index_tensor(chunk, device)
-        block = logits[idx]
-        top_p = row_floats([top_ps[j] for j in chunk], device).unsqueeze(1)
-        sorted_logits, order = block.sort(dim=-1, descending=True, stable=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_above >= top_p
-        drop_sorted[:, 0] = False
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logits[idx] = block.masked_fill(drop, -torch.inf)
-
-
-def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> None:
-    """Drop tokens with probability below min_p * (the top probability): in logit space,
-    logit < max_logit + log(min_p)."""
-    if not any(p > 0.0 for p in min_ps):
-        return
-    min_p = row_floats(min_ps, logits.device).unsqueeze(1)
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
-    logits.masked_fill_(logits < threshold, -torch.inf)

@@ -3,10 +3,18 @@
 For the Qwen3-0.6B and Llama-3.1-8B shapes (config.json from shared/models, dummy weights, the SmolLM2
 tokenizer, max_model_len 4096): the weights the planner counted are within 1% of what the engine's
 profiling measured (`CudaPlatform.weights_bytes`, torch's allocated bytes after loading), and the KV
-cache tokens it planned are within 3% of the blocks the engine allocated.
+cache tokens it planned are within 3% of the blocks the engine allocated. The planned and measured
+activation peaks are printed beside them.
 
 Each model runs in its own process (this file run as a script), which plans, then loads, then prints
 the numbers as JSON: nothing of one engine is left on the GPU when the next one measures.
+
+The sampler's share of the activation peak is an upper bound: for max_num_seqs rows of bf16 logits of
+each shape's vocabulary, what the sampler allocates beside them (torch's peak allocated bytes) stays
+within what the planner's sampling term counts beside them (planner/memory_estimates.py,
+sampling_activation_bytes), on the profile step's top_k/top_p and on every other path of the sampler's
+table (worker/sampler.py): top-p rows mixed with others, penalties and logprobs, greedy rows beside
+unfiltered random ones, seeded rows (torch's race), a large top_k with min_p.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: `python tests/gpu/test_plan_vs_measured.py SHAPE UTIL`
     sys.path.insert(0, str(REPO))
 
+from fitserve.core.sampling_params import SamplingParams  # noqa: E402
 from tests.paths import MODELS_DIR, SMOLLM2_TOKENIZER_DIR  # noqa: E402
 
 pytestmark = [
@@ -64,6 +73,8 @@ def plan_then_measure(shape: str, gpu_memory_utilization: float) -> dict[str, in
         "engine_max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "planned_max_num_seqs": plan.inputs.max_num_seqs,
         "engine_max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "planned_activation_bytes": plan.terms.activation,
+        "measured_activation_bytes": engine.memory_plan.terms.activation,
     }
 
 
@@ -98,6 +109,11 @@ def _relative(planned: int, measured: int) -> float:
 )
 def test_planned_weights_and_kv_tokens_match_the_engine(shape: str, gpu_memory_utilization: float) -> None:
     numbers = _run_in_subprocess(shape, gpu_memory_utilization)
+    print(
+        f"{shape}: activation peak planned {numbers['planned_activation_bytes'] / 2**30:.3f} GiB, measured "
+        f"{numbers['measured_activation_bytes'] / 2**30:.3f} GiB; KV tokens planned "
+        f"{numbers['planned_kv_tokens']}, measured {numbers['measured_kv_tokens']}"
+    )
     # the engine ran with the settings the plan was made for
     assert numbers["engine_max_num_batched_tokens"] == numbers["planned_max_num_batched_tokens"], numbers
     assert numbers["engine_max_num_seqs"] == numbers["planned_max_num_seqs"], numbers
@@ -105,6 +121,63 @@ def test_planned_weights_and_kv_tokens_match_the_engine(shape: str, gpu_memory_u
     assert weights_off <= WEIGHTS_TOLERANCE, f"weights {weights_off:.2%} off the plan: {numbers}"
     kv_off = _relative(numbers["planned_kv_tokens"], numbers["measured_kv_tokens"])
     assert kv_off <= KV_TOKENS_TOLERANCE, f"KV cache tokens {kv_off:.2%} off the plan: {numbers}"
+
+
+def _sampler_cases(index: int) -> dict[str, SamplingParams]:
+    """Row `index`'s parameters in each case: one case per path of worker/sampler.py's memory table."""
+    return {
+        "profile step: top_k 50, top_p 0.9": SamplingParams(temperature=1.0, top_p=0.9, top_k=50),
+        "top_p on every other row, penalties, logprobs": SamplingParams(
+            temperature=0.8,
+            top_p=0.9 if index % 2 else 1.0,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+            logprobs=5,
+        ),
+        "greedy beside unfiltered random rows": SamplingParams(temperature=0.0 if index % 2 else 1.0),
+        "seeded rows with top_p (torch's race)": SamplingParams(
+            temperature=1.0, top_p=0.9, seed=index if index % 3 == 0 else None
+        ),
+        "top_k 4096 and min_p": SamplingParams(temperature=1.0, top_k=4096, min_p=0.05),
+    }
+
+
+SAMPLER_CASES = list(_sampler_cases(0))
+
+
+@pytest.mark.parametrize("case", SAMPLER_CASES)
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_the_sampler_peak_is_within_the_plan(shape: str, case: str) -> None:
+    from fitserve.planner.memory_estimates import sampling_activation_bytes
+    from fitserve.worker.sampler import Sampler, SamplingRow
+    from tests.unit.planner_helpers import memory_inputs
+
+    inputs = memory_inputs(shape, max_num_batched_tokens=1024, max_num_seqs=256)
+    num_rows, vocab = inputs.max_num_seqs, inputs.shape.vocab_size
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn((num_rows, vocab), device="cuda", generator=generator).mul_(3).to(torch.bfloat16)
+
+    def rows() -> list[SamplingRow]:
+        made = []
+        for index in range(num_rows):
+            params = _sampler_cases(index)[case]
+            own = None if params.seed is None else torch.Generator(device="cuda").manual_seed(params.seed)
+            made.append(SamplingRow(params, [1, 2, 3], [4, 5], own, frozenset({2})))
+        return made
+
+    sampler = Sampler()
+    sampler(logits, rows())  # kernels built and anything made once (index tables) made before measuring
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sampler(logits, rows())
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    # the plan's term beside the logits themselves (and without the step's hidden states: 0 tokens)
+    planned = sampling_activation_bytes(inputs, 0, num_rows) - num_rows * vocab * logits.element_size()
+    print(f"{shape}, {case}: sampler beside its logits measured {measured / 2**20:.1f} MiB, "
+          f"planned {planned / 2**20:.1f} MiB")  # fmt: skip
+    assert measured <= planned, f"{shape}, {case}: {measured:,} bytes measured, {planned:,} planned"
 
 
 if __name__ == "__main__":

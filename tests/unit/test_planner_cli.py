@@ -338,7 +338,9 @@ def test_doctor_fixes_never_repeat_a_value_the_user_set() -> None:
 def test_doctor_plan_fix_does_not_name_the_dtype_already_set(
     bare_machine: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    small = _host(cuda_runtime_version=None, driver_version=None, ram_available_bytes=3 * GiB)
+    # 2.75 GiB: float32 does not fit (the fix names --dtype bfloat16), nor does bfloat16 once its KV
+    # cache, activations and runtime are added
+    small = _host(cuda_runtime_version=None, driver_version=None, ram_available_bytes=int(2.75 * GiB))
     for module in (cli_plan, resolve):  # the doctor's machine checks, and the plan's devices
         monkeypatch.setattr(module, "probe_host", lambda: small)
         monkeypatch.setattr(module, "probe_gpus", lambda: ())

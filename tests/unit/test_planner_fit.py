@@ -264,7 +264,7 @@ def test_max_num_seqs_capped_by_the_kv_blocks() -> None:
     seqs, reason = choice(result, "max_num_seqs")
     blocks = result.plan.num_kv_blocks - 1
     assert seqs <= blocks < 256
-    expected = f"lowered from 128 to {seqs}: the KV cache has {blocks} blocks and every running request holds"
+    expected = f"lowered from 256 to {seqs}: the KV cache has {blocks} blocks and every running request holds"
     assert reason == f"{expected} at least one"
     assert all(size <= seqs for size in result.plan.inputs.cudagraph_capture_sizes)
     # the largest such count: one more sequence would need more blocks than its plan leaves

@@ -79,7 +79,7 @@ def test_auto_takes_two_gpus_when_the_weights_leave_one_no_room() -> None:
 
 
 def test_auto_widens_when_one_gpu_holds_too_small_a_batch() -> None:
-    result = fit("llama-3.1-8b", "2x20@8.9")
+    result = fit("llama-3.1-8b", "2x19@8.9")
     size, reason, _ = tp_choice(result)
     assert size == 2
     assert reason.startswith("on one GPU the weights (14.96 GiB) leave ")
@@ -231,12 +231,12 @@ def test_cpu_ranks_are_planned_per_rank() -> None:
 
 
 def test_cpu_ranks_split_the_ram_cap() -> None:
-    small = DeviceSpec("cpu", 0, "CPU (2 cores, 8.0 GiB RAM)", 8 * GiB, 6 * GiB)
+    small = DeviceSpec("cpu", 0, "CPU (2 cores, 8.0 GiB RAM)", 8 * GiB, 5 * GiB)
     with pytest.raises(PlanError) as error:  # each rank has its own activations and runtime
         auto_fit(model_info("qwen3-0.6b"), EngineArgs(tensor_parallel_size=2), [small])
     assert error.value.kind == "host_memory"
-    assert str(error.value).startswith("each of the 2 CPU ranks needs 3.28 GiB of RAM (weights 1.11, ")
-    assert "but its share of the RAM available is 3.00 GiB (6.00 GiB / 2): any one of: " in str(error.value)
+    assert str(error.value).startswith("each of the 2 CPU ranks needs 2.69 GiB of RAM (weights 1.11, ")
+    assert "but its share of the RAM available is 2.50 GiB (5.00 GiB / 2): any one of: " in str(error.value)
     assert str(error.value).endswith(
         "; or a smaller --tensor-parallel-size (each rank has its own activations and runtime)"
     )
@@ -309,8 +309,8 @@ def test_the_report_says_per_rank_and_shows_the_auto_choice() -> None:
 
 
 def test_data_parallel_plans_each_engine_on_its_share_of_the_gpus() -> None:
-    # 4 x 20 GiB and two engines: each plans on 2 GPUs, where the 8B model needs both (TP 2)
-    result = fit("llama-3.1-8b", "4x20", data_parallel_size=2)
+    # 4 x 19 GiB and two engines: each plans on 2 GPUs, where the 8B model needs both (TP 2)
+    result = fit("llama-3.1-8b", "4x19", data_parallel_size=2)
     assert result.plan.inputs.tensor_parallel_size == 2
     assert any(
         note.startswith(
