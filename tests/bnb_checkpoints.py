@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import write_config_with_tokenizer
 from tests.quant_checkpoints import PROJECTIONS, QuantizedCheckpoint
 
 NF4 = [
@@ -158,8 +157,6 @@ def write_bnb(folder: Path, hf_model: nn.Module, spec: BnbSpec) -> QuantizedChec
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
     config["quantization_config"] = bnb_quantization_config(spec)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    write_config_with_tokenizer(folder, config)
     checkpoint.dequantized_model = dequantized_model.eval()
     return checkpoint

@@ -16,8 +16,6 @@ float32 weights and the HF model holding them.
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import write_config_with_tokenizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0
@@ -140,9 +138,7 @@ def write_fp8(folder: Path, hf_model: nn.Module, spec: Fp8Spec, seed: int = 0) -
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
     config["quantization_config"] = quantization_config(spec)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    write_config_with_tokenizer(folder, config)
     checkpoint.tensors = tensors
     checkpoint.dequantized_model = dequantized_model.eval()
     return checkpoint
@@ -155,7 +151,5 @@ def write_bf16(folder: Path, hf_model: nn.Module, dtype: torch.dtype = torch.bfl
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    write_config_with_tokenizer(folder, config)
     return folder

@@ -11,8 +11,6 @@ kernel is compared with.
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import write_config_with_tokenizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -231,9 +229,7 @@ def write_quantized(folder: Path, hf_model: nn.Module, spec: QuantSpec, seed: in
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
     config["quantization_config"] = quantization_config(spec)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    write_config_with_tokenizer(folder, config)
     checkpoint.dequantized_model = dequantized_model.eval()
     return checkpoint
 
@@ -269,7 +265,5 @@ def write_hf_checkpoint(
     config = hf_model.config.to_dict()
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    write_config_with_tokenizer(folder, config)
     return reference, quantized

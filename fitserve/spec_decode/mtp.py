@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from fitserve.core.scheduler import ScheduledRequest
-from fitserve.layers.attention.metadata import forward_context
 from fitserve.models.qwen3_5_mtp import (
     Qwen3_5MultiTokenPredictor,
     missing_mtp_keys,
@@ -48,7 +47,6 @@ from fitserve.models.qwen3_5_mtp import (
 )
 from fitserve.spec_decode.eagle3.drafter import Eagle3Drafter, _HeadSequence, aux_buffer_rows
 from fitserve.worker.draft_steps import DraftChannel, exchange_rows, mtp_rank_kv_spec
-from fitserve.worker.step_inputs import build_host_inputs, upload_inputs
 
 if TYPE_CHECKING:
     from fitserve.config import EngineConfig
@@ -281,6 +279,10 @@ class MtpDrafter(Eagle3Drafter):
         if live:
             super()._catch_up(live, sample=False)
 
+    def _before_upload(self, host: Any) -> None:
+        if self.channel is not None:  # the other ranks get the host inputs first
+            self.channel.send(host)
+
     def _forward_rows(
         self,
         items: list[ScheduledRequest],
@@ -288,22 +290,9 @@ class MtpDrafter(Eagle3Drafter):
         hidden: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Eagle3Drafter's forward of the layer over `items`, under tensor parallel with the other ranks:
-        they get the host inputs first, then the ids read on the device and the hidden rows."""
-        index = previous[1] if previous is not None else {}
-        host, _ = build_host_inputs(items, self.block_size, self.table_rows, None, index.__getitem__)
-        if self.channel is not None:
-            self.channel.send(host)
-        inputs = upload_inputs(host, self.staging, self.layer_group)
-        if inputs.fill is not None:
-            rows, sources = inputs.fill
-            inputs.input_ids[rows] = previous[0][sources]
-            hidden = hidden[sources]  # every row of a recurrent step reads the row before
+        they get the host inputs first (_before_upload), then the ids read on the device and the hidden
+        rows."""
+        host, inputs, hidden = self._prepare_rows(items, previous, hidden)
         if self.channel is not None:
             hidden = exchange_rows(inputs.input_ids, hidden, host.has_fill)
-        with forward_context(inputs.metadata, self.kv_caches):
-            normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
-        if not host.num_samples:
-            return None
-        if inputs.sample_rows is not None:
-            normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
-        return self.head.draft_ids(normed), prenorm
+        return self._head_rows(inputs, hidden, host.num_samples > 0)

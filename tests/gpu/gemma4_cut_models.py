@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
-TOKENIZER = SHARED / "tokenizers" / "smollm2"
+from tests.model_folders import save_with_tokenizer
+from tests.paths import MODELS_DIR
+
 CLEAR_MARGIN = 0.5  # as tests/gpu/test_engine_gpu.py: bf16 noise breaks closer top-2 logits either way
 
 
@@ -22,7 +22,7 @@ def save_cut_model(shape: str, num_layers: int, tmp: Path, **changes: object) ->
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Gemma4ForCausalLM"):
         pytest.skip("this transformers has no Gemma-4")
-    text = json.loads((SHARED / "models" / shape / "config.json").read_text())["text_config"]
+    text = json.loads((MODELS_DIR / shape / "config.json").read_text())["text_config"]
     text.update(num_hidden_layers=num_layers, layer_types=text["layer_types"][:num_layers], **changes)
     text["layer_types"][-1] = "full_attention"
     config = transformers.Gemma4TextConfig(**text)
@@ -32,9 +32,7 @@ def save_cut_model(shape: str, num_layers: int, tmp: Path, **changes: object) ->
     with torch.device("cuda"):
         model = transformers.Gemma4ForCausalLM(config).to(torch.bfloat16)
     folder = tmp / shape
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
+    save_with_tokenizer(model, folder)
     del model
     torch.cuda.empty_cache()
     return folder

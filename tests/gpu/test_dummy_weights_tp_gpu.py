@@ -12,15 +12,15 @@ equal copies and every top-2 margin was 0.0).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from fitserve.models.loader import default_dtype
-from tests.gpu.test_engine_gpu import SHARED, _greedy, _llm, _prompts
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.gpu.test_engine_gpu import _greedy, _llm, _prompts
+from tests.model_folders import write_config_with_tokenizer
+from tests.paths import MODELS_DIR
 from tests.unit.test_dummy_weights_tp import CASES, _configs, assert_parts_of, dummy_model
 
 pytestmark = [
@@ -41,17 +41,12 @@ def test_each_rank_holds_its_part_on_cuda(tmp_path, name):
 
 def _dummy_folder(shape: str, tmp: Path, num_layers: int) -> Path:
     """The shape's config.json (its first `num_layers` layers) and a tokenizer: no weights."""
-    config = json.loads((SHARED / "models" / shape / "config.json").read_text())
+    config = json.loads((MODELS_DIR / shape / "config.json").read_text())
     text = config.get("text_config", config)
     text["num_hidden_layers"] = num_layers
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:num_layers]
-    folder = tmp / shape
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / file, folder / file)
-    return folder
+    return write_config_with_tokenizer(tmp / shape, config, indent=None)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

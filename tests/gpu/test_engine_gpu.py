@@ -13,22 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.model_folders import save_with_tokenizer
+from tests.paths import MODELS_DIR
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_CANDIDATES = [REPO / "shared", REPO.parent / "shared"]
-SHARED = next((p for p in SHARED_CANDIDATES if p.is_dir()), SHARED_CANDIDATES[0])
-TOKENIZER = SHARED / "tokenizers" / "smollm2"
 GREEDY_TOKENS = 256
 
 
 def _save_random_model(shape: str, tmp: Path, num_layers: int | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict = json.loads((SHARED / "models" / shape / "config.json").read_text())
+    config_dict = json.loads((MODELS_DIR / shape / "config.json").read_text())
     if num_layers is not None:
         config_dict["num_hidden_layers"] = num_layers
     folder = tmp / shape
@@ -40,9 +39,7 @@ def _save_random_model(shape: str, tmp: Path, num_layers: int | None = None) -> 
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((TOKENIZER / name).read_bytes())
+    save_with_tokenizer(model, folder)
     del model
     torch.cuda.empty_cache()
     return folder
@@ -164,8 +161,6 @@ def test_block_size_below_16_is_refused_before_loading():
     from fitserve.args import EngineArgs
     from fitserve.planner.resolve import create_engine_config
 
-    args = EngineArgs(
-        model=str(SHARED / "models" / "qwen3-0.6b"), load_format="dummy", block_size=8, device="cuda"
-    )
+    args = EngineArgs(model=str(MODELS_DIR / "qwen3-0.6b"), load_format="dummy", block_size=8, device="cuda")
     with pytest.raises(ValueError, match=r"block_size=8 is below 16.*set --block-size 16"):
         create_engine_config(args)

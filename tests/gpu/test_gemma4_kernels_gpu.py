@@ -32,10 +32,9 @@ from fitserve.models import gemma4_layers  # noqa: E402
 from fitserve.models.checkpoint_config import CheckpointConfig  # noqa: E402
 from fitserve.models.loader import default_dtype  # noqa: E402
 from fitserve.models.registry import get_model_class  # noqa: E402
+from tests.paths import MODELS_DIR  # noqa: E402
 from tests.unit.model_helpers import ChunkSpec, build_attention_metadata  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
 S, F = "sliding_attention", "full_attention"
 # (shape, layer types, config changes): each layer type once (E2B: 2 layers of each, then 2 that read
 # their caches)
@@ -54,7 +53,7 @@ PATH_TOLERANCE = 3e-2
 def _build(shape: str, tmp_path: Path):
     """fitserve's model of the cut geometry on CUDA in bfloat16, with O(1)-scale random weights."""
     layer_types, changes = CUTS[shape]
-    raw = json.loads((SHARED / "models" / shape / "config.json").read_text())
+    raw = json.loads((MODELS_DIR / shape / "config.json").read_text())
     raw["text_config"].update(num_hidden_layers=len(layer_types), layer_types=layer_types, **changes)
     folder = tmp_path / shape
     folder.mkdir()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import importlib
 import pkgutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +19,9 @@ if not torch.cuda.is_available():
 import fitserve.kernels as kernels_package  # noqa: E402
 from fitserve import LLM, SamplingParams  # noqa: E402
 from fitserve.kernels.fast_launch import FastLaunchKernel  # noqa: E402
+from tests.paths import MODELS_DIR, SMOLLM2_TOKENIZER_DIR  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-REPO = Path(__file__).resolve().parents[2]
-SHARED = next((p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared")
 
 
 def _compiled_variants() -> dict[str, int]:
@@ -41,8 +38,8 @@ def _compiled_variants() -> dict[str, int]:
 
 def test_a_mix_of_requests_compiles_nothing_after_startup() -> None:
     llm = LLM(
-        str(SHARED / "models" / "qwen3-0.6b"),
-        tokenizer=str(SHARED / "tokenizers" / "smollm2"),
+        str(MODELS_DIR / "qwen3-0.6b"),
+        tokenizer=str(SMOLLM2_TOKENIZER_DIR),
         load_format="dummy",
         max_model_len=1024,
         max_num_seqs=32,

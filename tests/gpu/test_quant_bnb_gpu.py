@@ -22,6 +22,7 @@ from fitserve.kernels.nf4_gemm import nf4_linear  # noqa: E402
 from fitserve.kernels.nf4_pack import pack_nf4  # noqa: E402
 from fitserve.layers.quantization.bnb_runtime import make_bnb_runnable  # noqa: E402
 from fitserve.layers.quantization.bnb_weight import dequantize, quantize_4bit, random_nf4_weight  # noqa: E402
+from tests.model_folders import save_with_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -119,17 +120,6 @@ ENGINE_DIMS = {
     "num_key_value_heads": 2,
 }
 PROMPT = list(range(40, 90))
-
-
-def save_with_tokenizer(hf_model: torch.nn.Module, folder):
-    import shutil
-
-    from tests.paths import SMOLLM2_TOKENIZER_DIR
-
-    hf_model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
 
 
 def hf_prompt_logprobs(model: torch.nn.Module) -> torch.Tensor:

@@ -131,11 +131,9 @@ def test_weight_only_matches_reference(k, n, rows, group, monkeypatch) -> None:
 
 @needs_w8a8
 def test_quantization_fp8_engine_runs_w8a8_with_dummy_weights(tmp_path) -> None:
-    import json
-
     from fitserve import LLM, SamplingParams
     from fitserve.layers.quantization.fp8_method import Fp8LinearMethod
-    from tests.paths import SMOLLM2_TOKENIZER_DIR
+    from tests.model_folders import write_config_with_tokenizer
 
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -150,9 +148,7 @@ def test_quantization_fp8_engine_runs_w8a8_with_dummy_weights(tmp_path) -> None:
         "rms_norm_eps": 1e-5,
         "torch_dtype": "bfloat16",
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((SMOLLM2_TOKENIZER_DIR / name).read_bytes())
+    write_config_with_tokenizer(tmp_path, config, indent=None)
     llm = LLM(
         str(tmp_path),
         load_format="dummy",

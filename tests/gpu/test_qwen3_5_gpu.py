@@ -31,6 +31,7 @@ def checkpoint(tmp_path_factory) -> Path:
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3_5TextConfig"):
         pytest.skip("this transformers has no Qwen3.5 and FITSERVE_QWEN35_CHECKPOINT is unset")
+    from tests.model_folders import save_with_tokenizer
     from tests.unit import qwen3_5_helpers as helpers
 
     text = dict(helpers.TEXT, vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6)
@@ -44,7 +45,7 @@ def checkpoint(tmp_path_factory) -> Path:
     config = transformers.Qwen3_5TextConfig(**text)
     config.architectures = ["Qwen3_5ForCausalLM"]
     model = helpers.build_hf(config).to(torch.bfloat16)
-    return helpers.save_hf(model, tmp_path_factory.mktemp("qwen35"))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("qwen35"))
 
 
 def _prompts(n: int) -> list[list[int]]:

@@ -30,6 +30,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Qwen3_5MoeTextConfig"):
         pytest.skip("this transformers has no Qwen3.5 MoE")
+    from tests.model_folders import save_with_tokenizer
     from tests.unit import qwen3_5_helpers as helpers
 
     text = dict(helpers.TEXT, vocab_size=4096, hidden_size=256, num_hidden_layers=6)
@@ -49,7 +50,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     config = transformers.Qwen3_5MoeTextConfig(**text, **moe)
     config.architectures = ["Qwen3_5MoeForCausalLM"]
     model = helpers.build_hf(config).to(torch.bfloat16)
-    return helpers.save_hf(model, tmp_path_factory.mktemp("qwen35moe"))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("qwen35moe"))
 
 
 def _run(folder: Path, turns, **kwargs) -> tuple[list[list[list[int]]], int]:

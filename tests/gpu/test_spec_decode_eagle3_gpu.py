@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.gpu.test_engine_gpu import (
-    SHARED,
     _first_divergence_is_a_near_tie,
     _greedy,
     _llm,
     _save_random_model,
 )
+from tests.paths import MODELS_DIR
 
 pytestmark = [
     pytest.mark.gpu,
@@ -76,7 +76,7 @@ def _save_head(folder, target_config: dict):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     target = _save_random_model("llama-3.1-8b", tmp_path_factory.mktemp("eagle3_target"), num_layers=6)
-    config = json.loads((SHARED / "models" / "llama-3.1-8b" / "config.json").read_text())
+    config = json.loads((MODELS_DIR / "llama-3.1-8b" / "config.json").read_text())
     head = _save_head(tmp_path_factory.mktemp("eagle3_head") / "head", config)
     return target, head
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.test_engine_gpu import SHARED, TOKENIZER
+from tests.paths import MODELS_DIR, SMOLLM2_TOKENIZER_DIR
 
 pytestmark = [
     pytest.mark.gpu,
@@ -88,6 +88,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
+    from tests.model_folders import save_with_tokenizer
     from tests.unit import qwen3_5_helpers as helpers
 
     layers = LAYOUTS[request.param]
@@ -105,7 +106,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     config = transformers.Qwen3_5TextConfig(**text)
     config.architectures = ["Qwen3_5ForCausalLM"]
     model = helpers.build_hf(config).to(torch.bfloat16)
-    folder = helpers.save_hf(model, tmp_path_factory.mktemp(f"qwen35-mtp-{request.param}"))
+    folder = save_with_tokenizer(model, tmp_path_factory.mktemp(f"qwen35-mtp-{request.param}"))
     save_file(_mtp_tensors(text), str(folder / "mtp.safetensors"))
     return request.param, folder
 
@@ -223,8 +224,8 @@ def test_qwen36_27b_awq_int4_with_mtp_starts_drafts_and_matches_its_plan(k):
     from fitserve import LLM
 
     llm = LLM(
-        str(SHARED / "models" / "qwen3.6-27b-awq-int4"),
-        tokenizer=str(TOKENIZER),
+        str(MODELS_DIR / "qwen3.6-27b-awq-int4"),
+        tokenizer=str(SMOLLM2_TOKENIZER_DIR),
         load_format="dummy",
         max_model_len=4096,
         gpu_memory_utilization=0.85,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.gpu import test_spec_decode_mtp_gpu as base
-from tests.gpu.test_engine_gpu import SHARED, TOKENIZER
+from tests.paths import MODELS_DIR, SMOLLM2_TOKENIZER_DIR
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,8 +92,8 @@ def test_qwen36_27b_awq_int4_at_tp2_with_mtp_starts_drafts_and_matches_its_plan(
     from fitserve.layers.linear import UnquantizedLinearMethod
 
     llm = LLM(
-        str(SHARED / "models" / "qwen3.6-27b-awq-int4"),
-        tokenizer=str(TOKENIZER),
+        str(MODELS_DIR / "qwen3.6-27b-awq-int4"),
+        tokenizer=str(SMOLLM2_TOKENIZER_DIR),
         load_format="dummy",
         max_model_len=4096,
         gpu_memory_utilization=0.85,

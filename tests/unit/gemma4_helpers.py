@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from fitserve.kv_layers import kv_layer_specs
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.registry import get_model_class
-from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import ChunkSpec, build_attention_metadata
 
 S, F = "sliding_attention", "full_attention"
@@ -109,13 +107,6 @@ def build_hf(config: Any, seed: int = 0) -> nn.Module:
             if name.endswith("layer_scalar"):
                 buffer.copy_(0.5 + torch.rand_like(buffer))
     return model
-
-
-def save_hf(model: nn.Module, folder: Path) -> Path:
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
 
 
 def fitserve_config(folder: Path) -> CheckpointConfig:

@@ -20,13 +20,9 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file
 from torch import nn
 
 from fitserve.layers.attention.metadata import forward_context
-from fitserve.layers.quantization.quant_config import with_quantization_flag
-from fitserve.models.checkpoint_config import CheckpointConfig
-from fitserve.models.registry import get_model_class
 from tests import bnb_checkpoints, fp8_checkpoints, quant_checkpoints
 from tests.bnb_checkpoints import BnbSpec
 from tests.fp8_checkpoints import Fp8Spec
@@ -185,16 +181,6 @@ def dequantized_reference(
             if _is_projection(name):
                 param.copy_(dequantize(param.detach()))
     return reference
-
-
-def load_model(folder: Path, flag: str | None = None) -> nn.Module:
-    """fitserve's model of the folder (every parameter loaded), on this process's tensor-parallel rank."""
-    config = with_quantization_flag(CheckpointConfig.from_folder(folder), flag)
-    model = get_model_class(config)(config).eval()
-    loaded = model.load_weights(load_file(folder / "model.safetensors").items())
-    missing = {name for name, _ in model.named_parameters()} - loaded
-    assert not missing, f"parameters left unloaded: {sorted(missing)}"
-    return model
 
 
 def logits_of(model: nn.Module, tokens: list[int] = TOKENS) -> torch.Tensor | None:

@@ -8,15 +8,11 @@ rotary of a quarter of head_dim with mrope sections (text positions: plain RoPE)
 from __future__ import annotations
 
 import math
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
-
-from tests.paths import SMOLLM2_TOKENIZER_DIR
 
 LIN, FULL = "linear_attention", "full_attention"
 TEXT: dict[str, Any] = {
@@ -94,13 +90,6 @@ def build_hf(config: Any, seed: int = 0) -> nn.Module:
             elif param.ndim >= 2:
                 param.copy_(torch.randn_like(param) / math.sqrt(param.shape[-1]))
     return model
-
-
-def save_hf(model: nn.Module, folder: Path) -> Path:
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
 
 
 def hf_logits(model: nn.Module, tokens: list[int]) -> torch.Tensor:

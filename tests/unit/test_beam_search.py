@@ -5,7 +5,6 @@ on a tiny random model against a brute-force reference built from HF's logprobs,
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from fitserve import BeamSearchParams, SamplingParams
 from fitserve.engine.beam_search import BeamSearch, beam_search_score
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.server_helpers import smollm2_tokenizer
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
@@ -217,12 +216,8 @@ def test_too_wide_a_beam_is_refused(llm):
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """A tiny random model with SmolLM2's whole vocabulary, so chat templates' tokens fit it."""
-    folder = tmp_path_factory.mktemp("beam-chat")
     config = tiny_hf_config("LlamaForCausalLM", vocab_size=len(smollm2_tokenizer()))
-    build_hf_model(config, seed=5).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    return save_with_tokenizer(build_hf_model(config, seed=5), tmp_path_factory.mktemp("beam-chat"))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from fitserve.cli.generate import format_answer
 from fitserve.cli.main import main, parse_command
 from fitserve.engine.reasoning_split import ReasoningSplit, prompt_ends_in_think, split_reasoning
+from tests.model_folders import copy_smollm2_tokenizer
 from tests.paths import FIXTURES_DIR, SMOLLM2_TOKENIZER_DIR
 
 SMOLLM2_TOKENIZER = SMOLLM2_TOKENIZER_DIR
@@ -168,9 +169,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(1)
     LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(SMOLLM2_TOKENIZER / name, folder / name)
-    return folder
+    return copy_smollm2_tokenizer(folder, chat_template=True)
 
 
 def _transformers_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> str:

@@ -11,7 +11,6 @@ gives the same weights, another seed others.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.gemma4_config import with_expert_parallel
 from fitserve.models.registry import get_model_class
 from fitserve.models.weights import initialize_dummy_weights
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.quant_checkpoints import QuantSpec
 from tests.unit import gemma4_helpers, qwen3_5_helpers
 from tests.unit.model_helpers import tiny_hf_config
@@ -67,9 +66,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     paths = {}
     for name, config in _configs().items():
         folder = tmp_path_factory.mktemp(name)
-        config.save_pretrained(folder)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(SMOLLM2_TOKENIZER_DIR / file, folder / file)
+        save_with_tokenizer(config, folder)
         paths[name] = folder
     return paths
 

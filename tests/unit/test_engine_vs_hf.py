@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from fitserve import LLM, SamplingParams
 from fitserve.core.kv_cache import KVCacheManager
 from fitserve.core.request import Request
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -22,9 +21,7 @@ NEW_TOKENS = 12
 def save_tiny_model(folder: Path, architecture: str) -> torch.nn.Module:
     config = tiny_hf_config(architecture, tie_word_embeddings=architecture == "Qwen2ForCausalLM")
     model = build_hf_model(config, seed=3)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    save_with_tokenizer(model, folder)
     return model
 
 

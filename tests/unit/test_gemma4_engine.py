@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fitserve import LLM, SamplingParams
+from tests.model_folders import save_with_tokenizer
 from tests.unit.gemma4_helpers import (
     assert_greedy_matches,
     build_hf,
     conditional_config,
-    save_hf,
     text_config,
 )
 
@@ -37,7 +37,7 @@ def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     config = text_config(case) if form == "causal" else conditional_config(case)
     folder = tmp_path_factory.mktemp(request.param)
     model = build_hf(config, seed=3)
-    return save_hf(model, folder), model
+    return save_with_tokenizer(model, folder), model
 
 
 def make_llm(folder: Path, **kwargs) -> LLM:

@@ -31,13 +31,13 @@ from tests.unit.gemma4_quant_helpers import (
     dequantized_reference,
     hf_logits,
     int4_ignore,
-    load_model,
     logits_of,
     write_16bit,
     write_bnb,
     write_fp8,
     write_int4,
 )
+from tests.unit.quant_helpers import load_model
 
 
 def assert_close(model: torch.nn.Module, reference: torch.nn.Module, tolerance: float) -> None:

@@ -19,7 +19,8 @@ from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.registry import get_model_class
 from tests.quant_checkpoints import QuantSpec
 from tests.unit.gemma4_helpers import GemmaRankRunner, random_tokens
-from tests.unit.gemma4_quant_helpers import GROUP, build_model, int4_ignore, load_model, logits_of, write_int4
+from tests.unit.gemma4_quant_helpers import GROUP, build_model, int4_ignore, logits_of, write_int4
+from tests.unit.quant_helpers import load_model
 from tests.unit.tp_helpers import on_rank, run_ranks
 
 # relative to the largest logit: a rank's int4 layers may run another CPU product than one rank's (the C

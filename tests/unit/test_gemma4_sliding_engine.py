@@ -17,7 +17,8 @@ import torch
 
 from fitserve import LLM, SamplingParams
 from fitserve.core.kv_cache_groups import HybridKVCacheManager
-from tests.unit.gemma4_helpers import assert_greedy_matches, build_hf, save_hf, text_config
+from tests.model_folders import save_with_tokenizer
+from tests.unit.gemma4_helpers import assert_greedy_matches, build_hf, text_config
 
 RNG = random.Random(11)
 PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77)), [RNG.randrange(256) for _ in range(60)]]
@@ -37,7 +38,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=["e_model", "moe_k_eq_v"])
 def tiny_model(request, tmp_path_factory):
     model = build_hf(text_config(request.param), seed=3)
-    return save_hf(model, tmp_path_factory.mktemp(request.param)), model
+    return save_with_tokenizer(model, tmp_path_factory.mktemp(request.param)), model
 
 
 def make_llm(folder, **kwargs) -> LLM:

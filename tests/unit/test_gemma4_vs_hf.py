@@ -17,6 +17,7 @@ from torch import nn
 
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.models.registry import get_model_class
+from tests.model_folders import save_with_tokenizer
 from tests.unit.gemma4_helpers import (
     CASES,
     WINDOW,
@@ -26,7 +27,6 @@ from tests.unit.gemma4_helpers import (
     conditional_config,
     fitserve_config,
     random_tokens,
-    save_hf,
     saved_config,
     text_config,
 )
@@ -39,7 +39,7 @@ FORMS = [(case, form) for case in CASES for form in ("causal", "conditional")]
 def models(case: str, form: str, folder: Path) -> tuple[Any, nn.Module, nn.Module]:
     config = text_config(case) if form == "causal" else conditional_config(case)
     hf_model = build_hf(config)
-    save_hf(hf_model, folder)
+    save_with_tokenizer(hf_model, folder)
     fs_config, model = build_fitserve(folder, hf_model)
     return fs_config, hf_model, model
 

@@ -22,7 +22,7 @@ from fitserve.planner.hardware import cpu_device, probe_host
 from fitserve.planner.memory import plan_memory
 from fitserve.planner.resolve import create_engine_config
 from fitserve.worker.model_runner import ModelRunner
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 
 PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77)), [200, 3, 3, 9, 250, 11, 12, 13, 14, 15, 16, 100, 7]]
@@ -31,11 +31,8 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
-    build_hf_model(tiny_hf_config("Qwen3ForCausalLM"), seed=3).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    model = build_hf_model(tiny_hf_config("Qwen3ForCausalLM"), seed=3)
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 # ---- the flag ----------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from fitserve.planner.memory_estimates import stage_weight_bytes, weight_bytes_p
 from fitserve.planner.memory_inputs import with_settings
 from fitserve.worker.rank_failure import RankFailedError
 from fitserve.worker.tp_executor import rank_label
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.planner_helpers import model_info
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
@@ -47,11 +46,8 @@ def tiny_folder(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def five_layer_folder(tmp_path_factory) -> Path:
     """A 5-layer Llama: 3 layers on stage 0, 2 on stage 1."""
-    folder = tmp_path_factory.mktemp("llama5")
-    build_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=5), seed=5).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    model = build_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=5), seed=5)
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("llama5"))
 
 
 def _outputs(llm, **params) -> list:

@@ -14,57 +14,20 @@
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from fitserve import LLM, SamplingParams
+from fitserve import LLM
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import PlanRequest, plan_settings
 from fitserve.worker.model_runner import loaded_model_bytes
 from tests.bnb_checkpoints import BnbSpec, quantize_spec, write_bnb
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-
-DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
-PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77))]
-NEW_TOKENS = 10
-
-
-def greedy_hf(model: torch.nn.Module) -> list[list[int]]:
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-def fitserve_llm(folder: Path, **kwargs) -> LLM:
-    return LLM(str(folder), dtype="float32", num_gpu_blocks_override=32, block_size=8, **kwargs)
-
-
-def greedy_fitserve(llm: LLM) -> list[list[int]]:
-    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling, use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
-
-
-def model_of(llm: LLM) -> torch.nn.Module:
-    return llm.engine.executor.runner.model
-
-
-def bf16_folder(hf_model: torch.nn.Module, folder: Path) -> Path:
-    hf_model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+from tests.unit.quant_helpers import DIMS, fitserve_llm, greedy_fitserve, greedy_hf, model_of
 
 
 @pytest.mark.parametrize(
@@ -100,7 +63,7 @@ def test_greedy_matches_hf_loading_the_same_checkpoint(tmp_path) -> None:
 
 def test_quantize_while_loading_matches_hf_with_nf4_weights(tmp_path) -> None:
     hf_model = build_hf_model(tiny_hf_config("LlamaForCausalLM", **DIMS), seed=9)
-    folder = bf16_folder(hf_model, tmp_path / "bf16")
+    folder = save_with_tokenizer(hf_model, tmp_path / "bf16")
     reference = build_hf_model(hf_model.config, seed=9)
     with torch.no_grad():
         for name, tensor in reference.state_dict().items():
@@ -118,7 +81,7 @@ def test_dummy_weights_run_in_4bit(how, tmp_path) -> None:
     if how == "checkpoint config":
         folder, kwargs = write_bnb(tmp_path / "nf4", hf_model, BnbSpec("nf4")).folder, {}
     else:
-        folder, kwargs = bf16_folder(hf_model, tmp_path / "bf16"), {"quantization": "bitsandbytes"}
+        folder, kwargs = save_with_tokenizer(hf_model, tmp_path / "bf16"), {"quantization": "bitsandbytes"}
     first = fitserve_llm(folder, load_format="dummy", seed=3, **kwargs)
     tokens = greedy_fitserve(first)
     assert tokens == greedy_fitserve(fitserve_llm(folder, load_format="dummy", seed=3, **kwargs))
@@ -168,7 +131,7 @@ def test_plan_counts_what_fitserve_holds(spec, tmp_path) -> None:
 
 def test_plan_of_quantize_while_loading_counts_nf4(tmp_path) -> None:
     hf_model = build_hf_model(tiny_hf_config("LlamaForCausalLM", **DIMS), seed=12)
-    folder = bf16_folder(hf_model, tmp_path / "bf16")
+    folder = save_with_tokenizer(hf_model, tmp_path / "bf16")
     args = EngineArgs(model=str(folder), device="cpu", dtype="float32", quantization="bitsandbytes")
     fit = plan_settings(args, PlanRequest(planning_only=True))
     linear = fit.model.weights.counts.linear

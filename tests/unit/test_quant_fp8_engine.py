@@ -15,52 +15,29 @@ float32 activations):
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from fitserve import LLM, SamplingParams
 from fitserve.args import EngineArgs
 from fitserve.layers.quantization.fp8_method import Fp8LinearMethod
 from fitserve.planner.resolve import PlanRequest, plan_settings
 from tests.fp8_checkpoints import Fp8Spec, quantization_config, quantize, write_bf16, write_fp8
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import write_config_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-
-DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
-PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77))]
-NEW_TOKENS = 10
-
-
-def greedy_hf(model: torch.nn.Module) -> list[list[int]]:
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+from tests.unit.quant_helpers import DIMS, NEW_TOKENS, fitserve_llm, greedy_fitserve, greedy_hf, model_of
 
 
 def run_llm(folder: Path, **kwargs) -> tuple[list[list[int]], list[Fp8LinearMethod]]:
-    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=32, block_size=8, **kwargs)
-    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling, use_tqdm=False)
-    model = llm.engine.executor.runner.model
+    llm = fitserve_llm(folder, **kwargs)
+    tokens = greedy_fitserve(llm)
     methods = [
         m.linear_method
-        for m in model.modules()
+        for m in model_of(llm).modules()
         if isinstance(getattr(m, "linear_method", None), Fp8LinearMethod)
     ]
-    return [list(output.outputs[0].token_ids) for output in outputs], methods
+    return tokens, methods
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
@@ -118,14 +95,10 @@ def test_quantization_fp8_quantizes_a_bf16_checkpoint_while_loading(tmp_path) ->
 
 
 def config_folder(folder: Path, quantization: dict | None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     config = tiny_hf_config("Qwen3ForCausalLM", **DIMS).to_dict()
     if quantization is not None:
         config["quantization_config"] = quantization
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    return write_config_with_tokenizer(folder, config)
 
 
 @pytest.mark.parametrize(

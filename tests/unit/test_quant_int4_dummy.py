@@ -6,9 +6,7 @@ projections at the bytes the format stores them in, as it does reading a real ch
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from fitserve.layers.quantization.int4_method import Int4LinearMethod
 from fitserve.layers.quantization.int4_weight import dequantize, random_int4_weight
 from fitserve.models.loader import load_model
 from fitserve.planner.resolve import PlanRequest, create_engine_config, plan_settings
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import write_config_with_tokenizer
 from tests.quant_checkpoints import QuantSpec, quantization_config, write_quantized
 from tests.unit.model_helpers import PagedTestRunner, build_hf_model, tiny_hf_config
 
@@ -40,13 +38,9 @@ IDS = [spec.name + ("-ignore" if spec.ignore else "") for spec in SPECS]
 
 def config_folder(folder: Path, spec: QuantSpec, architecture: str = "Qwen3ForCausalLM") -> Path:
     """config.json (with the spec's quantization_config) and a tokenizer; no weight files."""
-    folder.mkdir(parents=True, exist_ok=True)
     config = tiny_hf_config(architecture, **DIMS).to_dict()
     config["quantization_config"] = quantization_config(spec)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    return write_config_with_tokenizer(folder, config)
 
 
 def dummy_model(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, object]:

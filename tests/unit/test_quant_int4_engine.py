@@ -10,42 +10,14 @@ The planner counts an int4 checkpoint's stored bytes (packed codes, zeros, g_idx
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from fitserve import LLM, SamplingParams
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import PlanRequest, plan_settings
 from tests.quant_checkpoints import QuantSpec, write_quantized
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-
-DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
-PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77))]
-NEW_TOKENS = 10
-
-
-def greedy_hf(model: torch.nn.Module) -> list[list[int]]:
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-def greedy_fitserve(folder: Path, **kwargs) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=32, block_size=8, **kwargs)
-    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sampling, use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
+from tests.unit.quant_helpers import DIMS, fitserve_llm, greedy_fitserve, greedy_hf
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
@@ -59,7 +31,7 @@ def test_greedy_matches_hf_loading_the_same_checkpoint(architecture, spec, tmp_p
         str(checkpoint.folder), dtype=torch.float32
     )
     expected = greedy_hf(hf_quantized.eval())
-    assert greedy_fitserve(checkpoint.folder) == expected
+    assert greedy_fitserve(fitserve_llm(checkpoint.folder)) == expected
 
 
 @pytest.mark.parametrize(
@@ -84,9 +56,8 @@ def test_greedy_matches_the_dequantized_model(spec, tmp_path, monkeypatch) -> No
     quantization = {"gptq": "gptq", "awq": "awq", "autoround": "auto-round", "ct": "compressed-tensors"}[
         spec.fmt
     ]
-    assert greedy_fitserve(checkpoint.folder, quantization=quantization) == greedy_hf(
-        checkpoint.dequantized_model
-    )
+    got = greedy_fitserve(fitserve_llm(checkpoint.folder, quantization=quantization))
+    assert got == greedy_hf(checkpoint.dequantized_model)
 
 
 def test_plan_counts_the_stored_int4_bytes(tmp_path) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from fitserve import LLM, SamplingParams
 from fitserve.core.state_slots import StateSlotKVManager
-from tests.unit.qwen3_5_helpers import build_hf, hf_greedy, hf_logits, make_config, save_hf
+from tests.model_folders import save_with_tokenizer
+from tests.unit.qwen3_5_helpers import build_hf, hf_greedy, hf_logits, make_config
 
 NEW_TOKENS = 10
 _generator = torch.Generator().manual_seed(7)
@@ -33,7 +34,7 @@ def tiny_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, list[l
     family, form = request.param.split("-")
     config = make_config(moe=family == "moe", conditional=form == "conditional")
     model = build_hf(config, seed=3)
-    folder = save_hf(model, tmp_path_factory.mktemp(request.param))
+    folder = save_with_tokenizer(model, tmp_path_factory.mktemp(request.param))
     expected = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
     return folder, model, expected
 

@@ -22,7 +22,8 @@ from fitserve.core.request import Request
 from fitserve.core.sampling_params import SamplingParams as CoreSamplingParams
 from fitserve.core.scheduler import Scheduler
 from fitserve.core.state_slots import StateSlotKVManager, num_state_slots, state_slots_of
-from tests.unit.qwen3_5_helpers import build_hf, make_config, save_hf
+from tests.model_folders import save_with_tokenizer
+from tests.unit.qwen3_5_helpers import build_hf, make_config
 
 BLOCK = 16
 NEW_TOKENS = 12
@@ -36,7 +37,7 @@ OTHERS = [torch.randint(0, 256, (n,), generator=_generator).tolist() for n in (9
 def tiny_model(request, tmp_path_factory) -> Path:
     family, form = request.param.split("-")
     model = build_hf(make_config(moe=family == "moe", conditional=form == "conditional"), seed=5)
-    return save_hf(model, tmp_path_factory.mktemp(f"prefix-{request.param}"))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp(f"prefix-{request.param}"))
 
 
 def make_llm(folder: Path, **kwargs) -> LLM:

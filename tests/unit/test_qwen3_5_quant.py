@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fitserve.layers.attention.metadata import forward_context
 from fitserve.layers.linear import UnquantizedLinearMethod
@@ -28,6 +27,7 @@ from tests import bnb_checkpoints
 from tests.bnb_checkpoints import BnbSpec
 from tests.fp8_checkpoints import Fp8Spec
 from tests.quant_checkpoints import QuantSpec
+from tests.unit.quant_helpers import load_model
 from tests.unit.qwen3_5_helpers import build_hf, hf_greedy, hf_logits, make_config
 from tests.unit.qwen3_5_quant_helpers import (
     SMALL,
@@ -52,15 +52,6 @@ LAYERS = {  # a module of each kind: (layer index, submodule path)
     "gate_up_proj": (3, "mlp.gate_up_proj"),
     "down_proj": (3, "mlp.down_proj"),
 }
-
-
-def load_model(folder: Path, flag: str | None = None) -> torch.nn.Module:
-    config = with_quantization_flag(CheckpointConfig.from_folder(folder), flag)
-    model = get_model_class(config)(config).eval()
-    loaded = model.load_weights(load_file(folder / "model.safetensors").items())
-    missing = {name for name, _ in model.named_parameters()} - loaded
-    assert not missing, f"parameters left unloaded: {sorted(missing)}"
-    return model
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:

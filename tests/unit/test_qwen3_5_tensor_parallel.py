@@ -29,8 +29,9 @@ from fitserve.models.registry import get_model_class
 from fitserve.planner.fit_errors import PlanError
 from fitserve.planner.memory import plan_memory
 from fitserve.worker.recurrent_state import recurrent_state_layers, state_bytes_per_slot
+from tests.model_folders import save_with_tokenizer
 from tests.unit.planner_helpers import memory_inputs
-from tests.unit.qwen3_5_helpers import TEXT, build_hf, make_config, save_hf
+from tests.unit.qwen3_5_helpers import TEXT, build_hf, make_config
 from tests.unit.test_planner_cli import parse
 from tests.unit.tp_helpers import on_rank
 
@@ -54,8 +55,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     dense = build_hf(make_config(moe=False, conditional=False), seed=3)
     moe = build_hf(make_config(moe=True, conditional=True), seed=4)
     return {
-        "dense": save_hf(dense, tmp_path_factory.mktemp("d")),
-        "moe": save_hf(moe, tmp_path_factory.mktemp("m")),
+        "dense": save_with_tokenizer(dense, tmp_path_factory.mktemp("d")),
+        "moe": save_with_tokenizer(moe, tmp_path_factory.mktemp("m")),
     }
 
 
@@ -125,7 +126,7 @@ def test_tp4_equals_tp1(tmp_path):
     config = make_config(moe=False, conditional=False)
     for key, value in text.items():
         setattr(config, key, value)
-    folder = save_hf(build_hf(config, seed=6), tmp_path)
+    folder = save_with_tokenizer(build_hf(config, seed=6), tmp_path)
     prompts = PROMPTS[1:]
     want = generate(make_llm(folder), prompts)
     four = make_llm(folder, tensor_parallel_size=4)

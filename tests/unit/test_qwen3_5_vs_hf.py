@@ -19,8 +19,9 @@ from fitserve.models.checkpoint_config import CheckpointConfig
 from fitserve.models.registry import get_model_class
 from fitserve.planner.model_shape import ModelShape
 from fitserve.worker.recurrent_state import state_bytes_per_slot
+from tests.model_folders import save_with_tokenizer
 from tests.paths import MODELS_DIR
-from tests.unit.qwen3_5_helpers import build_hf, hf_logits, make_config, save_hf
+from tests.unit.qwen3_5_helpers import build_hf, hf_logits, make_config
 
 FORMS = ["dense-causal", "dense-conditional", "moe-causal", "moe-conditional"]
 
@@ -30,7 +31,7 @@ def saved(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     family, form = request.param.split("-")
     config = make_config(moe=family == "moe", conditional=form == "conditional")
     model = build_hf(config, seed=5)
-    return save_hf(model, tmp_path_factory.mktemp(request.param)), model
+    return save_with_tokenizer(model, tmp_path_factory.mktemp(request.param)), model
 
 
 def load_fitserve(folder: Path, extra: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:

@@ -7,7 +7,6 @@ machine lacks as its first; a GPU Ray names is found among the visible ones."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from fitserve.args import EngineArgs
 from fitserve.args_support import refuse_unsupported
 from fitserve.config import DeviceConfig
 from fitserve.worker.rank_failure import RankFailedError
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.test_engine_vs_hf import make_llm
 
@@ -41,11 +40,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory) -> Path:
     """A 4-layer Llama: 2 layers per pipeline stage."""
-    folder = tmp_path_factory.mktemp("llama4-ray")
-    build_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=4), seed=3).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
-    return folder
+    model = build_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=4), seed=3)
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("llama4-ray"))
 
 
 def _greedy(llm) -> list:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections import Counter
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from fitserve import SamplingParams
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.test_engine_vs_hf import make_llm, save_tiny_model
 from tests.unit.test_spec_decode_engine import (
@@ -39,10 +38,7 @@ def folder(tmp_path_factory):
 def _save_draft(path, architecture: str, seed: int, **overrides):
     """A tiny model of another seed (and maybe architecture or shape), with the target's tokenizer."""
     config = tiny_hf_config(architecture, **overrides)
-    build_hf_model(config, seed=seed).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, path / name)
-    return path
+    return save_with_tokenizer(build_hf_model(config, seed=seed), path)
 
 
 @pytest.fixture(scope="module")
@@ -291,16 +287,11 @@ def test_the_engine_sizes_both_pools_alike(folder, random_draft):
 def test_grammars_cut_the_drafts_and_change_nothing(tmp_path):
     """Constrained requests beside a free one: the draft's greedy tokens are cut to what each grammar
     accepts (its own state, kept in its KV cache, goes on from the accepted ones)."""
-    import shutil
-
     from fitserve import LLM
-    from tests.paths import SMOLLM2_TOKENIZER_DIR
     from tests.unit.test_structured_greedy import CONSTRAINTS, EOS, MAX_TOKENS, PROMPTS, VOCAB
 
     config = tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, eos_token_id=EOS)
-    build_hf_model(config, seed=5).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, tmp_path / name)
+    save_with_tokenizer(build_hf_model(config, seed=5), tmp_path)
     requests = [(name, PROMPTS[0]) for name in CONSTRAINTS] + [(None, PROMPTS[2])]
     params = [
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS.get(name))

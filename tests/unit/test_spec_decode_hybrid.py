@@ -20,7 +20,8 @@ from fitserve.layers.gated_delta_rule import split_state_rows
 from fitserve.models.delta_net_chain import ChainedStepSlots
 from fitserve.worker.recurrent_state import RecurrentStatePool, recurrent_state_layers
 from fitserve.worker.state_rings import StateRings, verify_depths
-from tests.unit.qwen3_5_helpers import build_hf, make_config, save_hf
+from tests.model_folders import save_with_tokenizer
+from tests.unit.qwen3_5_helpers import build_hf, make_config
 from tests.unit.test_qwen3_5_engine import make_llm
 from tests.unit.test_qwen3_5_step_slots import make_layer, metadata_for, per_sequence_reference, run_layer
 from tests.unit.test_spec_decode_draft import _save_draft
@@ -161,7 +162,7 @@ def test_the_ring_moves_to_the_last_kept_token():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return save_hf(
+    return save_with_tokenizer(
         build_hf(make_config(moe=False, conditional=False), seed=3), tmp_path_factory.mktemp("q35")
     )
 

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
-from tests.unit.qwen3_5_helpers import FULL, LIN, MOE, TEXT, build_hf, save_hf
+from tests.model_folders import save_with_tokenizer
+from tests.unit.qwen3_5_helpers import FULL, LIN, MOE, TEXT, build_hf
 from tests.unit.test_engine_vs_hf import make_llm
 from tests.unit.test_spec_decode_engine import (
     _generate,
@@ -95,7 +96,7 @@ def save_target(
 ):
     """HF's tiny Qwen3.5 saved as a checkpoint, the MTP tensors beside it in mtp.safetensors."""
     model = build_hf(_text_config(layer_types, mtp_layers), seed=seed)
-    save_hf(model, folder)
+    save_with_tokenizer(model, folder)
     if tensors is not None:
         save_file(tensors, str(folder / "mtp.safetensors"))
     return folder, model
@@ -275,7 +276,7 @@ def write_copying_target(folder: Path) -> Path:
         for name, param in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")) or name == "model.norm.weight":
                 param.zero_()
-    save_hf(model, folder)
+    save_with_tokenizer(model, folder)
     save_file(copying_mtp_tensors(), str(folder / "mtp.safetensors"))
     return folder
 

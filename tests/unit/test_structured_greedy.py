@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from fitserve.args import EngineArgs
 from fitserve.engine.async_engine import AsyncEngine
 from fitserve.engine.engine_process import EngineProcess
 from fitserve.structured import StructuredOutputsParams
+from tests.model_folders import save_with_tokenizer
 from tests.paths import SMOLLM2_TOKENIZER_DIR
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.test_engine_process import LoopThread
@@ -55,9 +55,7 @@ def tiny_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     folder = tmp_path_factory.mktemp("tiny-llama-structured")
     config = tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, eos_token_id=EOS)
     model = build_hf_model(config, seed=5)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    save_with_tokenizer(model, folder)
     return folder, model
 
 

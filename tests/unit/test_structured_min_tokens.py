@@ -7,7 +7,6 @@ refusing before any decoding while the bound itself is accepted."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -20,7 +19,7 @@ from fitserve.structured import min_tokens as mt
 from fitserve.structured.backend import build_grammar, validate
 from fitserve.structured.manager import StructuredOutputManager
 from fitserve.token_bytes import token_byte_table
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.server_helpers import build_test_client, smollm2_tokenizer
 
@@ -346,9 +345,7 @@ def test_a_refused_request_leaves_the_one_in_flight_alone(served) -> None:
 # ---- offline: LLM.generate ---------------------------------------------------------------------------
 def test_offline_generate_raises_before_anything_runs(tmp_path) -> None:
     config = tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, eos_token_id=EOS)
-    build_hf_model(config, seed=3).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SMOLLM2_TOKENIZER_DIR / name, tmp_path / name)
+    save_with_tokenizer(build_hf_model(config, seed=3), tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=64, block_size=8, max_model_len=64)
     constraint = StructuredOutputsParams(json=MANY_FIELDS)
     needed = int(bound(constraint).min_tokens)

@@ -4,14 +4,13 @@ class (loader._class_choice); the tokenizer must come out exactly as AutoTokeniz
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from fitserve.models.loader import _class_choice, load_tokenizer
-from tests.paths import SMOLLM2_TOKENIZER_DIR
+from tests.model_folders import copy_smollm2_tokenizer
 
 TEXT = "The capital of France is Paris. 17*23 = 391 <|im_end|> naïve 日本"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -20,9 +19,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def tokenizer_folder(root: Path, model_type: str, tokenizer_class: str | None) -> Path:
     folder = root / f"{model_type}-{tokenizer_class}"
     folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (SMOLLM2_TOKENIZER_DIR / name).is_file():
-            shutil.copy(SMOLLM2_TOKENIZER_DIR / name, folder / name)
+    copy_smollm2_tokenizer(folder, chat_template=True)
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     if tokenizer_class is None:
         settings.pop("tokenizer_class", None)

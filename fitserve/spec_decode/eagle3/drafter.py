@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -351,18 +351,41 @@ class Eagle3Drafter(DraftModel):
         """One forward of the head over `items`; the draft (target id) and the output before the final norm
         of each sampling row. `previous`: the step before's drafts and each request's row among them
         (rows past the known tokens read their token there, and their hidden from `hidden` at that row)."""
+        _, inputs, hidden = self._prepare_rows(items, previous, hidden)
+        with single_rank():  # the head alone: no collectives beside a tensor-parallel target
+            return self._head_rows(inputs, hidden, any(item.samples for item in items))
+
+    def _prepare_rows(
+        self,
+        items: list[ScheduledRequest],
+        previous: tuple[torch.Tensor, dict[str, int]] | None,
+        hidden: torch.Tensor,
+    ) -> tuple[Any, Any, torch.Tensor]:
+        """The host inputs of `items`, uploaded, with the rows of a recurrent step given the previous
+        step's drafts as ids and the hidden rows they came from: (host, device inputs, hidden)."""
         index = previous[1] if previous is not None else {}
         host, _ = build_host_inputs(items, self.block_size, self.table_rows, None, index.__getitem__)
+        self._before_upload(host)
         inputs = upload_inputs(host, self.staging, self.layer_group)
         if inputs.fill is not None:
             rows, sources = inputs.fill
             inputs.input_ids[rows] = previous[0][sources]
             hidden = hidden[sources]  # every row of a recurrent step reads the row before
-        with single_rank():  # the head alone: no collectives beside a tensor-parallel target
-            with forward_context(inputs.metadata, self.kv_caches):
-                normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
-            if not any(item.samples for item in items):
-                return None
-            if inputs.sample_rows is not None:
-                normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
-            return self.head.draft_ids(normed), prenorm
+        return host, inputs, hidden
+
+    def _before_upload(self, host: Any) -> None:
+        """Called with each forward's host inputs before they are uploaded (MtpDrafter sends them to the
+        other tensor-parallel ranks there)."""
+
+    def _head_rows(
+        self, inputs: Any, hidden: torch.Tensor, samples: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The head's forward over uploaded inputs; the drafts and pre-norm outputs of the sampling rows
+        (None when no row samples)."""
+        with forward_context(inputs.metadata, self.kv_caches):
+            normed, prenorm = self.head.forward(self.embed(inputs.input_ids), hidden, inputs.positions)
+        if not samples:
+            return None
+        if inputs.sample_rows is not None:
+            normed, prenorm = normed[inputs.sample_rows], prenorm[inputs.sample_rows]
+        return self.head.draft_ids(normed), prenorm
