@@ -16,7 +16,11 @@ paused (benchmarks/gpu/gpu_pauses.py) from a host that came late.
 Prints one JSON object: the run's figures, the median pure decode step at the largest batch, the
 steps with prompt tokens by size, the mean of each TPOT part and the TTFT of the first wave.
 
-  python benchmarks/gpu/tpot_breakdown.py STEP_TRACE RESULT_JSON [--wave 32]
+  python benchmarks/gpu/tpot_breakdown.py STEP_TRACE RESULT_JSON [--wave 32] [--timeline 2]
+
+--timeline S adds the run in intervals of S seconds (requests started and finished, steps, decode rows,
+prompt tokens, device time); with STEP_TRACE '-' it gives the client's side alone, for a server without a
+trace (vLLM), so two servers' runs of the same client can be laid side by side.
 """
 
 from __future__ import annotations
@@ -95,15 +99,59 @@ def breakdown(steps: list[list[str]], result: dict, wave: int) -> dict:
     return figures
 
 
+def timeline(steps: list[list[str]], result: dict, seconds: float) -> list[dict]:
+    """The run in intervals of `seconds` from its first request: requests started and finished (from the
+    client's result, so it works for any server's), and from the step trace (empty for a server without
+    one) the steps launched, those without prompt tokens, their mean decode rows, the prompt tokens
+    scheduled and, with device columns, the device's milliseconds. A closed-loop client whose requests
+    start together shows phases: bursts of prompts, then decode-only steps while the wave drains."""
+    starts = result["start_times"]
+    ends = [start + latency for start, latency in zip(starts, result["latencies"])]
+    begin = min(starts)
+    count = int((max(ends) - begin) // seconds) + 1
+    rows = [
+        {"from_s": round(i * seconds, 3), "started": 0, "finished": 0, "steps": 0, "decode_only_steps": 0}
+        for i in range(count)
+    ]
+    decode_rows = [0] * count
+    prompt_tokens = [0] * count
+    device_ms = [0.0] * count
+    for start, end in zip(starts, ends):
+        rows[int((start - begin) // seconds)]["started"] += 1
+        rows[int((end - begin) // seconds)]["finished"] += 1
+    for step in steps:
+        at = int((float(step[0]) - begin) // seconds)
+        if not 0 <= at < count:
+            continue
+        rows[at]["steps"] += 1
+        rows[at]["decode_only_steps"] += int(step[2]) == 0
+        decode_rows[at] += int(step[1])
+        prompt_tokens[at] += int(step[2])
+        if len(step) >= 6:
+            device_ms[at] += float(step[4])
+    for i, row in enumerate(rows):
+        if steps:
+            row["mean_decode_rows"] = round(decode_rows[i] / row["steps"], 1) if row["steps"] else 0.0
+            row["prompt_tokens"] = prompt_tokens[i]
+        if steps and all(len(step) >= 6 for step in steps):
+            row["device_ms"] = round(device_ms[i], 1)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("trace")
+    parser.add_argument("trace", help="the server's step trace ('-' for a server without one)")
     parser.add_argument("result")
     parser.add_argument("--wave", type=int, default=32, help="requests that start together (concurrency)")
+    parser.add_argument("--timeline", type=float, default=None, help="also the run in intervals of S s")
     args = parser.parse_args()
     with open(args.result) as result_file:
         result = json.load(result_file)
-    print(json.dumps(breakdown(read_trace(args.trace), result, args.wave), indent=2))
+    steps = read_trace(args.trace) if args.trace != "-" else []
+    figures = breakdown(steps, result, args.wave) if steps else {}
+    if args.timeline:
+        figures["timeline"] = timeline(steps, result, args.timeline)
+    print(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from fitserve.bench import sse_http
 
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 FAILURE_KINDS = ("http_error", "timeout", "truncated", "connection", "stream_error", "no_token")
@@ -107,14 +111,19 @@ class StreamTimer:
         self.last_token_time: float | None = None
         self.done = False
         self.num_token_chunks = 0
+        self.texts: list[str] = []  # joined into result.generated_text at the end (no quadratic +=)
 
     def add(self, payload: str, now: float) -> None:
-        if payload == "[DONE]":
+        """A payload as text ([DONE] or JSON)."""
+        self.add_decoded(payload if payload == "[DONE]" else json.loads(payload), now)
+
+    def add_decoded(self, data: Any, now: float) -> None:
+        """A payload already decoded (SSELines hands them out so: each chunk's JSON is parsed once)."""
+        if data == "[DONE]":
             self.done = True
             return
-        data = json.loads(payload)
         if not isinstance(data, dict):
-            raise ValueError(f"a stream chunk is not a JSON object: {payload[:80]}")
+            raise ValueError(f"a stream chunk is not a JSON object: {str(data)[:80]}")
         if data.get("error") is not None:
             raise StreamError(_error_message(data))
         usage = data.get("usage")
@@ -132,10 +141,11 @@ class StreamTimer:
             self.result.itl.append(now - self.last_token_time)
         self.last_token_time = now
         self.num_token_chunks += 1
-        self.result.generated_text += text
+        self.texts.append(text)
 
     def finish(self) -> None:
         """Decide success once the stream has closed."""
+        self.result.generated_text = "".join(self.texts)
         if not self.done:
             self.result.fail(
                 "truncated",
@@ -156,47 +166,65 @@ class SSELines:
     """Assembles `data:` payloads from server-sent-event lines; comments and other fields are skipped.
 
     A payload is handed out as soon as its data line parses as JSON (or is [DONE]), so its timestamp is
-    taken when it arrives; data split over several lines is joined and handed out at the blank line.
+    taken when it arrives, and it is handed out decoded (its JSON parsed once, here); data split over
+    several lines is joined and handed out at the blank line. `feed` returns None or the decoded payload
+    ("[DONE]" for the end; a payload that is not JSON comes out as its text, which StreamTimer refuses).
     """
 
     def __init__(self) -> None:
         self.pending: list[str] = []
 
-    def feed(self, line: str) -> str | None:
+    def feed(self, line: str) -> Any:
         if not line:
             return self._flush()
         if line.startswith(":") or not line.startswith("data:"):
             return None
         value = line[5:].removeprefix(" ")
         self.pending.append(value)
-        joined = "\n".join(self.pending)
-        if joined == "[DONE]" or _is_json(joined):
+        joined = "\n".join(self.pending) if len(self.pending) > 1 else value
+        if joined == "[DONE]":
             self.pending.clear()
             return joined
-        return None
-
-    def _flush(self) -> str | None:
-        joined = "\n".join(self.pending) if self.pending else None
+        try:
+            decoded = json.loads(joined)
+        except json.JSONDecodeError:
+            return None
         self.pending.clear()
-        return joined
+        return decoded
+
+    def _flush(self) -> Any:
+        if not self.pending:
+            return None
+        joined = "\n".join(self.pending)
+        self.pending.clear()
+        try:
+            return json.loads(joined)
+        except json.JSONDecodeError:
+            return joined
 
 
-async def send_request(client: httpx.AsyncClient, request: RequestInput) -> RequestResult:
-    """Send one request and time its stream; never raises for a failed request."""
+async def send_request(
+    client: httpx.AsyncClient, request: RequestInput, raw_http: bool = False
+) -> RequestResult:
+    """Send one request and time its stream; never raises for a failed request. raw_http: over one
+    plain HTTP/1.1 connection of its own (sse_http.py) instead of `client` (http:// URLs only)."""
     result = RequestResult(prompt_len=request.prompt_len)
+    stream = _stream_raw(request, result) if raw_http else _stream(client, request, result)
     try:
-        await asyncio.wait_for(_stream(client, request, result), timeout=request.timeout_s)
+        await asyncio.wait_for(stream, timeout=request.timeout_s)
     except asyncio.TimeoutError:
         result.fail("timeout", f"no complete answer within {request.timeout_s:g} s (--request-timeout)")
     except httpx.TimeoutException as error:
         result.fail("timeout", f"{type(error).__name__}: {error}")
-    except httpx.ConnectError as error:
+    except (httpx.ConnectError, ConnectionRefusedError, socket.gaierror) as error:
         result.fail("connection", f"cannot connect to {request.api_url}: {error}")
-    except httpx.TransportError as error:
+    except (httpx.TransportError, asyncio.IncompleteReadError, ConnectionError) as error:
         result.fail("truncated", f"the connection broke mid-answer ({type(error).__name__}: {error})")
+    except OSError as error:  # the raw connection: unreachable network and the like
+        result.fail("connection", f"cannot connect to {request.api_url}: {error}")
     except StreamError as error:
         result.fail("stream_error", f"the server reported an error mid-stream: {error}")
-    except ValueError as error:  # json.JSONDecodeError included
+    except ValueError as error:  # json.JSONDecodeError and sse_http.HTTPResponseError included
         result.fail("stream_error", f"unreadable stream chunk: {error}")
     return result
 
@@ -210,23 +238,36 @@ async def _stream(client: httpx.AsyncClient, request: RequestInput, result: Requ
             body = (await response.aread()).decode("utf-8", errors="replace")
             result.fail("http_error", f"HTTP {response.status_code}: {_body_message(body)}")
             return
-        lines = SSELines()
-        async for line in response.aiter_lines():
-            payload_text = lines.feed(line)
-            if payload_text is not None:
-                timer.add(payload_text, time.perf_counter())
-        trailing = lines.feed("")
-        if trailing is not None:
-            timer.add(trailing, time.perf_counter())
+        await _time_events(response.aiter_lines(), timer)
     timer.finish()
 
 
-def _is_json(text: str) -> bool:
+async def _stream_raw(request: RequestInput, result: RequestResult) -> None:
+    payload = build_payload(request)
+    result.start_time = time.perf_counter()
+    timer = StreamTimer(result, result.start_time)
+    response = await sse_http.post_json(request.api_url, payload, request.headers)
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
+        if response.status != 200:
+            body = (await sse_http.read_body(response)).decode("utf-8", errors="replace")
+            result.fail("http_error", f"HTTP {response.status}: {_body_message(body)}")
+            return
+        await _time_events(sse_http.body_lines(response), timer)
+    finally:
+        response.close()
+    timer.finish()
+
+
+async def _time_events(lines: AsyncIterator[str], timer: StreamTimer) -> None:
+    """Each SSE payload of `lines` into `timer`, with the clock reading at its arrival."""
+    events = SSELines()
+    async for line in lines:
+        payload = events.feed(line)
+        if payload is not None:
+            timer.add_decoded(payload, time.perf_counter())
+    trailing = events.feed("")
+    if trailing is not None:
+        timer.add_decoded(trailing, time.perf_counter())
 
 
 def _error_message(data: dict[str, Any]) -> str:

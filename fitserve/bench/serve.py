@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import math
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from fitserve.bench import sse_http
 from fitserve.bench.client import BACKEND_ENDPOINTS, RequestInput, RequestResult, send_request
 from fitserve.bench.datasets import SampleRequest, describe_lengths, sample_requests
 from fitserve.bench.metrics import RequestTiming, compute_metrics
@@ -95,8 +98,9 @@ async def _run(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | N
         )
         _print_traffic(args)
         spec_before = await read_spec_counters(client, base_url, headers)
+        raw_http = transport is None and sse_http.takes_url(api_url) and not _proxied(api_url)
         results, duration = await run_requests(
-            client, inputs, offsets, args.max_concurrency, args.disable_tqdm
+            client, inputs, offsets, args.max_concurrency, args.disable_tqdm, raw_http
         )
         spec = spec_decode_summary(spec_before, await read_spec_counters(client, base_url, headers))
     timings, output_lens = collect_timings(results, tokenizer)
@@ -228,20 +232,29 @@ def arrival_offsets(
     return offsets.tolist()
 
 
+def _proxied(url: str) -> bool:
+    """True when the environment sends `url` through a proxy (httpx honours it; sse_http does not)."""
+    proxies = urllib.request.getproxies()
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return bool(proxies.get("http") or proxies.get("all")) and not urllib.request.proxy_bypass(host)
+
+
 async def run_requests(
     client: httpx.AsyncClient,
     inputs: Sequence[RequestInput],
     offsets: Sequence[float],
     max_concurrency: int | None,
     disable_tqdm: bool = True,
+    raw_http: bool = False,
 ) -> tuple[list[RequestResult], float]:
-    """Send each request at its offset, at most max_concurrency at once; (results in input order, seconds)."""
+    """Send each request at its offset, at most max_concurrency at once; (results in input order, seconds).
+    raw_http: each timed request over a plain HTTP/1.1 connection of its own (bench/sse_http.py)."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(inputs), disable=disable_tqdm)
 
     async def limited(request: RequestInput) -> RequestResult:
         async with limit:
-            result = await send_request(client, request)
+            result = await send_request(client, request, raw_http)
         bar.update(1)
         return result
 

@@ -201,9 +201,11 @@ def test_sse_lines_join_split_data_and_skip_comments():
     assert lines.feed(": ping") is None
     assert lines.feed("event: message") is None
     assert lines.feed('data: {"a":') is None
-    assert lines.feed("data: 1}") == '{"a":\n1}'
+    assert lines.feed("data: 1}") == {"a": 1}  # joined, and handed out decoded (parsed once)
     assert lines.feed("") is None
     assert lines.feed("data: [DONE]") == "[DONE]"
+    assert lines.feed("data: not json") is None
+    assert lines.feed("") == "not json"  # handed out at the blank line; StreamTimer refuses it
 
 
 @pytest.mark.parametrize(("max_concurrency", "expected_peak"), [(2, 2), (None, 6)])

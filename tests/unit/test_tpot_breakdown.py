@@ -9,13 +9,17 @@ import pytest
 from tests.paths import REPO_DIR
 
 
-def load_breakdown():
+def load_module():
     spec = importlib.util.spec_from_file_location(
         "tpot_breakdown", REPO_DIR / "benchmarks" / "gpu" / "tpot_breakdown.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.breakdown
+    return module
+
+
+def load_breakdown():
+    return load_module().breakdown
 
 
 def trace(durations_ms: list[float], prompts: list[int], device: list[tuple[float, float]] | None = None):
@@ -71,3 +75,24 @@ def test_device_columns_tell_a_device_pause_from_host_jitter():
     # one device step 20 ms over the median, over 6 tokens; 2 ms of idle device over 6 tokens
     assert figures["device"]["tpot_part_above_the_median_decode_step_ms"] == pytest.approx(20 / 6, abs=1e-3)
     assert figures["device"]["tpot_part_idle_ms"] == pytest.approx(2 / 6, abs=1e-3)
+
+
+def test_timeline_counts_requests_steps_and_prompt_tokens_per_interval():
+    timeline = load_module().timeline
+    # steps of 10 ms from 100.000 s (a 600-token prompt step, three decode steps, a 300-token step, one
+    # more, and the helper's closing row at 100.060 s); requests from 99.999 s, in intervals of 25 ms
+    steps = trace([10] * 6, [600, 0, 0, 0, 300, 0], device=[(9.0, 0.1)] * 6)
+    two = dict(result(99.999, 0.010, 0.036, 4))
+    two["start_times"] = [99.999, 100.032]
+    two["latencies"] = [0.036, 0.020]
+    rows = timeline(steps, two, 0.025)
+    assert [row["started"] for row in rows] == [1, 1, 0]
+    assert [row["finished"] for row in rows] == [0, 1, 1]
+    assert [row["steps"] for row in rows] == [3, 2, 2]
+    assert [row["decode_only_steps"] for row in rows] == [2, 1, 2]
+    assert [row["prompt_tokens"] for row in rows] == [600, 300, 0]
+    assert [row["mean_decode_rows"] for row in rows] == [2.0, 2.0, 1.0]
+    assert [row["device_ms"] for row in rows] == [27.0, 18.0, 9.0]
+    # a server without a trace: the client's side alone
+    client_only = timeline([], two, 0.025)
+    assert [row["finished"] for row in client_only] == [0, 1, 1] and "prompt_tokens" not in client_only[0]
