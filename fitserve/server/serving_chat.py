@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -37,6 +36,7 @@ from fitserve.server.responses import (
     final_usage,
 )
 from fitserve.server.serving_completion import truncate_prompt_ids
+from fitserve.server.stream_reporting import StreamUsage, stream_error_event
 from fitserve.server.streaming import SSE_DONE, EventStreamResponse, run_unless_disconnected, sse_event
 from fitserve.structured.tools import named_tool_schema, required_tools_schema
 
@@ -241,22 +241,9 @@ class ChatHandler:
             body = ChatCompletionChunk(id=request_id, model=model_name, choices=choices, usage=usage)
             return sse_event(body.model_dump_json())
 
-        options = request.stream_options
-        # --enable-force-include-usage: as if every stream asked for include_usage (vLLM)
-        force_usage = self.ctx.settings.enable_force_include_usage
-        include_usage = force_usage or bool(options and options.include_usage)
-        # vLLM: usage in every chunk too (the prompt's tokens and that choice's tokens so far).
-        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
-
-        def running_usage(completion_tokens: int) -> UsageInfo | None:
-            if not continuous_usage:
-                return None
-            return UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=num_prompt_tokens + completion_tokens,
-            )
-
+        stream_usage = StreamUsage.requested(
+            request.stream_options, self.ctx.settings.enable_force_include_usage
+        )
         sent_text = [""] * len(parsers)
         sent_tokens = [0] * len(parsers)
         done = [False] * len(parsers)
@@ -264,11 +251,14 @@ class ChatHandler:
         try:
             role = DeltaMessage(role=self.ctx.settings.response_role, content="")
             for index in range(len(parsers)):
-                yield chunk([ChatStreamChoice(index=index, delta=role)], running_usage(0))
+                yield chunk(
+                    [ChatStreamChoice(index=index, delta=role)], stream_usage.so_far(num_prompt_tokens, 0)
+                )
             if echo:
                 for index in range(len(parsers)):
                     yield chunk(
-                        [ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))], running_usage(0)
+                        [ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))],
+                        stream_usage.so_far(num_prompt_tokens, 0),
                     )
             async for output in stream:
                 raise_if_generation_failed([output])  # sent as an error event, then [DONE]
@@ -311,14 +301,13 @@ class ChatHandler:
                         stop_reason=choice.stop_reason if finished else None,
                     )
                     done[i] = finished
-                    yield chunk([stream_choice], running_usage(len(choice.token_ids)))
-            if include_usage and final is not None:
+                    yield chunk(
+                        [stream_choice], stream_usage.so_far(num_prompt_tokens, len(choice.token_ids))
+                    )
+            if stream_usage.include and final is not None:
                 yield chunk([], usage=_usage(final, self.ctx.settings.enable_prompt_tokens_details))
-        except APIError as exc:
-            yield exc.to_sse()
         except Exception as exc:
-            logger.exception("chat stream %s failed", request_id)
-            yield APIError(f"generation failed: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR).to_sse()
+            yield stream_error_event(exc, "chat", request_id, logger)
         finally:
             stream.close()
         yield SSE_DONE

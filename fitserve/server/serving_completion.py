@@ -12,7 +12,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +36,7 @@ from fitserve.server.responses import (
     UsageInfo,
     final_usage,
 )
+from fitserve.server.stream_reporting import StreamUsage, stream_error_event
 from fitserve.server.streaming import (
     SSE_DONE,
     EventStreamResponse,
@@ -250,12 +250,9 @@ class CompletionHandler:
         model_name: str,
         n: int,
     ) -> AsyncIterator[str]:
-        options = request.stream_options
-        # --enable-force-include-usage: as if every stream asked for include_usage (vLLM)
-        force_usage = self.ctx.settings.enable_force_include_usage
-        include_usage = force_usage or bool(options and options.include_usage)
-        # vLLM: usage in every chunk too (that prompt's tokens and that choice's tokens so far).
-        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        stream_usage = StreamUsage.requested(
+            request.stream_options, self.ctx.settings.enable_force_include_usage
+        )
         progress: dict[int, _ChoiceProgress] = {}
         finals: dict[int, RequestOutput] = {}
         merged = merge_async_iterators(*streams)
@@ -270,12 +267,10 @@ class CompletionHandler:
                     event = self._stream_choice(request, output, choice, progress[index])
                     if event is None:
                         continue
-                    usage = None
-                    if continuous_usage:
-                        usage = _choice_usage(len(output.prompt_token_ids), len(choice.token_ids))
+                    usage = stream_usage.so_far(len(output.prompt_token_ids), len(choice.token_ids))
                     body = CompletionResponse(id=request_id, model=model_name, choices=[event], usage=usage)
                     yield sse_event(body.model_dump_json())
-            if include_usage and len(finals) == len(streams):
+            if stream_usage.include and len(finals) == len(streams):
                 usage = _usage(
                     [finals[i] for i in range(len(streams))], self.ctx.settings.enable_prompt_tokens_details
                 )
@@ -284,11 +279,8 @@ class CompletionHandler:
                         id=request_id, model=model_name, choices=[], usage=usage
                     ).model_dump_json()
                 )
-        except APIError as exc:
-            yield exc.to_sse()
         except Exception as exc:
-            logger.exception("completion stream %s failed", request_id)
-            yield APIError(f"generation failed: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR).to_sse()
+            yield stream_error_event(exc, "completion", request_id, logger)
         finally:
             await merged.aclose()
             _close_all(streams)
@@ -367,14 +359,6 @@ def _end_offset(logprobs: CompletionLogprobs | None) -> int:
     if logprobs is None or not logprobs.tokens:
         return 0
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-
-
-def _choice_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
 
 
 def _usage(finals: list[RequestOutput], prompt_tokens_details: bool = False) -> UsageInfo:

@@ -12,9 +12,6 @@ as the published checkpoints keep them.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,13 @@ from tests.bnb_checkpoints import BnbSpec
 from tests.fp8_checkpoints import Fp8Spec
 from tests.quant_checkpoints import QuantSpec
 from tests.unit.gemma4_helpers import BASE, CASES, F, S, build_hf, conditional_config
+from tests.unit.quant_helpers import (
+    ProjectionCheckpoints,
+    QuantizedCheckpoint,
+    bnb_quantizer,
+    fp8_quantizer,
+    int4_quantizer,
+)
 
 SIZES = {"intermediate_size": 64, "hidden_size_per_layer_input": 32}
 GROUP = 32
@@ -58,13 +62,6 @@ TOKENS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)
 _SEEDS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 2, "up_proj": 2}  # fused: one act order
 
 
-@dataclass
-class QuantizedGemma:
-    folder: Path
-    reference: nn.Module  # the HF model with every quantized projection's dequantized weight
-    quantized: list[str]  # checkpoint module names stored quantized
-
-
 def build_model(case: str, conditional: bool = False, seed: int = 0, **sizes: Any) -> nn.Module:
     """HF's model of the case (ALL_CASES) with SIZES (and `sizes`) set; the ConditionalGeneration form
     (weights under model.language_model.) when `conditional`."""
@@ -84,28 +81,12 @@ def build_model(case: str, conditional: bool = False, seed: int = 0, **sizes: An
     return build_hf(config, seed=seed)
 
 
-def _is_projection(name: str) -> bool:
-    module = name.removesuffix(".weight")
-    return name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS and "tower" not in name
-
-
-def write_checkpoint(
-    folder: Path,
-    hf_model: nn.Module,
-    quantize: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
-    skip: Callable[[str], bool],
-    quantization_config: dict[str, Any] | None,
-) -> QuantizedGemma:
-    """Writes config.json (with `quantization_config`), model.safetensors and the tokenizer: each
-    projection not `skip`ped stored as `quantize(module, weight)` gives it."""
-    reference, quantized = quant_checkpoints.write_hf_checkpoint(
-        folder,
-        hf_model,
-        quantize,
-        lambda module: _is_projection(module + ".weight") and not skip(module),
-        quantization_config,
-    )
-    return QuantizedGemma(folder, reference, quantized)
+# the text model's projections (the vision and audio towers' linears stay as they are)
+CHECKPOINTS = ProjectionCheckpoints(
+    lambda module: module.split(".")[-1] in PROJECTIONS and "tower" not in module
+)
+write_16bit = CHECKPOINTS.write_16bit
+dequantized_reference = CHECKPOINTS.dequantized_reference
 
 
 def _seed(module: str) -> int:
@@ -122,65 +103,35 @@ def int4_ignore(fmt: str) -> tuple[str, ...]:
     return ROUTER_AND_EXPERTS
 
 
-def write_int4(folder: Path, hf_model: nn.Module, spec: QuantSpec) -> QuantizedGemma:
+def write_int4(folder: Path, hf_model: nn.Module, spec: QuantSpec) -> QuantizedCheckpoint:
     """An int4 checkpoint of `spec`'s format; the router, the experts and the modules spec.ignore names in
     full stay 16-bit (spec.ignore should also hold int4_ignore's entries, which the config lists)."""
 
     def skip(module: str) -> bool:  # the ignore list as the writer applies it (independent of fitserve)
         return module in spec.ignore or any(f".{part}." in module for part in ROUTER_AND_EXPERTS)
 
-    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        rounded = quant_checkpoints.round_to_int4(weight, spec, seed=_seed(module))
-        parts = quant_checkpoints.pack_tensors(rounded, spec)
-        return {f".{suffix}": value for suffix, value in parts.items()}, rounded.dequantized()
-
-    return write_checkpoint(folder, hf_model, quantize, skip, quant_checkpoints.quantization_config(spec))
+    config = quant_checkpoints.quantization_config(spec)
+    return CHECKPOINTS.write(folder, hf_model, int4_quantizer(spec, _seed), skip, config)
 
 
-def write_fp8(folder: Path, hf_model: nn.Module, spec: Fp8Spec) -> QuantizedGemma:
+def write_fp8(folder: Path, hf_model: nn.Module, spec: Fp8Spec) -> QuantizedCheckpoint:
     """An fp8 checkpoint of `spec`: every projection but the router's (and the experts)."""
-    scale_name = "weight_scale_inv" if spec.fmt == "hf" and spec.strategy == "block" else "weight_scale"
-
-    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        data, scale, dequantized = fp8_checkpoints.quantize(weight, spec)
-        return {".weight": data, f".{scale_name}": scale.float()}, dequantized
-
     config = fp8_checkpoints.quantization_config(spec)
     if spec.fmt == "ct":
         config["ignore"] = [*config["ignore"], "re:.*router.*", "re:.*experts.*"]
     else:
         config["modules_to_not_convert"] = [*config["modules_to_not_convert"], *ROUTER_AND_EXPERTS]
-    return write_checkpoint(folder, hf_model, quantize, lambda module: ".router." in module, config)
+    return CHECKPOINTS.write(folder, hf_model, fp8_quantizer(spec), _is_router, config)
 
 
-def write_bnb(folder: Path, hf_model: nn.Module, spec: BnbSpec) -> QuantizedGemma:
+def write_bnb(folder: Path, hf_model: nn.Module, spec: BnbSpec) -> QuantizedCheckpoint:
     """A pre-quantized bitsandbytes 4-bit checkpoint of `spec` (every projection but the router's)."""
-
-    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        parts, dequantized = bnb_checkpoints.quantize_spec(weight, spec)
-        return {f".weight{suffix}": value for suffix, value in parts.items()}, dequantized
-
     config = bnb_checkpoints.bnb_quantization_config(spec)
-    return write_checkpoint(folder, hf_model, quantize, lambda module: ".router." in module, config)
+    return CHECKPOINTS.write(folder, hf_model, bnb_quantizer(spec), _is_router, config)
 
 
-def write_16bit(folder: Path, hf_model: nn.Module) -> Path:
-    """The model as a plain float32 checkpoint (for --quantization fp8 / bitsandbytes)."""
-    write_checkpoint(folder, hf_model, lambda module, weight: ({}, weight), lambda module: True, None)
-    return folder
-
-
-def dequantized_reference(
-    hf_model: nn.Module, dequantize: Callable[[torch.Tensor], torch.Tensor]
-) -> nn.Module:
-    """The HF model with every projection replaced by `dequantize(weight)` (what quantizing while loading
-    gives it)."""
-    reference = copy.deepcopy(hf_model).eval()
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if _is_projection(name):
-                param.copy_(dequantize(param.detach()))
-    return reference
+def _is_router(module: str) -> bool:
+    return ".router." in module
 
 
 def logits_of(model: nn.Module, tokens: list[int] = TOKENS) -> torch.Tensor | None:

@@ -4,21 +4,18 @@ or dtype is refused at load, naming the tensor, what it holds and what was expec
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
 from tests.fp8_checkpoints import Fp8Spec, quantization_config, write_fp8
 from tests.quant_checkpoints import QuantSpec, write_quantized
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-
-DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+from tests.unit.quant_helpers import DIMS, load_weights, refusal, rewrite_tensor, with_quant_config
 
 
 @pytest.fixture(scope="module")
@@ -29,26 +26,6 @@ def hf_model() -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def ct_folder(hf_model, tmp_path_factory) -> Path:
     return write_fp8(tmp_path_factory.mktemp("ct"), hf_model, Fp8Spec("ct", "channel", "dynamic")).folder
-
-
-def with_quant_config(folder: Path, tmp_path: Path, quant: dict | None) -> Path:
-    copy = tmp_path / "model"
-    copy.mkdir()
-    for item in folder.iterdir():
-        if item.name != "config.json":
-            (copy / item.name).symlink_to(item)
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("quantization_config")
-    if quant is not None:
-        config["quantization_config"] = quant
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
-
-
-def refusal(folder: Path, **kwargs) -> str:
-    with pytest.raises(ValueError) as error:
-        plan_settings(EngineArgs(model=str(folder), device="cpu", **kwargs))
-    return str(error.value)
 
 
 CT = quantization_config(Fp8Spec("ct", "channel", "dynamic"))
@@ -143,26 +120,6 @@ def test_quantization_flag_must_match_an_fp8_checkpoint(ct_folder) -> None:
     plan_settings(EngineArgs(model=str(ct_folder), device="cpu", quantization="compressed-tensors"))
 
 
-def rewrite_tensor(folder: Path, tmp_path: Path, name: str, change) -> Path:
-    copy = with_quant_config(
-        folder, tmp_path, json.loads((folder / "config.json").read_text())["quantization_config"]
-    )
-    (copy / "model.safetensors").unlink()
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors[name] = change(tensors[name]).contiguous()
-    save_file(tensors, str(copy / "model.safetensors"))
-    return copy
-
-
-def load(folder: Path) -> None:
-    from fitserve.models.loader import load_hf_config
-    from fitserve.models.registry import get_model_class
-    from fitserve.models.weights import iterate_safetensors, list_safetensors_files
-
-    config = load_hf_config(str(folder))
-    get_model_class(config)(config).load_weights(iterate_safetensors(list_safetensors_files(str(folder))))
-
-
 @pytest.mark.parametrize(
     ("name", "change", "says"),
     [
@@ -187,7 +144,7 @@ def test_a_mismatched_fp8_tensor_is_refused_at_load(name, change, says, ct_folde
     folder = rewrite_tensor(ct_folder, tmp_path, name, change)
     module = name.rsplit(".", 1)[0]
     with pytest.raises(ValueError, match=re.escape(says)) as error:
-        load(folder)
+        load_weights(folder)
     text = str(error.value)
     assert module.rsplit(".", 1)[0] in text and ("download" in text or "check" in text), text
 
@@ -198,11 +155,11 @@ def test_a_block_scale_of_the_wrong_shape_is_refused_at_load(hf_model, tmp_path)
         folder, tmp_path, "model.layers.0.self_attn.o_proj.weight_scale_inv", lambda t: t[:, :1]
     )
     with pytest.raises(ValueError, match=re.escape("has shape (2, 1), expected (2, 2)")):
-        load(bad)
+        load_weights(bad)
 
 
 def test_a_non_positive_static_input_scale_is_refused_at_load(hf_model, tmp_path) -> None:
     folder = write_fp8(tmp_path / "st", hf_model, Fp8Spec("ct", "tensor", "static")).folder
     bad = rewrite_tensor(folder, tmp_path, "model.layers.0.self_attn.q_proj.input_scale", lambda t: t * 0)
     with pytest.raises(ValueError, match=r"input_scale \(shard 'q'\) = 0.0: a scale must be positive"):
-        load(bad)
+        load_weights(bad)

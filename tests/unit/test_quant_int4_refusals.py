@@ -4,20 +4,17 @@ at load, naming the tensor and both shapes."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fitserve.args import EngineArgs
 from fitserve.planner.resolve import plan_settings
 from tests.quant_checkpoints import QuantSpec, quantization_config, write_quantized
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-
-DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+from tests.unit.quant_helpers import DIMS, load_weights, refusal, rewrite_tensor, with_quant_config
 
 
 @pytest.fixture(scope="module")
@@ -30,27 +27,6 @@ def gptq_folder(hf_model, tmp_path_factory) -> Path:
     return write_quantized(
         tmp_path_factory.mktemp("gptq"), hf_model, QuantSpec("gptq", 64, act_order=True)
     ).folder
-
-
-def with_quant_config(folder: Path, tmp_path: Path, quant: dict | None) -> Path:
-    """A copy of `folder` whose config.json has `quant` as its quantization_config (None: removed)."""
-    copy = tmp_path / "model"
-    copy.mkdir()
-    for item in folder.iterdir():
-        if item.name != "config.json":
-            (copy / item.name).symlink_to(item)
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("quantization_config")
-    if quant is not None:
-        config["quantization_config"] = quant
-    (copy / "config.json").write_text(json.dumps(config))
-    return copy
-
-
-def refusal(folder: Path, **kwargs) -> str:
-    with pytest.raises(ValueError) as error:
-        plan_settings(EngineArgs(model=str(folder), device="cpu", **kwargs))
-    return str(error.value)
 
 
 GPTQ = quantization_config(QuantSpec("gptq", 64))
@@ -156,26 +132,6 @@ def test_quantizing_while_loading_is_not_yet(flag, gptq_folder, tmp_path) -> Non
     assert "int4 GPTQ, AWQ, compressed-tensors or AutoRound checkpoint" in message
 
 
-def rewrite_tensor(folder: Path, tmp_path: Path, name: str, change) -> Path:
-    copy = with_quant_config(
-        folder, tmp_path, json.loads((folder / "config.json").read_text())["quantization_config"]
-    )
-    (copy / "model.safetensors").unlink()
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors[name] = change(tensors[name]).contiguous()
-    save_file(tensors, str(copy / "model.safetensors"))
-    return copy
-
-
-def load(folder: Path) -> None:
-    from fitserve.models.loader import load_hf_config
-    from fitserve.models.registry import get_model_class
-    from fitserve.models.weights import iterate_safetensors, list_safetensors_files
-
-    config = load_hf_config(str(folder))
-    get_model_class(config)(config).load_weights(iterate_safetensors(list_safetensors_files(str(folder))))
-
-
 @pytest.mark.parametrize(
     ("name", "change", "shapes"),
     [
@@ -193,7 +149,7 @@ def test_a_truncated_quantized_tensor_is_refused_at_load(name, change, shapes, g
     folder = rewrite_tensor(gptq_folder, tmp_path, name, change)
     module = name.rsplit(".", 1)[0]
     with pytest.raises(ValueError, match=re.escape(shapes)) as error:
-        load(folder)
+        load_weights(folder)
     assert module.rsplit(".", 1)[0] in str(error.value) and "download it again" in str(error.value)
 
 
@@ -202,4 +158,4 @@ def test_fused_projections_must_share_their_g_idx(gptq_folder, tmp_path) -> None
         gptq_folder, tmp_path, "model.layers.0.self_attn.v_proj.g_idx", lambda t: t.flip(0)
     )
     with pytest.raises(ValueError, match="must share one g_idx"):
-        load(folder)
+        load_weights(folder)

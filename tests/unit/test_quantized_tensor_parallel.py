@@ -102,32 +102,29 @@ FP8 = [
     Fp8Spec("hf", "block", block=(128, 128)),
 ]
 BNB = [BnbSpec("nf4"), BnbSpec("nf4", double_quant=True), BnbSpec("fp4", double_quant=True, blocksize=128)]
-# (format, the tensors of one projection from its float32 weight), with a test id
+
+
+def spec_cases(
+    specs: list[Any],
+    quantization_config: Callable[[Any], dict[str, Any]],
+    tensors: Callable[[Any, torch.Tensor], Tensors],
+    id_prefix: str,
+) -> list[Any]:
+    """(format, the tensors of one projection from its float32 weight) of each spec, with a test id."""
+    return [
+        pytest.param(
+            config_format(quantization_config(spec)),
+            lambda w, spec=spec: tensors(spec, w),
+            id=id_prefix + spec.name,
+        )
+        for spec in specs
+    ]
+
+
 CASES: list[Any] = [
-    pytest.param(
-        config_format(quant_checkpoints.quantization_config(spec)),
-        lambda w, spec=spec: int4_tensors(spec, w),
-        id=spec.name,
-    )
-    for spec in INT4
-]
-CASES += [
-    pytest.param(
-        config_format(fp8_checkpoints.quantization_config(spec)),
-        lambda w, spec=spec: fp8_tensors(spec, w),
-        id="fp8-" + spec.name,
-    )
-    for spec in FP8
-]
-CASES += [
-    pytest.param(
-        config_format(bnb_checkpoints.bnb_quantization_config(spec)),
-        lambda w, spec=spec: bnb_tensors(spec, w),
-        id="bnb-" + spec.name,
-    )
-    for spec in BNB
-]
-CASES += [
+    *spec_cases(INT4, quant_checkpoints.quantization_config, int4_tensors, ""),
+    *spec_cases(FP8, fp8_checkpoints.quantization_config, fp8_tensors, "fp8-"),
+    *spec_cases(BNB, bnb_checkpoints.bnb_quantization_config, bnb_tensors, "bnb-"),
     pytest.param(config_format(None, "bitsandbytes"), sixteen_bit, id="bnb-quantize-while-loading"),
 ]
 
@@ -209,11 +206,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float 
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * scale)
 
 
-@pytest.mark.parametrize("kind", list(COLUMN_LAYERS))
-@pytest.mark.parametrize(("fmt", "tensors_of"), CASES)
-def test_column_parallel_ranks_hold_the_single_rank_rows(fmt, tensors_of, kind) -> None:
-    make, shapes = COLUMN_LAYERS[kind]
-    shards, biases = whole_checkpoint(shapes, tensors_of, bias=kind != "gate-up")
+def assert_ranks_hold_the_single_rank_rows(
+    make: Callable[[Any], LinearBase],
+    shapes: dict[Any, tuple[int, int]],
+    fmt: Any,
+    shards: dict[Any, Tensors],
+    biases: dict[Any, torch.Tensor],
+) -> None:
+    """Each of the TP column-parallel ranks' output columns (per shard) equal the single-rank layer's rows
+    it holds, every layer loaded with the whole checkpoint."""
     x = torch.randn(3, HIDDEN)
     whole = build(make, fmt, 0, 1)
     load(whole, shards, biases)
@@ -227,6 +228,14 @@ def test_column_parallel_ranks_hold_the_single_rank_rows(fmt, tensors_of, kind) 
             assert_close(
                 out[:, rank_columns(layer, shard_id)], expected[:, full_rows(whole, shard_id, layer)]
             )
+
+
+@pytest.mark.parametrize("kind", list(COLUMN_LAYERS))
+@pytest.mark.parametrize(("fmt", "tensors_of"), CASES)
+def test_column_parallel_ranks_hold_the_single_rank_rows(fmt, tensors_of, kind) -> None:
+    make, shapes = COLUMN_LAYERS[kind]
+    shards, biases = whole_checkpoint(shapes, tensors_of, bias=kind != "gate-up")
+    assert_ranks_hold_the_single_rank_rows(make, shapes, fmt, shards, biases)
 
 
 def row_parallel(columns: int) -> Callable[[Any], LinearBase]:
@@ -306,18 +315,7 @@ def test_act_order_column_parallel_keeps_the_whole_g_idx(spec) -> None:
     fmt = config_format(quant_checkpoints.quantization_config(spec))
     make, shapes = COLUMN_LAYERS["qkv"]
     shards, biases = whole_checkpoint(shapes, lambda w: int4_tensors(spec, w), bias=True)
-    x = torch.randn(3, HIDDEN)
-    whole = build(make, fmt, 0, 1)
-    load(whole, shards, biases)
-    expected = whole(x)
-    for rank in range(TP):
-        layer = build(make, fmt, rank, TP)
-        load(layer, shards, biases)
-        out = layer(x)
-        for shard_id in shapes:
-            assert_close(
-                out[:, rank_columns(layer, shard_id)], expected[:, full_rows(whole, shard_id, layer)]
-            )
+    assert_ranks_hold_the_single_rank_rows(make, shapes, fmt, shards, biases)
 
 
 @pytest.mark.parametrize("spec", ACT_ORDER, ids=lambda spec: spec.name)
