@@ -5,8 +5,9 @@ this machine's CPU, the same requests in turn.
 
 A client that needs C seconds per event reads at most 1 / C events a second from one core: a server
 streaming faster is measured by the client (its requests start late, their TTFT holds the client's
-backlog). On the H200 of benchmarks/results/h200_load_suite_vs_vllm_2026_11_27.json a busy server
-streams 5,000 to 20,000 tokens a second.
+backlog). The server's event loop (HTTP, SSE events) and the whole server are counted beside it. On the
+H200 of benchmarks/results/h200_load_suite_vs_vllm_2026_11_27.json a busy server streams 5,000 to 20,000
+tokens a second.
 
   python benchmarks/bench_client_cost.py [--prompts 256] [--concurrency 128] [--output-len 128]
       [--out benchmarks/results/cpu_bench_client.json]
@@ -74,13 +75,31 @@ def requests(port: int, count: int, output_len: int) -> list[RequestInput]:
     ]
 
 
-async def timed_run(inputs: list[RequestInput], concurrency: int, raw_http: bool) -> dict:
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds in a Linux /proc stat file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu_s(server_pid: int) -> dict[str, float]:
+    """CPU seconds of the server's main thread (its event loop: HTTP, SSE events; on the CPU the engine
+    runs on other threads of the process) and of the whole server (its engine process included, on a
+    GPU)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    whole = sum(cpu_s(Path(f"/proc/{pid}/stat")) for pid in [server_pid, *children])
+    return {"loop": cpu_s(Path(f"/proc/{server_pid}/task/{server_pid}/stat")), "whole": whole}
+
+
+async def timed_run(inputs: list[RequestInput], concurrency: int, raw_http: bool, server_pid: int) -> dict:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency)) as client:
+        server_before = server_cpu_s(server_pid)
         cpu_before, started = time.process_time(), time.perf_counter()
         results, _ = await run_requests(client, inputs, [0.0] * len(inputs), concurrency, True, raw_http)
         cpu = time.process_time() - cpu_before
         wall = time.perf_counter() - started
+        server_after = server_cpu_s(server_pid)
     events = sum(len(result.itl) + 1 for result in results if result.success)
+    loop_cpu = server_after["loop"] - server_before["loop"]
     return {
         "client": "plain HTTP/1.1 (sse_http.py)" if raw_http else "httpx",
         "completed": sum(result.success for result in results),
@@ -89,6 +108,8 @@ async def timed_run(inputs: list[RequestInput], concurrency: int, raw_http: bool
         "wall_s": round(wall, 2),
         "client_cpu_us_per_event": round(cpu / events * 1e6, 1),
         "events_per_client_cpu_s": round(events / cpu),
+        "server_event_loop_cpu_us_per_event": round(loop_cpu / events * 1e6, 1),
+        "server_cpu_s": round(server_after["whole"] - server_before["whole"], 2),
     }
 
 
@@ -108,9 +129,11 @@ def main() -> None:
         server, ready_s = start_server(command, dict(os.environ), port, Path(scratch) / "log")
         try:
             warm = requests(port, 16, 8)
-            asyncio.run(timed_run(warm, 16, True))
+            asyncio.run(timed_run(warm, 16, True, server.pid))
             inputs = requests(port, args.prompts, args.output_len)
-            runs = [asyncio.run(timed_run(inputs, args.concurrency, raw)) for raw in (False, True)]
+            runs = [
+                asyncio.run(timed_run(inputs, args.concurrency, raw, server.pid)) for raw in (False, True)
+            ]
         finally:
             stop(server)
     figures = {
