@@ -135,6 +135,7 @@ class Sampler:
         # One pass over the rows (this runs for every row of every step): which are greedy, which ask
         # for filters, logprobs, or any edit of their logits.
         greedy: list[int] = []
+        edited_greedy: list[int] = []
         random: list[int] = []
         wants_logprobs: list[int] = []
         filtered = row_edits = False
@@ -142,12 +143,15 @@ class Sampler:
             p = row.params
             if p.temperature < GREEDY_TEMPERATURE_EPS:
                 greedy.append(i)
+                if _edits_logits(row):
+                    edited_greedy.append(i)
+                    row_edits = True
             else:
                 random.append(i)
                 if not filtered and _has_filters(row):
                     filtered = True
-            if not row_edits and _edits_logits(row):
-                row_edits = True
+                if not row_edits and _edits_logits(row):
+                    row_edits = True
             if p.logprobs is not None:
                 wants_logprobs.append(i)
         # The caller's logits (the model dtype on CUDA) are only read: the argmax and race kernels read
@@ -155,7 +159,7 @@ class Sampler:
         device = logits.device
         sampled = None
         if greedy:
-            sampled = _sample_greedy(logits, rows, greedy, row_edits)
+            sampled = _sample_greedy(logits, rows, greedy, edited_greedy)
         if random:
             random_idx = None if len(random) == len(rows) else index_tensor(random, device)
             random_ids = _sample_random_rows(logits, rows, random, random_idx, filtered, row_edits)
@@ -315,12 +319,12 @@ def _has_filters(row: SamplingRow) -> bool:
 
 
 def _sample_greedy(
-    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[int], row_edits: bool
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[int], edited: list[int]
 ) -> torch.Tensor:
     """int64 [len(rows)] whose `greedy` positions hold those rows' argmax (the others are left for the
     random rows). Rows without edits read the caller's logits in one argmax over every row (widening
-    to float32 is exact, so the model dtype gives the same ids); edited rows go through float32 chunks."""
-    edited = [i for i in greedy if _edits_logits(rows[i])] if row_edits else []
+    to float32 is exact, so the model dtype gives the same ids); the `edited` ones (a subset of greedy)
+    go through float32 chunks."""
     if len(edited) < len(greedy):
         sampled = argmax_rows(logits)
     elif len(edited) == len(rows):  # every row greedy and edited
