@@ -25,11 +25,16 @@ from common import MODELS, TOKENIZER, run_figure_process, save  # noqa: I001
 PROMPT_TOKENS, OUTPUT_TOKENS, BATCH = 128, 256, 32
 
 
-def one(dtype: str) -> dict:
-    """The figure of one run (this process's kernel target): tok/s at batch 1 and 32, and the tokens."""
+def one(dtype: str, split_decode_tile: bool = False) -> dict:
+    """The figure of one run (this process's kernel target): tok/s at batch 1 and 32, and the tokens.
+    split_decode_tile: decode attention never takes its whole-context tile (which needs 144 KB of shared
+    memory, so the SM75 choices never do), whatever the GPU: the default path with the SM75 path's decode
+    tile, to tell rounding from a fault when the two paths' tokens differ."""
     from fitserve import LLM, SamplingParams
-    from fitserve.kernels import capability
+    from fitserve.kernels import capability, decode_attention
 
+    if split_decode_tile:
+        decode_attention.WHOLE_CONTEXT_MIN_SHARED = 1 << 40
     llm = LLM(
         str(MODELS / "llama-3.1-8b"),
         tokenizer=str(TOKENIZER),
@@ -43,7 +48,11 @@ def one(dtype: str) -> dict:
     prompts = [
         {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(PROMPT_TOKENS)]} for _ in range(BATCH)
     ]
-    figure: dict = {"kernel_target": capability.forced(), "dtype": dtype}
+    figure: dict = {
+        "kernel_target": capability.forced(),
+        "dtype": dtype,
+        "split_decode_tile": split_decode_tile,
+    }
     for batch in (1, BATCH):
         times = []
         for i in range(4):  # the first run warms up
@@ -58,49 +67,65 @@ def one(dtype: str) -> dict:
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
-    """Equal sequences, and the first position where any differs (None: all equal)."""
-    first = None
+    """Equal sequences, the first position where any differs (None: all equal), and each sequence's
+    first differing position (None where it is equal)."""
+    per_sequence: list[int | None] = []
     for a, b in zip(reference, other, strict=True):
-        for position, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                first = position if first is None else min(first, position)
-                break
-    equal = sum(a == b for a, b in zip(reference, other, strict=True))
-    return {"equal_sequences": equal, "sequences": len(reference), "first_difference": first}
+        per_sequence.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None))
+    differing = [position for position in per_sequence if position is not None]
+    return {
+        "equal_sequences": len(per_sequence) - len(differing),
+        "sequences": len(reference),
+        "first_difference": min(differing) if differing else None,
+        "first_difference_per_sequence": per_sequence,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--one", choices=["float16", "bfloat16"], help="(internal) run one figure")
+    parser.add_argument("--split-decode-tile", action="store_true", help="(internal) see one()")
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--runs",
         default="default_fp16,sm75_fp16,default_bf16",
-        help="which of the three runs (comma-separated; the comparison needs the first two)",
+        help="which runs (comma-separated; the comparison needs the first two; default_fp16_split_tile "
+        "is the default path with the SM75 path's decode attention tile)",
     )
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(args.one)), flush=True)
+        print("RESULT " + json.dumps(one(args.one, args.split_decode_tile)), flush=True)
         return
     script = os.path.abspath(__file__)
     runs = {}
     wanted = args.runs.split(",")
-    for name, target, dtype in (
-        ("default_fp16", None, "float16"),
-        ("sm75_fp16", "sm75", "float16"),
-        ("default_bf16", None, "bfloat16"),
+    for name, target, dtype, extra in (
+        ("default_fp16", None, "float16", []),
+        ("sm75_fp16", "sm75", "float16", []),
+        ("default_fp16_split_tile", None, "float16", ["--split-decode-tile"]),
+        ("default_bf16", None, "bfloat16", []),
     ):
         if name not in wanted:
             continue
         os.environ.pop("FITSERVE_KERNEL_TARGET", None)
         if target:
             os.environ["FITSERVE_KERNEL_TARGET"] = target
-        runs[name] = run_figure_process(script, ["--one", dtype], timeout_s=1200)
+        runs[name] = run_figure_process(script, ["--one", dtype, *extra], timeout_s=1200)
         print(name, {k: v for k, v in runs[name].items() if not k.endswith("_tokens")}, file=sys.stderr)
     os.environ.pop("FITSERVE_KERNEL_TARGET", None)
     figures: dict = {}
     for name, run in runs.items():
         figures[name] = {k: v for k, v in run.items() if not k.endswith("_tokens")}
+        # the noise floor of the comparison: the same prompt alone and as row 0 of the batch, on the same
+        # path (other GEMM and attention configs, so other summation orders)
+        if "batch1_tokens" in run and f"batch{BATCH}_tokens" in run:
+            figures[name]["batch1_vs_batch32_row0"] = agreement(
+                run["batch1_tokens"][:1], run[f"batch{BATCH}_tokens"][:1]
+            )
+        # the first 8 tokens of the first 4 sequences: enough to see a degenerate (repeating) output
+        figures[name]["token_heads"] = {
+            key: [tokens[:8] for tokens in run[key][:4]] for key in run if key.endswith("_tokens")
+        }
     reference, sm75 = runs.get("default_fp16", {}), runs.get("sm75_fp16", {})
     for batch in (1, BATCH):
         key = f"batch{batch}_tokens"
@@ -110,6 +135,11 @@ def main() -> None:
             figures[f"sm75_speed_ratio_batch{batch}"] = round(
                 sm75[f"batch{batch}_tok_per_s"] / default_speed, 3
             )
+    split = runs.get("default_fp16_split_tile", {})
+    for batch in (1, BATCH):
+        key = f"batch{batch}_tokens"
+        if key in split and key in sm75:  # the same decode tile on both: equal unless something else differs
+            figures[f"sm75_vs_default_fp16_split_tile_batch{batch}"] = agreement(split[key], sm75[key])
     save("sm75_path", figures, args.out)
 
 
