@@ -7,7 +7,9 @@ own process (the target is read once per process): the default path in fp16 (the
 tokens), the SM75 path in fp16, and the default path in bf16 (the H100's usual speed). Records batch-1
 and batch-32 tok/s of each and whether the SM75 path's greedy tokens equal the fp16 default's (the
 choosers change tile shapes and so summation order: a near-tie of two logits could flip; the count of
-equal sequences and the first differing position say how far they agree).
+equal sequences and the first differing position say how far they agree). A fourth run,
+`default_fp16_split_tile` (in --runs), is the default path with the SM75 path's decode attention tile: equal
+tokens there against the SM75 run say the two paths differ only in that tile's rounding.
   python benchmarks/gpu/sm75_path.py   -> benchmarks/results/h100_sm75_path.json
 """
 
