@@ -101,12 +101,16 @@ def main() -> None:
     script = os.path.abspath(__file__)
     runs = {}
     wanted = args.runs.split(",")
-    for name, target, dtype, extra in (
+    known = (
         ("default_fp16", None, "float16", []),
         ("sm75_fp16", "sm75", "float16", []),
         ("default_fp16_split_tile", None, "float16", ["--split-decode-tile"]),
         ("default_bf16", None, "bfloat16", []),
-    ):
+    )
+    unknown = sorted(set(wanted) - {name for name, *_ in known})
+    if unknown:
+        parser.error(f"--runs {','.join(unknown)}: not a run; choose from {', '.join(n for n, *_ in known)}")
+    for name, target, dtype, extra in known:
         if name not in wanted:
             continue
         os.environ.pop("FITSERVE_KERNEL_TARGET", None)
