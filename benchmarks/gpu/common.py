@@ -150,3 +150,31 @@ def greedy_params(max_tokens: int):
     from fitserve import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def timed_offline_run(llm, workload) -> tuple[int, float]:
+    """(output tokens, seconds) of one offline run of a named workload (fitserve.bench.workloads), after
+    an untimed pass that gives every prompt 2 tokens: Triton compiles a kernel variant the first time a
+    shape class meets it (graph capture at startup covers the decode batches; this pass the prefill
+    chunks and the mixed prefill + decode steps), and the prefix cache is reset after it."""
+    from fitserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [
+        SamplingParams(temperature=workload.temperature, max_tokens=r.max_tokens, ignore_eos=True)
+        for r in workload.requests
+    ]
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.engine.kv_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+
+
+def save_sweep(
+    workload: str, copy_bandwidth: float, sms: int, name: str, results: list, out: str | None
+) -> dict:
+    """save() for a kernel sweep: its results under `name` beside the run's copy bandwidth and SM count."""
+    figures = {"copy_bandwidth_gb_per_s": round(copy_bandwidth / 1e9, 1), "sm_count": sms, name: results}
+    return save(workload, figures, out)

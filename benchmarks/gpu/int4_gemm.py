@@ -45,6 +45,19 @@ CALLS_PER_GRAPH = 20
 EAGER_CALLS = 200
 
 
+def random_packed_layer(out_features: int, in_features: int, generator, group_size: int = 128):
+    """A random int4 weight (scales 0.002-0.012, integer zero points) packed for bfloat16 activations, and
+    its dequantized float32 reference."""
+    codes = torch.randint(
+        0, 16, (out_features, in_features), dtype=torch.uint8, device="cuda", generator=generator
+    )
+    groups = in_features // group_size
+    scales = 0.002 + 0.01 * torch.rand(out_features, groups, device="cuda", generator=generator)
+    zeros = torch.randint(0, 16, (out_features, groups), device="cuda", generator=generator).float()
+    packed = repack_int4(codes, scales, zeros, group_size, torch.bfloat16)
+    return packed, dequantize_reference(codes, scales, zeros, group_size)
+
+
 def packed_copies(first) -> list:
     """Copies of a packed weight (same values, own counters) until together they outgrow the L2, so
     that timed calls cycling through them read their weight from HBM."""
@@ -191,15 +204,8 @@ def main() -> None:
                 continue
             group_size = args.group_size
             generator = torch.Generator(device="cuda").manual_seed(0)
-            codes = torch.randint(
-                0, 16, (out_features, in_features), dtype=torch.uint8, device="cuda", generator=generator
-            )
-            groups = in_features // group_size
-            scales = 0.002 + 0.01 * torch.rand(out_features, groups, device="cuda", generator=generator)
-            zeros = torch.randint(0, 16, (out_features, groups), device="cuda", generator=generator).float()
-            first = repack_int4(codes, scales, zeros, group_size, torch.bfloat16)
-            dequantized = dequantize_reference(codes, scales, zeros, group_size).to(torch.bfloat16)
-            del codes
+            first, dequantized = random_packed_layer(out_features, in_features, generator, group_size)
+            dequantized = dequantized.to(torch.bfloat16)
             int4_bytes = first.nbytes()
             bf16_bytes = out_features * in_features * 2
             packs = packed_copies(first)

@@ -17,11 +17,10 @@ import json
 
 import torch
 import triton
-from common import copy_bandwidth_bytes_per_s, save  # noqa: I001
-from int4_gemm import check, median_graph_us, packed_copies, shapes
+from common import copy_bandwidth_bytes_per_s, save_sweep  # noqa: I001
+from int4_gemm import check, median_graph_us, packed_copies, random_packed_layer, shapes
 
 from fitserve.kernels.int4_gemm import Int4GemmConfig, choose_config, int4_linear, sm_count
-from fitserve.kernels.int4_repack import dequantize_reference, repack_int4
 
 
 def grid(rows: int) -> list[Int4GemmConfig]:
@@ -67,15 +66,8 @@ def main() -> None:
         if layer not in args.layers:
             continue
         generator = torch.Generator(device="cuda").manual_seed(0)
-        codes = torch.randint(
-            0, 16, (out_features, in_features), dtype=torch.uint8, device="cuda", generator=generator
-        )
-        groups = in_features // 128
-        scales = 0.002 + 0.01 * torch.rand(out_features, groups, device="cuda", generator=generator)
-        zeros = torch.randint(0, 16, (out_features, groups), device="cuda", generator=generator).float()
-        first = repack_int4(codes, scales, zeros, 128, torch.bfloat16)
+        first, dequantized = random_packed_layer(out_features, in_features, generator)
         assert first.paired_zeros
-        dequantized = dequantize_reference(codes, scales, zeros, 128)
         packs = packed_copies(first)
         for rows in args.rows:
             x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
@@ -112,11 +104,7 @@ def main() -> None:
             results.append(entry)
         del packs, first, dequantized
         torch.cuda.empty_cache()
-    save(
-        "int4_paired_sweep",
-        {"copy_bandwidth_gb_per_s": round(copy_bandwidth / 1e9, 1), "sm_count": sms, "entries": results},
-        args.out,
-    )
+    save_sweep("int4_paired_sweep", copy_bandwidth, sms, "entries", results, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Figures:
   model keeps on the GPU, its packed weights, scales and the bf16 LM head, except the input embedding
   table, of which a step reads one row) over the device-to-device copy bandwidth measured in the run.
 - b64: one decode step at batch 64 (ms): 64 prompts of 16 tokens, (time to 257 tokens - time to 1) / 256.
-- equal: the equal workload's output tok/s on the Qwen3-0.6B shape (benchmarks/gpu/throughput_workload.py).
+- equal: the equal workload's output tok/s on the Qwen3-0.6B shape (as benchmarks/gpu/throughput_workload.py
+  runs it), keys `<format>_equal_out_tok_per_s`.
 
 Formats: bf16 (the checkpoint as it is), int4 (a GPTQ group-128 symmetric quantization_config added to the
 config, dummy int4 weights through the same kernels a real checkpoint runs), fp8 (`--quantization fp8`),
@@ -31,7 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, batch1_decode_seconds, copy_bandwidth_bytes_per_s, machine, save  # noqa: I001
+from common import (  # noqa: I001
+    MODELS,
+    TOKENIZER,
+    batch1_decode_seconds,
+    copy_bandwidth_bytes_per_s,
+    machine,
+    save,
+    timed_offline_run,
+)
 
 GPTQ_128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 FLAGS = {"bf16": None, "int4": None, "fp8": "fp8", "bnb4": "bitsandbytes"}
@@ -69,6 +78,8 @@ def step_bytes(model) -> int:
 def run_one(fmt: str, figure: str, model: str) -> dict:
     from fitserve import LLM, SamplingParams
 
+    if figure == "equal":
+        return run_equal(fmt)
     with tempfile.TemporaryDirectory() as scratch:
         path = model_dir(model, fmt, Path(scratch))
         llm = LLM(
@@ -106,7 +117,31 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
         short = min(timed(1) for _ in range(3))
         long = min(timed(257) for _ in range(2))
         return {"decode_ms": round((long - short) / 256 * 1e3, 3), "batch": 64}
-    raise ValueError(f"figure {figure!r}: use single or b64")
+    raise ValueError(f"figure {figure!r}: use single, b64 or equal")
+
+
+def run_equal(fmt: str) -> dict:
+    """The equal workload (issue 4: 256 requests of 512 prompt tokens and 512 output tokens, Qwen3-0.6B
+    shape), offline, output tok/s after an untimed pass that compiles every shape class (as
+    throughput_workload.py does)."""
+    from fitserve import LLM
+    from fitserve.bench.workloads import named_workload
+
+    workload = named_workload("equal")
+    with tempfile.TemporaryDirectory() as scratch:
+        llm = LLM(
+            model_dir("qwen3-0.6b", fmt, Path(scratch)),
+            tokenizer=str(TOKENIZER),
+            load_format="dummy",
+            max_model_len=workload.max_model_len or 4096,
+            quantization=FLAGS[fmt],
+        )
+    output_tokens, elapsed = timed_offline_run(llm, workload)
+    return {
+        "out_tok_per_s": round(output_tokens / elapsed, 1),
+        "seconds": round(elapsed, 3),
+        "requests": len(workload.requests),
+    }
 
 
 def main() -> None:
@@ -114,7 +149,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("one")
     one.add_argument("--format", choices=sorted(FLAGS), required=True)
-    one.add_argument("--figure", choices=("single", "b64"), required=True)
+    one.add_argument("--figure", choices=("single", "b64", "equal"), required=True)
     one.add_argument("--model", default="llama-3.1-8b")
     one.add_argument("--json-out", required=True)
     every = sub.add_parser("all")
@@ -143,6 +178,9 @@ def main() -> None:
         b64 = figures.get(f"{fmt}_b64", {})
         if "decode_ms" in b64:
             keys[f"{key}_b64_decode_ms"] = b64["decode_ms"]
+        equal = figures.get(f"{fmt}_equal", {})
+        if "out_tok_per_s" in equal:
+            keys[f"{key}_equal_out_tok_per_s"] = equal["out_tok_per_s"]
     figures["keys"] = keys
     save("quant", figures, args.out)
 

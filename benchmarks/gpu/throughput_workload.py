@@ -8,11 +8,10 @@ python benchmarks/gpu/throughput_workload.py equal --kv-cache-dtype fp8   # the 
 from __future__ import annotations
 
 import argparse
-import time
 
-from common import MODELS, TOKENIZER, save  # noqa: I001  (sets the process start time first)
+from common import MODELS, TOKENIZER, save, timed_offline_run  # noqa: I001  (sets the process start time first)
 
-from fitserve import LLM, SamplingParams
+from fitserve import LLM
 from fitserve.bench.workloads import named_workload
 
 
@@ -37,20 +36,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-    params = [
-        SamplingParams(temperature=workload.temperature, max_tokens=r.max_tokens, ignore_eos=True)
-        for r in workload.requests
-    ]
-    # Warm-up, not timed: Triton compiles a kernel variant the first time a shape class meets it. Graph
-    # capture at startup covers the decode batches; every prompt once (2 tokens each) covers the prefill
-    # chunks and the mixed prefill + decode steps. The compile time is counted in startup8b instead.
-    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    llm.engine.kv_manager.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens, elapsed = timed_offline_run(llm, workload)
     name = args.workload if args.kv_cache_dtype == "auto" else f"{args.workload}_kv_{args.kv_cache_dtype}"
     if args.max_num_batched_tokens:
         name += f"_batched_{args.max_num_batched_tokens}"
@@ -59,7 +45,7 @@ def main() -> None:
         {
             "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
-            "requests": len(outputs),
+            "requests": len(workload.requests),
             "prompt_tokens": workload.num_prompt_tokens,
             "output_tokens": output_tokens,
             "seconds": round(elapsed, 3),

@@ -16,3 +16,15 @@ def next_power_of_2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints."""
     return (a + b - 1) // b
+
+
+def even_splits(steps: int, most: int, min_steps: int) -> int:
+    """The most splits, up to `most`, of `steps` loop steps into parts of cdiv(steps, splits) and at least
+    `min_steps` steps whose last part is at most one step shorter than the others (16 steps: 4 or 8
+    splits, never 6, which leaves a last part of 1 beside five of 3 and the SMs holding those waiting).
+    Used by the split-K rules of the batch-1 GEMMs (int4_gemm, fp8_w8a16)."""
+    for splits in range(max(1, min(most, steps // min_steps)), 1, -1):
+        part = cdiv(steps, splits)
+        if steps - (splits - 1) * part >= part - 1:
+            return splits
+    return 1

@@ -1,6 +1,6 @@
 """The int4 GEMM's tensor-core kernel, `_int4_dot_kernel`: y = x @ W.T (+ bias) for a W4A16 weight in the
 layout of kernels/int4_repack.py, for more rows than the CUDA-core kernel takes (kernels/int4_gemm.py
-launches it, and for one row where K > GEMV_MAX_IN_FEATURES; its helpers shared with the CUDA-core
+launches it for more rows than one; its helpers shared with the CUDA-core
 kernel: kernels/int4_kernel_parts.py).
 
 A program computes a [BLOCK_M, BLOCK_N] output tile, K in 256-code blocks. On GPUs (PAIRED) the block is

@@ -10,7 +10,7 @@ the GPU's SM count: no autotuning at run time, since fitserve captures CUDA grap
 
 - `_int4_gemv_kernel` (kernels/int4_gemv_kernel.py), M <= GEMV_MAX_ROWS (batch-1 decode): CUDA cores,
   no tensor cores, ~4.4 instructions per weight in its loop (its docstring says how).
-- `_int4_dot_kernel` (kernels/int4_dot_kernel.py), more rows (and one row where K > GEMV_MAX_IN_FEATURES):
+- `_int4_dot_kernel` (kernels/int4_dot_kernel.py), more rows:
   tensor cores on [BLOCK_M, BLOCK_N] output tiles, the weights dequantized in packed 16-bit pairs on
   GPUs (PAIRED, kernels/int4_pair_dequant.py), through float32 otherwise; SWAP_AB, WIDE_K and GROUP_M
   shape its tiles.
@@ -51,7 +51,7 @@ import torch
 
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs
-from fitserve.kernels.grid_math import cdiv, next_power_of_2
+from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_dot_kernel import _int4_dot_kernel
 from fitserve.kernels.int4_gemv_kernel import _int4_gemv_kernel
 from fitserve.kernels.int4_repack import BLOCK_K, MAX_SPLIT_ROW_TILES, MIN_BLOCK_N, PackedInt4
@@ -62,11 +62,13 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # row (SASS of the sm_90 build), ~7.5 at two and ~10.6 at four, against ~6 for the tensor-core kernel
 # at any row count up to 64: past one row the tensor cores win.
 GEMV_MAX_ROWS = 1
-# ... for K up to this: past it (a down projection) the paired tensor-core kernel streams faster at 1 row
-# (H200: 17.0 against 20.3 us at K 14,336; benchmarks/results/h200_int4_paired_sweep.json)
-GEMV_MAX_IN_FEATURES = 8192
 SPLIT_MAX_ROWS = 64  # split-K only up to this many rows (past it the tiles fill the GPU)
-GEMV_PROGRAMS_PER_SM = 4  # split K until there are this many programs per SM (or splits get short)
+# Split K into at most as many splits as keep the batch-1 grid within this many programs per SM, its
+# resident wave (~240 registers a thread at 2 warps and 3 stages: 4 programs an SM), and only into
+# splits of about equal length. A grid past one wave waits for a second; a short last split idles the
+# SMs that hold the others (H200, Llama-3.1-8B and 3.3-70B layers: benchmarks/results/
+# h200_batch1_split_sweep.json).
+GEMV_PROGRAMS_PER_SM = 4
 DOT_PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least 2 x 256 codes per weight row
 MAX_SPLITS = 16
@@ -145,10 +147,11 @@ def choose_config(
     """The launch configuration for x [rows, K] @ W[N, K].T: a fixed rule (no autotuning), split-K
     resolved. First guesses, to be swept on an H100 (module docstring); on GPUs whose blocks may have
     less shared memory than `shared_memory` (the H100's), cut down by fit_shared_memory."""
-    if rows <= GEMV_MAX_ROWS and in_features <= GEMV_MAX_IN_FEATURES:
-        # 64 weight rows over 2 warps: 8 rows a thread, over which each x value's widening is shared
-        # (3 stages: ~240 registers a thread; 2 stages: 168, 6 programs an SM, 96 KB of loads in flight)
-        config = Int4GemmConfig("gemv", block_m=next_power_of_2(rows), block_n=64, num_warps=2, num_stages=2)
+    if rows <= GEMV_MAX_ROWS:
+        # 64 weight rows over 2 warps: 8 rows a thread, over which each x value's widening is shared; 3
+        # stages keep two blocks of words in flight. At every K (the tensor-core kernel's 17.3 us for the
+        # 8B's down projection against 15.3; the 70B's, 75.4 against 48.2: h200_batch1_split_sweep.json)
+        config = Int4GemmConfig("gemv", block_m=next_power_of_2(rows), block_n=64, num_warps=2, num_stages=3)
     elif rows <= 16:
         # the weight on the MMA's long side, x's rows padded to 16 (H200 sweep: int4_paired_sweep.py)
         config = Int4GemmConfig("dot", block_m=16, block_n=128, num_warps=4, num_stages=4, swap_ab=True)
@@ -177,9 +180,12 @@ def resolve_split(
         splits = max(1, min(config.split_k, blocks))
     elif rows > SPLIT_MAX_ROWS or tiles > _counter_slots(out_features):
         splits = 1
+    elif config.kernel == "gemv":
+        splits = even_splits(
+            blocks, min(GEMV_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS), MIN_BLOCKS_PER_SPLIT
+        )
     else:
-        per_sm = GEMV_PROGRAMS_PER_SM if config.kernel == "gemv" else DOT_PROGRAMS_PER_SM
-        splits = cdiv(per_sm * sms, tiles)
+        splits = cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)
         splits = max(1, min(splits, MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
     splits = cdiv(blocks, cdiv(blocks, splits))  # no empty split
     return replace(config, split_k=splits)

@@ -224,7 +224,7 @@ def _nf4(target: Target, full: bool) -> None:
 
 def _fp8_linear(target: Target, full: bool) -> None:
     from fitserve.kernels.fp8_quant import quantize_groups, quantize_rows
-    from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, w8a16_layer_ok
+    from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, split_counters, w8a16_layer_ok
 
     if not w8a16_layer_ok(torch.device("cuda"), 128, 1):
         return  # float8 weights (e4m3) run these kernels from 8.9 on only
@@ -234,6 +234,8 @@ def _fp8_linear(target: Target, full: bool) -> None:
             for rows in (1, 16):
                 fp8_w8a16_linear(_empty(rows, k, dtype=dtype), weight, torch.ones(n, 1))
                 fp8_w8a16_linear(_empty(rows, k, dtype=dtype), weight, torch.ones(n, k // 128))
+                counters = split_counters(n, "cpu")  # split-K where the grid leaves SMs idle
+                fp8_w8a16_linear(_empty(rows, k, dtype=dtype), weight, torch.ones(n, 1), counters=counters)
             for rows in (1, 256):
                 quantize_rows(_empty(rows, k, dtype=dtype))
                 quantize_rows(_empty(rows, k, dtype=dtype), torch.ones(1))

@@ -92,6 +92,36 @@ def test_bad_inputs_are_refused() -> None:
         repack_int4(codes, scales, zeros, 64, torch.float32)
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "splits"),
+    # Llama-3.1-8B qkv / o / gate_up / down and Llama-3.3-70B qkv / o / gate_up / down on 132 SMs: the
+    # fastest or within 5% of it on an H200 and an H100 (benchmarks/results/h*_batch1_split_sweep.json)
+    [
+        (6144, 4096, 4),
+        (4096, 4096, 8),
+        (28672, 4096, 1),
+        (4096, 14336, 8),
+        (10240, 8192, 3),
+        (8192, 8192, 4),
+        (57344, 8192, 1),
+        (8192, 28672, 4),
+    ],
+)
+def test_one_row_takes_the_cuda_core_kernel_split_into_one_wave_of_equal_parts(
+    out_features: int, in_features: int, splits: int
+) -> None:
+    from fitserve.kernels.int4_gemm import GEMV_PROGRAMS_PER_SM, choose_config
+
+    config = choose_config(1, out_features, in_features, 132)
+    assert (config.kernel, config.block_n, config.num_warps, config.num_stages) == ("gemv", 64, 2, 3)
+    assert config.split_k == splits
+    blocks = in_features // 256
+    part = -(-blocks // splits)
+    assert (out_features // 64) * splits <= max(GEMV_PROGRAMS_PER_SM * 132, out_features // 64)
+    assert blocks - (splits - 1) * part >= part - 1  # no short last split (16 blocks: never 6 splits)
+
+
 # --- kernels under the interpreter (child process) -------------------------------------------------
 
 # (rows, out_features, in_features, group_size, dtype, bias, config or None for choose_config's

@@ -81,7 +81,8 @@ class Fp8W8A8Method:
             from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, w8a16_rows_ok
 
             if w8a16_rows_ok(rows):
-                out = fp8_w8a16_linear(rows, layer.fp8_weight, layer.fp8_scale_row.view(-1, 1))
+                scale = layer.fp8_scale_row.view(-1, 1)
+                out = fp8_w8a16_linear(rows, layer.fp8_weight, scale, counters=layer.fp8_counters)
                 if layer.bias is not None:
                     out = out + layer.bias.to(out.dtype)
                 return out.view(*x.shape[:-1], out.shape[-1])
@@ -114,7 +115,7 @@ class Fp8WeightOnlyMethod:
             from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, w8a16_rows_ok
 
             if w8a16_rows_ok(rows):
-                out = fp8_w8a16_linear(rows, data, scale)
+                out = fp8_w8a16_linear(rows, data, scale, counters=layer.fp8_counters)
                 if layer.bias is not None:
                     out = out + layer.bias.to(out.dtype)
                 return out.view(*x.shape[:-1], n)
@@ -178,6 +179,10 @@ def make_fp8_runnable(
         layer.register_buffer("fp8_scale", weight.scale.to(store_on), persistent=False)
         method = Fp8WeightOnlyMethod(weight.group_k, _w8a16_kernel_ok(device, weight))
         note = note or ("" if not w8a8 else "block scales other than 128 x 128 on whole blocks")
+    if getattr(method, "decode_kernel", False) or getattr(method, "kernel", False):
+        from fitserve.kernels.fp8_w8a16 import split_counters  # the decode kernel's split-K
+
+        layer.register_buffer("fp8_counters", split_counters(n, store_on), persistent=False)
     _announce(method.path, what, activations, device, dtype, note)
     return method
 
