@@ -4,11 +4,12 @@ for int4 Llama-3.3-70B), each kernel's tile with 2, 3 and 4 pipeline stages and 
 16, as CUDA-graph replays (what a batch-1 decode step runs), weights rotated past the L2. Each output is
 first checked against the layer's reference (int4 and fp8: x.float() @ W.T with the dequantized weight;
 nf4: the chosen configuration's output). The fastest configurations per layer beside the chooser's pick
-show how the split-K rules should read: a split that makes the grid outgrow one wave of resident
-programs costs more than the parallelism it adds.
+show how the split-K rules should read: past about 4 programs an SM, or with a short last split, a split
+costs more than the parallelism it adds. --maxnreg adds the int4 tile with a register cap (more
+resident programs, spills).
 
   python benchmarks/gpu/batch1_split_sweep.py [--models llama-3.1-8b llama-3.3-70b] [--nf4] [--fp8]
-      [--no-int4] [--out FILE]
+      [--no-int4] [--maxnreg 128 96] [--out FILE]
 """
 
 from __future__ import annotations
@@ -61,26 +62,38 @@ def summary(layer: str, kind: str, chosen_us: float, entries: list[dict]) -> dic
     timed = sorted((e for e in entries if "us" in e), key=lambda e: e["us"])
     best = timed[0]
     line = {"kind": kind, "layer": layer, "chosen_us": chosen_us, "best_us": best["us"]}
-    line["best"] = {k: best["config"][k] for k in ("block_n", "num_warps", "num_stages", "split_k")}
+    line["best"] = {
+        k: best["config"].get(k) for k in ("block_n", "num_warps", "num_stages", "split_k", "maxnreg")
+    }
     print(line, flush=True)
     return line
 
 
-def int4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, generator) -> dict:
+def int4_layer(
+    model, layer, in_features, out_features, sms, copy_bandwidth, generator, maxnregs=(), rows=1
+) -> dict:
     first, weight = random_packed_layer(out_features, in_features, generator)
     weight = weight.to(torch.bfloat16)
-    x = torch.randn(1, in_features, device="cuda", generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
     reference = x.float() @ weight.float().T
     del weight
     packs = packed_copies(first)
-    chosen = choose_config(1, out_features, in_features, sms)
-    configs = [chosen] + [
-        Int4GemmConfig("gemv", 1, bn, num_warps=w, num_stages=st, split_k=s)
-        for bn, w in ((64, 2), (128, 4), (32, 1))
-        for st in (2, 3, 4)
+    chosen = choose_config(rows, out_features, in_features, sms)
+    if rows > 1:  # the tensor-core kernel's pick at its own tile, every split
+        configs = [chosen] + [dataclasses.replace(chosen, split_k=s) for s in SPLITS]
+    else:
+        configs = [chosen] + [
+            Int4GemmConfig("gemv", 1, bn, num_warps=w, num_stages=st, split_k=s)
+            for bn, w in ((64, 2), (128, 4), (32, 1))
+            for st in (2, 3, 4)
+            for s in SPLITS
+        ]
+    configs += [
+        Int4GemmConfig("gemv", 1, 64, num_warps=2, num_stages=3, split_k=s, maxnreg=r)
+        for r in maxnregs
         for s in SPLITS
     ]
-    moved = first.nbytes() + 2 * (in_features + out_features)
+    moved = first.nbytes() + 2 * rows * (in_features + out_features)
     entries = timed_entries(
         lambda p, c: int4_linear(x, p, config=c), configs, packs, reference, moved, copy_bandwidth
     )
@@ -91,6 +104,7 @@ def int4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, gen
         "k": in_features,
         "n": out_features,
         "format": "int4 g128",
+        "rows": rows,
         "summary": summary(layer, "int4", chosen_us, entries[1:]),
         "chosen": entries[0],
         "entries": entries[1:],
@@ -189,6 +203,10 @@ def main() -> None:
     parser.add_argument("--nf4", action="store_true", help="also the nf4 kernel (Llama-3.1-8B layers)")
     parser.add_argument("--fp8", action="store_true", help="also the fp8 kernel (Llama-3.1-8B layers)")
     parser.add_argument("--no-int4", action="store_true")
+    parser.add_argument("--maxnreg", type=int, nargs="*", default=[], help="int4: also these register caps")
+    parser.add_argument(
+        "--rows", type=int, default=1, help="int4: rows of x (past 1: the tensor-core kernel)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bandwidth = copy_bandwidth_bytes_per_s()
@@ -198,7 +216,17 @@ def main() -> None:
     for model in [] if args.no_int4 else args.models:
         for layer, (in_features, out_features) in shapes(model).items():
             results.append(
-                int4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, generator)
+                int4_layer(
+                    model,
+                    layer,
+                    in_features,
+                    out_features,
+                    sms,
+                    copy_bandwidth,
+                    generator,
+                    args.maxnreg,
+                    args.rows,
+                )
             )
             torch.cuda.empty_cache()
     if args.nf4:

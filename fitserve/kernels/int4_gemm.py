@@ -63,13 +63,20 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # at any row count up to 64: past one row the tensor cores win.
 GEMV_MAX_ROWS = 1
 SPLIT_MAX_ROWS = 64  # split-K only up to this many rows (past it the tiles fill the GPU)
-# Split K into at most as many splits as keep the batch-1 grid within this many programs per SM, its
-# resident wave (~240 registers a thread at 2 warps and 3 stages: 4 programs an SM), and only into
-# splits of about equal length. A grid past one wave waits for a second; a short last split idles the
-# SMs that hold the others (H200, Llama-3.1-8B and 3.3-70B layers: benchmarks/results/
-# h200_batch1_split_sweep.json).
+# Split K into at most as many splits as keep the batch-1 grid within this many programs per SM, and
+# only into splits of about equal length (a short last split idles the SMs that hold the others). The
+# H200 and H100 sweeps (Llama-3.1-8B and 3.3-70B layers: benchmarks/results/h200_batch1_split_sweep.json,
+# h100_batch1_split_sweep.json) are fastest at or just under 4 programs an SM, though 168 registers a
+# thread (2 warps, 3 stages, sm_90 build) would let 6 be resident: past 4, each program's share of the
+# SM's issue slots, not the grid's size, sets the time (capping registers to fit more measured slower:
+# h100_int4_maxnreg_trial.json).
 GEMV_PROGRAMS_PER_SM = 4
 DOT_PROGRAMS_PER_SM = 2
+# The same rule (DOT_PROGRAMS_PER_SM, equal parts) for the tensor-core kernel up to this many rows, which
+# its 16-row tile holds (H100, 4 and 16 rows: Llama-3.3-70B's four layers 260.8 -> 225.7 us at 4 rows,
+# 270.4 -> 235.7 at 16; Llama-3.1-8B 76.4 -> 73.6 and 83.2 -> 79.9: h100_int4_small_batch_splits.json);
+# past it the round-up rule, not swept.
+EVEN_SPLIT_MAX_ROWS = 16
 MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least 2 x 256 codes per weight row
 MAX_SPLITS = 16
 # Bytes of each of its weight rows (1,024 codes, the weights of skinny_gemm's 2 KB of bf16) a program
@@ -94,6 +101,7 @@ class Int4GemmConfig:
     wide_k: bool = False  # dot only: one tl.dot of depth 256 per block instead of 8 of depth 32
     group_m: int = 8  # dot only: row tiles per L2 swizzle group
     paired: bool = True  # dot only: packed-pair dequantization where paired_dequant_ok (else float32)
+    maxnreg: int | None = None  # registers a thread may use (None: ptxas decides)
 
 
 @functools.cache
@@ -180,10 +188,9 @@ def resolve_split(
         splits = max(1, min(config.split_k, blocks))
     elif rows > SPLIT_MAX_ROWS or tiles > _counter_slots(out_features):
         splits = 1
-    elif config.kernel == "gemv":
-        splits = even_splits(
-            blocks, min(GEMV_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS), MIN_BLOCKS_PER_SPLIT
-        )
+    elif config.kernel == "gemv" or rows <= EVEN_SPLIT_MAX_ROWS:
+        per_sm = GEMV_PROGRAMS_PER_SM if config.kernel == "gemv" else DOT_PROGRAMS_PER_SM
+        splits = even_splits(blocks, min(per_sm * sms // tiles, MAX_SPLITS), MIN_BLOCKS_PER_SPLIT)
     else:
         splits = cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)
         splits = max(1, min(splits, MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
@@ -319,6 +326,8 @@ def check_config(config: Int4GemmConfig, rows: int) -> None:
 
 def _launch(kernel, grid, args, constexprs, config: Int4GemmConfig, device: torch.device) -> None:
     options = {"NUM_STAGES": config.num_stages, "num_warps": config.num_warps}
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
     if INTERPRETING:  # the interpreter runs the JIT function itself, without launch options
         kernel[grid](*args, **constexprs, NUM_STAGES=config.num_stages, USE_PDL=False)
         return

@@ -122,6 +122,29 @@ def test_one_row_takes_the_cuda_core_kernel_split_into_one_wave_of_equal_parts(
     assert blocks - (splits - 1) * part >= part - 1  # no short last split (16 blocks: never 6 splits)
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "splits"),
+    # the same layers at 4 and 16 rows (the tensor-core kernel, 16 x 128 tiles, 2 programs an SM)
+    [
+        (6144, 4096, 4),
+        (4096, 4096, 8),
+        (28672, 4096, 1),
+        (4096, 14336, 8),
+        (10240, 8192, 3),
+        (8192, 28672, 4),
+    ],
+)
+@pytest.mark.parametrize("rows", [4, 16])
+def test_small_batches_split_the_tensor_core_kernel_into_equal_parts(
+    out_features: int, in_features: int, splits: int, rows: int
+) -> None:
+    from fitserve.kernels.int4_gemm import choose_config
+
+    config = choose_config(rows, out_features, in_features, 132)
+    assert (config.kernel, config.block_m, config.block_n, config.split_k) == ("dot", 16, 128, splits)
+
+
 # --- kernels under the interpreter (child process) -------------------------------------------------
 
 # (rows, out_features, in_features, group_size, dtype, bias, config or None for choose_config's
