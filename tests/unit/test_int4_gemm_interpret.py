@@ -92,27 +92,29 @@ def test_bad_inputs_are_refused() -> None:
         repack_int4(codes, scales, zeros, 64, torch.float32)
 
 
+# Llama-3.1-8B qkv / o / gate_up / down and Llama-3.3-70B qkv / o / gate_up / down as (N, K), with the
+# splits choose_config gives them on 132 SMs at 1 row (the CUDA-core kernel) and at 4 to 16 rows (the
+# tensor-core kernel): the fastest or within 5% of it on an H200 and an H100 (benchmarks/results/
+# h*_batch1_split_sweep.json, h100_int4_small_batch_splits.json), but for the 70B's gate_up at 4 to 16
+# rows, where 2 splits measured 111.3 us against the rule's 1 split's 130.6 (H100, 4 rows).
+SPLIT_CASES = [
+    ((6144, 4096), 4, 4),
+    ((4096, 4096), 8, 8),
+    ((28672, 4096), 1, 1),
+    ((4096, 14336), 8, 8),
+    ((10240, 8192), 3, 3),
+    ((8192, 8192), 4, 4),
+    ((57344, 8192), 1, 1),
+    ((8192, 28672), 4, 4),
+]
+
+
 @needs_triton
-@pytest.mark.parametrize(
-    ("out_features", "in_features", "splits"),
-    # Llama-3.1-8B qkv / o / gate_up / down and Llama-3.3-70B qkv / o / gate_up / down on 132 SMs: the
-    # fastest or within 5% of it on an H200 and an H100 (benchmarks/results/h*_batch1_split_sweep.json)
-    [
-        (6144, 4096, 4),
-        (4096, 4096, 8),
-        (28672, 4096, 1),
-        (4096, 14336, 8),
-        (10240, 8192, 3),
-        (8192, 8192, 4),
-        (57344, 8192, 1),
-        (8192, 28672, 4),
-    ],
-)
-def test_one_row_takes_the_cuda_core_kernel_split_into_one_wave_of_equal_parts(
-    out_features: int, in_features: int, splits: int
-) -> None:
+@pytest.mark.parametrize(("shape", "splits", "_"), SPLIT_CASES)
+def test_one_row_takes_the_cuda_core_kernel_split_into_equal_parts(shape, splits: int, _) -> None:
     from fitserve.kernels.int4_gemm import GEMV_PROGRAMS_PER_SM, choose_config
 
+    out_features, in_features = shape
     config = choose_config(1, out_features, in_features, 132)
     assert (config.kernel, config.block_n, config.num_warps, config.num_stages) == ("gemv", 64, 2, 3)
     assert config.split_k == splits
@@ -123,25 +125,14 @@ def test_one_row_takes_the_cuda_core_kernel_split_into_one_wave_of_equal_parts(
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    ("out_features", "in_features", "splits"),
-    # the same layers at 4 and 16 rows (the tensor-core kernel, 16 x 128 tiles, 2 programs an SM)
-    [
-        (6144, 4096, 4),
-        (4096, 4096, 8),
-        (28672, 4096, 1),
-        (4096, 14336, 8),
-        (10240, 8192, 3),
-        (8192, 28672, 4),
-    ],
-)
+@pytest.mark.parametrize(("shape", "_", "splits"), SPLIT_CASES)
 @pytest.mark.parametrize("rows", [4, 16])
 def test_small_batches_split_the_tensor_core_kernel_into_equal_parts(
-    out_features: int, in_features: int, splits: int, rows: int
+    shape, _, splits: int, rows: int
 ) -> None:
     from fitserve.kernels.int4_gemm import choose_config
 
-    config = choose_config(rows, out_features, in_features, 132)
+    config = choose_config(rows, *shape, 132)
     assert (config.kernel, config.block_m, config.block_n, config.split_k) == ("dot", 16, 128, splits)
 
 
