@@ -69,6 +69,23 @@ def summary(layer: str, kind: str, chosen_us: float, entries: list[dict]) -> dic
     return line
 
 
+def layer_result(
+    model, layer, in_features, out_features, fmt: str, kind: str, entries: list, **extra
+) -> dict:
+    """One layer's record: its shape, the chooser's pick (entries[0]) and the grid, with the summary line."""
+    return {
+        "model": model,
+        "layer": layer,
+        "k": in_features,
+        "n": out_features,
+        "format": fmt,
+        **extra,
+        "summary": summary(layer, kind, entries[0].get("us"), entries[1:]),
+        "chosen": entries[0],
+        "entries": entries[1:],
+    }
+
+
 def int4_layer(
     model, layer, in_features, out_features, sms, copy_bandwidth, generator, maxnregs=(), rows=1
 ) -> dict:
@@ -97,21 +114,10 @@ def int4_layer(
     entries = timed_entries(
         lambda p, c: int4_linear(x, p, config=c), configs, packs, reference, moved, copy_bandwidth
     )
-    chosen_us = entries[0].get("us")
-    return {
-        "model": model,
-        "layer": layer,
-        "k": in_features,
-        "n": out_features,
-        "format": "int4 g128",
-        "rows": rows,
-        "summary": summary(layer, "int4", chosen_us, entries[1:]),
-        "chosen": entries[0],
-        "entries": entries[1:],
-    }
+    return layer_result(model, layer, in_features, out_features, "int4 g128", "int4", entries, rows=rows)
 
 
-def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, generator) -> dict:
+def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, generator, lookups=(3,)) -> dict:
     weight = random_nf4_weight(out_features, in_features, 64, 0.02, generator, "cuda")
     first = pack_nf4(weight.packed, weight.absmax, weight.code, 64, torch.bfloat16)
     nbytes = first.packed.numel() + first.scales.numel() * first.scales.element_size()
@@ -125,7 +131,8 @@ def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, gene
     chosen = nf4_choose_config(1, out_features, in_features, 64, sms)
     reference = nf4_linear(x, first, None, chosen)
     configs = [chosen] + [
-        dataclasses.replace(chosen, block_n=bn, num_warps=w, num_stages=st, split_k=s)
+        dataclasses.replace(chosen, block_n=bn, num_warps=w, num_stages=st, split_k=s, lookup=lookup)
+        for lookup in lookups
         for bn, w in ((64, 2), (128, 4))
         for st in (2, 3, 4)
         for s in SPLITS
@@ -138,16 +145,7 @@ def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, gene
         nbytes + 2 * (in_features + out_features),
         copy_bandwidth,
     )
-    return {
-        "model": model,
-        "layer": layer,
-        "k": in_features,
-        "n": out_features,
-        "format": "nf4 block 64",
-        "summary": summary(layer, "nf4", entries[0].get("us"), entries[1:]),
-        "chosen": entries[0],
-        "entries": entries[1:],
-    }
+    return layer_result(model, layer, in_features, out_features, "nf4 block 64", "nf4", entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +183,7 @@ def fp8_layer(model, layer, in_features, out_features, sms, copy_bandwidth, gene
     entries = timed_entries(
         call, configs, weights, reference, first.numel() + 2 * (in_features + out_features), copy_bandwidth
     )
-    return {
-        "model": model,
-        "layer": layer,
-        "k": in_features,
-        "n": out_features,
-        "format": "fp8 per channel",
-        "summary": summary(layer, "fp8", entries[0].get("us"), entries[1:]),
-        "chosen": entries[0],
-        "entries": entries[1:],
-    }
+    return layer_result(model, layer, in_features, out_features, "fp8 per channel", "fp8", entries)
 
 
 def main() -> None:
@@ -207,38 +196,20 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, default=1, help="int4: rows of x (past 1: the tensor-core kernel)"
     )
+    parser.add_argument("--nf4-lookups", type=int, nargs="+", default=[3], help="nf4: code lookups to time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     copy_bandwidth = copy_bandwidth_bytes_per_s()
     sms = sm_count(torch.device("cuda"))
     generator = torch.Generator(device="cuda").manual_seed(0)
+    jobs = [(model, int4_layer, (args.maxnreg, args.rows)) for model in ([] if args.no_int4 else args.models)]
+    jobs += [("llama-3.1-8b", nf4_layer, (args.nf4_lookups,))] if args.nf4 else []
+    jobs += [("llama-3.1-8b", fp8_layer, ())] if args.fp8 else []
     results = []
-    for model in [] if args.no_int4 else args.models:
+    for model, measure, extra in jobs:
         for layer, (in_features, out_features) in shapes(model).items():
             results.append(
-                int4_layer(
-                    model,
-                    layer,
-                    in_features,
-                    out_features,
-                    sms,
-                    copy_bandwidth,
-                    generator,
-                    args.maxnreg,
-                    args.rows,
-                )
-            )
-            torch.cuda.empty_cache()
-    if args.nf4:
-        for layer, (in_features, out_features) in shapes("llama-3.1-8b").items():
-            results.append(
-                nf4_layer("llama-3.1-8b", layer, in_features, out_features, sms, copy_bandwidth, generator)
-            )
-            torch.cuda.empty_cache()
-    if args.fp8:
-        for layer, (in_features, out_features) in shapes("llama-3.1-8b").items():
-            results.append(
-                fp8_layer("llama-3.1-8b", layer, in_features, out_features, sms, copy_bandwidth, generator)
+                measure(model, layer, in_features, out_features, sms, copy_bandwidth, generator, *extra)
             )
             torch.cuda.empty_cache()
     save_sweep("batch1_split_sweep", copy_bandwidth, sms, "layers", results, args.out)

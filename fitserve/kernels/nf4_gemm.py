@@ -6,9 +6,11 @@ A program owns BLOCK_N weight rows and a range of K (split-K); a step covers BLO
 divides the block size, so one absmax a weight row a step). It loads the rows' codes as bytes [BLOCK_N,
 BLOCK_K / 2] (a row's bytes are contiguous) and turns each byte into the values of its two codes
 (`_byte_values`): nf4's 16 values are not evenly spaced, so there is no affine trick as for int4. The
-default (LOOKUP 3) is tl.gather from the 16 values held in registers; a tree of 15 selects (LOOKUP 2) and
-gathers from memory (the pair table, LOOKUP 0, or the 16-entry table, LOOKUP 1) measured 2.1x to 10x
-slower on the H100 (see LOOKUP). x is read as its even and odd columns to match.
+default for one row on a GPU (LOOKUP 4) picks each value's float16 bytes with byte permutes (inline PTX,
+`_permuted_values`); for more rows and under the interpreter (LOOKUP 3) tl.gather from the 16 values held
+in registers (a shuffle a code); a tree of 15 selects (LOOKUP 2) and gathers from memory (the pair table,
+LOOKUP 0, or the 16-entry table, LOOKUP 1) measured 2.1x to 10x slower on the H100 (see LOOKUP). x is
+read as its even and odd columns to match.
 
 - `_nf4_gemv_kernel` (1 row, CUDA cores): products scaled elementwise by the row's absmax into a float32
   [BLOCK_N, BLOCK_K / 2] accumulator, summed over its columns once at the end.
@@ -21,8 +23,9 @@ CUDA graphs.
 Measured on the H100 (benchmarks/gpu/nf4_gemm.py, benchmarks/results/h100_nf4_gemm.json): at batch 1 the
 four Llama-3.1-8B layers take ~1.35x less time than bf16's, short of the 2x the 4-bit bytes allow. A
 step over several blocks (each column's absmax taken by tl.gather from a [BLOCK_N, blocks] tile) measured
-no faster in a sweep of tiles and crashed Triton's TritonGPUOptimizeThreadLocality pass for some; a
-cheaper lookup (byte permutes through inline PTX) is the next thing to try.
+no faster in a sweep of tiles and crashed Triton's TritonGPUOptimizeThreadLocality pass for some. The
+byte-permute lookup (LOOKUP 4) and one-row splits of at least GEMV_MIN_STEPS steps took the four layers
+from 116.0 to about 98.5 us (h100_nf4_permute_lookup.json).
 
 Reference: nf4_pack.dequantize_packed, then x.float() @ W.T. Under TRITON_INTERPRET=1 this runs on CPU
 tensors (tests/unit/test_nf4_gemm_interpret.py).
@@ -37,18 +40,27 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.grid_math import cdiv, next_power_of_2
+from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_gemm import sm_count
 from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Nf4Config.lookup's default: tl.gather from the 16 values held in registers. On the H100
-# (benchmarks/gpu/nf4_gemm.py, Llama-3.1-8B shapes, block 64, 1 row) qkv / o / gate_up / down take 16 / 12 /
-# 59 / 31 us with it, against 35 / 23 / 136 / 76 us for the select tree, 155 / 98 / 605 / 335 us for the
+# Nf4Config.lookup's default for more rows than one: tl.gather from the 16 values held in registers. On the
+# H100 (benchmarks/gpu/nf4_gemm.py, Llama-3.1-8B shapes, block 64, 1 row) qkv / o / gate_up / down took 16 /
+# 12 / 59 / 31 us with it, against 35 / 23 / 136 / 76 us for the select tree, 155 / 98 / 605 / 335 us for the
 # pair-table gather, and bf16's 21 / 9 / 80 / 40 us; at 16 rows qkv 40 us against 55 (select tree).
 LOOKUP = 3
+# One row (the CUDA-core kernel) on GPUs: byte permutes (LOOKUP 4, inline PTX), no shuffles. On the H100
+# (benchmarks/gpu/batch1_split_sweep.py --nf4 --nf4-lookups 3 4, h100_nf4_permute_lookup.json), each
+# layer at its best split: qkv 15.3 -> 13.8 us, o 12.0 -> 11.3, gate_up 53.1 -> 47.0, down 28.2 -> 26.4.
+GEMV_LOOKUP = 3 if INTERPRETING else 4
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
+# ... and for one row: as many splits as keep <= GEMV_PROGRAMS_PER_SM programs an SM with at least
+# GEMV_MIN_STEPS steps each, in equal parts (kernels/grid_math.even_splits). From the same sweep: within
+# 1% of each layer's fastest split (qkv 8, o 8, gate_up 4, down 16 at 132 SMs).
+GEMV_PROGRAMS_PER_SM = 16
+GEMV_MIN_STEPS = 8
 MIN_STEPS_PER_SPLIT = 2
 MAX_SPLITS = 16
 SPLIT_MAX_ROWS = 64
@@ -90,6 +102,63 @@ def _select16(c, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14
     return tl.where(b3, tl.where(b2, v3, v2), tl.where(b2, v1, v0))
 
 
+def _four_codes(source: str, even: tuple[int, int], odd: tuple[int, int]) -> str:
+    """PTX for the 4 codes in the low 16 bits of `source`: nibble k's value from the tables ($9, $13, ...
+    $37: each table argument comes as 4 operands, one per packed element, all the same register)."""
+    return f"""
+        and.b32 s, {source}, 0x7777;
+        shr.b32 u, {source}, 1;
+        and.b32 u, u, 0x4444;
+        or.b32 u, u, 0x3210;
+        prmt.b32 la, $9, $13, s;
+        prmt.b32 lb, $17, $21, s;
+        prmt.b32 ha, $25, $29, s;
+        prmt.b32 hb, $33, $37, s;
+        prmt.b32 lo, la, lb, u;
+        prmt.b32 hi, ha, hb, u;
+        prmt.b32 p, lo, hi, 0x5140;
+        prmt.b32 q, lo, hi, 0x7362;
+        mov.b32 {{h0, h1}}, p;
+        mov.b32 {{h2, h3}}, q;
+        cvt.f32.f16 ${odd[0]}, h0;
+        cvt.f32.f16 ${even[0]}, h1;
+        cvt.f32.f16 ${odd[1]}, h2;
+        cvt.f32.f16 ${even[1]}, h3;"""
+
+
+# LOOKUP 4: 4 code bytes ($8) -> the float32 values of their even codes ($0..$3, high nibbles) and odd
+# codes ($4..$7). Per 4 codes, PRMTs pick each value's low and high float16 byte from entries 0-7 and
+# 8-15 (selector: the code & 7), one more PRMT each keeps the half that bit 3 names, two interleave them
+# into float16 pairs, widened to float32: ALU instructions only, where tl.gather (LOOKUP 3) spends a
+# shuffle on every code.
+_PERMUTE_LOOKUP = tl.constexpr(
+    "{\n.reg .b32 s, u, la, lb, ha, hb, lo, hi, p, q, w;\n.reg .b16 h0, h1, h2, h3;"
+    + _four_codes("$8", (0, 1), (4, 5))
+    + "\nshr.b32 w, $8, 16;"
+    + _four_codes("w", (2, 3), (6, 7))
+    + "\n}"
+)
+
+
+# 8 outputs, the packed bytes, then each table word 4 times (pack=4 gives a 32-bit argument one operand
+# per element)
+_PERMUTE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 33))
+
+
+@triton.jit
+def _permuted_values(bytes_, tables_ptr):
+    """LOOKUP 4 over a tile of code bytes, the 8 table words read from tables_ptr (int32 [8])."""
+    return tl.inline_asm_elementwise(
+        asm=_PERMUTE_LOOKUP.value, constraints=_PERMUTE_CONSTRAINTS.value,
+        args=[
+            bytes_, tl.load(tables_ptr), tl.load(tables_ptr + 1), tl.load(tables_ptr + 2),
+            tl.load(tables_ptr + 3), tl.load(tables_ptr + 4), tl.load(tables_ptr + 5),
+            tl.load(tables_ptr + 6), tl.load(tables_ptr + 7),
+        ],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
 @triton.jit
 def _byte_values(bytes_, table_ptr, code_ptr, LOOKUP: tl.constexpr):
     """(even, odd) float32 code values of a tile of code bytes: LOOKUP 0 one 8-byte gather a byte from the
@@ -97,6 +166,8 @@ def _byte_values(bytes_, table_ptr, code_ptr, LOOKUP: tl.constexpr):
     from the 16 values held in registers (the default: see LOOKUP)."""
     if LOOKUP == 0:
         even, odd = _pair_values(bytes_, table_ptr)
+    elif LOOKUP == 4:  # table_ptr: PackedNf4.permute_table
+        even, odd = _permuted_values(bytes_, table_ptr)
     elif LOOKUP == 3:  # tl.gather from the table held in registers (broadcast to every row)
         codes = bytes_.to(tl.int32)
         table = tl.load(code_ptr + tl.arange(0, 16))
@@ -265,10 +336,13 @@ def choose_config(rows: int, out_features: int, in_features: int, blocksize: int
     steps = cdiv(in_features, block_k)
     tiles = cdiv(rows, block_m) * cdiv(out_features, block_n)
     splits = 1
-    if rows <= SPLIT_MAX_ROWS and tiles <= cdiv(out_features, 16) * 8:
+    if kernel == "gemv" and tiles <= cdiv(out_features, 16) * 8:
+        splits = even_splits(steps, min(GEMV_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS), GEMV_MIN_STEPS)
+    elif rows <= SPLIT_MAX_ROWS and tiles <= cdiv(out_features, 16) * 8:
         splits = max(1, min(cdiv(PROGRAMS_PER_SM * sms, tiles), MAX_SPLITS, steps // MIN_STEPS_PER_SPLIT))
         splits = cdiv(steps, cdiv(steps, splits))  # no empty split
-    return Nf4Config(kernel, block_m, block_n, block_k, splits, num_warps=warps, lookup=LOOKUP)
+    lookup = GEMV_LOOKUP if kernel == "gemv" else LOOKUP
+    return Nf4Config(kernel, block_m, block_n, block_k, splits, num_warps=warps, lookup=lookup)
 
 
 def supports(x: torch.Tensor, packed: PackedNf4) -> bool:
@@ -307,12 +381,15 @@ def nf4_linear(
         torch.empty((splits, rows, out_features), dtype=torch.float32, device=x.device) if splits > 1 else y
     )
     args = (
-        x, packed.packed, packed.scales, packed.pair_table, packed.code,
+        x, packed.packed, packed.scales, packed.permute_table if config.lookup == 4 else packed.pair_table,
+        packed.code,
         bias if bias is not None else packed.scales, y,
         workspace, packed.counters, rows, out_features, in_features, x.stride(0), y.stride(0),
         packed.blocksize, cdiv(steps, splits), splits,
     )  # fmt: skip
     options = {} if INTERPRETING else {"num_warps": config.num_warps}
+    if config.lookup == 4 and INTERPRETING:
+        raise ValueError("nf4 lookup 4 is inline PTX: it runs compiled for a GPU, not under TRITON_INTERPRET")
     if config.kernel == "gemv":
         _nf4_gemv_kernel[(tiles_n, splits)](
             *args, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -321,7 +398,7 @@ def nf4_linear(
     else:
         _nf4_dot_kernel[(tiles, splits)](
             *args, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, LOOKUP=config.lookup, SPLIT=splits > 1, NUM_STAGES=config.num_stages,
-            **options,
+            BLOCK_K=config.block_k, LOOKUP=config.lookup, SPLIT=splits > 1,
+            NUM_STAGES=config.num_stages, **options,
         )  # fmt: skip
     return y

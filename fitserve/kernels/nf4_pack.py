@@ -34,6 +34,7 @@ class PackedNf4:
     scales: torch.Tensor  # float16 or float32 [N, K // blocksize]
     pair_table: torch.Tensor  # int64 [256]
     code: torch.Tensor  # float32 [16]: the code table (kernels whose lookup is not the pair table)
+    permute_table: torch.Tensor  # int32 [8]: the code table as float16 bytes (nf4_gemm's LOOKUP 4)
     counters: torch.Tensor  # int32 zeros
     blocksize: int
     in_features: int
@@ -47,6 +48,7 @@ class PackedNf4:
             scales=self.scales.to(device),
             pair_table=self.pair_table.to(device),
             code=self.code.to(device),
+            permute_table=self.permute_table.to(device),
             counters=self.counters.to(device),
         )
 
@@ -57,6 +59,17 @@ class PackedNf4:
     def nbytes(self) -> int:
         """Bytes a call streams: the codes and the block scales."""
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+
+def permute_table(code: torch.Tensor) -> torch.Tensor:
+    """int32 [8]: the 16 code values as float16, low bytes of entries 0-3, 4-7, 8-11, 12-15 (byte k of a
+    word = entry first + k), then their high bytes: what nf4_gemm's LOOKUP 4 picks bytes from."""
+    bits = code.detach().float().cpu().half().view(torch.int16).to(torch.int64) & 0xFFFF
+    words = []
+    for shift in (0, 8):
+        for first in (0, 4, 8, 12):
+            words.append(sum(((int(bits[first + k]) >> shift) & 0xFF) << (8 * k) for k in range(4)))
+    return torch.tensor(words, dtype=torch.int64).to(torch.int32).to(code.device)
 
 
 def pair_table(code: torch.Tensor) -> torch.Tensor:
@@ -103,6 +116,7 @@ def pack_nf4(
         scales=absmax.to(scale_dtype(absmax)).contiguous(),
         pair_table=pair_table(code).to(device),
         code=code.float().to(device).contiguous(),
+        permute_table=permute_table(code).to(device),
         counters=torch.zeros(tiles, dtype=torch.int32, device=device),
         blocksize=blocksize,
         in_features=in_features,
