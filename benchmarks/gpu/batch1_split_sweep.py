@@ -117,7 +117,9 @@ def int4_layer(
     return layer_result(model, layer, in_features, out_features, "int4 g128", "int4", entries, rows=rows)
 
 
-def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, generator, lookups=(3,)) -> dict:
+def nf4_layer(
+    model, layer, in_features, out_features, sms, copy_bandwidth, generator, lookups=(3,), rows=1
+) -> dict:
     weight = random_nf4_weight(out_features, in_features, 64, 0.02, generator, "cuda")
     first = pack_nf4(weight.packed, weight.absmax, weight.code, 64, torch.bfloat16)
     nbytes = first.packed.numel() + first.scales.numel() * first.scales.element_size()
@@ -127,25 +129,30 @@ def nf4_layer(model, layer, in_features, out_features, sms, copy_bandwidth, gene
         )
         for _ in range(L2_BYTES_TO_BEAT // nbytes)
     ]
-    x = torch.randn(1, in_features, device="cuda", generator=generator).to(torch.bfloat16)
-    chosen = nf4_choose_config(1, out_features, in_features, 64, sms)
+    x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
+    chosen = nf4_choose_config(rows, out_features, in_features, 64, sms)
     reference = nf4_linear(x, first, None, chosen)
-    configs = [chosen] + [
-        dataclasses.replace(chosen, block_n=bn, num_warps=w, num_stages=st, split_k=s, lookup=lookup)
-        for lookup in lookups
-        for bn, w in ((64, 2), (128, 4))
-        for st in (2, 3, 4)
-        for s in SPLITS
-    ]
+    if rows > 1:  # the tensor-core kernel at its tile: each lookup at every split
+        configs = [chosen] + [
+            dataclasses.replace(chosen, split_k=s, lookup=lookup) for lookup in lookups for s in SPLITS
+        ]
+    else:
+        configs = [chosen] + [
+            dataclasses.replace(chosen, block_n=bn, num_warps=w, num_stages=st, split_k=s, lookup=lookup)
+            for lookup in lookups
+            for bn, w in ((64, 2), (128, 4))
+            for st in (2, 3, 4)
+            for s in SPLITS
+        ]
     entries = timed_entries(
         lambda p, c: nf4_linear(x, p, None, c),
         configs,
         packs,
         reference,
-        nbytes + 2 * (in_features + out_features),
+        nbytes + 2 * rows * (in_features + out_features),
         copy_bandwidth,
     )
-    return layer_result(model, layer, in_features, out_features, "nf4 block 64", "nf4", entries)
+    return layer_result(model, layer, in_features, out_features, "nf4 block 64", "nf4", entries, rows=rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +201,7 @@ def main() -> None:
     parser.add_argument("--no-int4", action="store_true")
     parser.add_argument("--maxnreg", type=int, nargs="*", default=[], help="int4: also these register caps")
     parser.add_argument(
-        "--rows", type=int, default=1, help="int4: rows of x (past 1: the tensor-core kernel)"
+        "--rows", type=int, default=1, help="int4 and nf4: rows of x (past 1: the tensor-core kernels)"
     )
     parser.add_argument("--nf4-lookups", type=int, nargs="+", default=[3], help="nf4: code lookups to time")
     parser.add_argument("--out", default=None)
@@ -203,7 +210,7 @@ def main() -> None:
     sms = sm_count(torch.device("cuda"))
     generator = torch.Generator(device="cuda").manual_seed(0)
     jobs = [(model, int4_layer, (args.maxnreg, args.rows)) for model in ([] if args.no_int4 else args.models)]
-    jobs += [("llama-3.1-8b", nf4_layer, (args.nf4_lookups,))] if args.nf4 else []
+    jobs += [("llama-3.1-8b", nf4_layer, (args.nf4_lookups, args.rows))] if args.nf4 else []
     jobs += [("llama-3.1-8b", fp8_layer, ())] if args.fp8 else []
     results = []
     for model, measure, extra in jobs:

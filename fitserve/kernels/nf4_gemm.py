@@ -6,7 +6,7 @@ A program owns BLOCK_N weight rows and a range of K (split-K); a step covers BLO
 divides the block size, so one absmax a weight row a step). It loads the rows' codes as bytes [BLOCK_N,
 BLOCK_K / 2] (a row's bytes are contiguous) and turns each byte into the values of its two codes
 (`_byte_values`): nf4's 16 values are not evenly spaced, so there is no affine trick as for int4. The
-default for one row on a GPU (LOOKUP 4) picks each value's float16 bytes with byte permutes (inline PTX,
+default up to 16 rows on a GPU (LOOKUP 4) picks each value's float16 bytes with byte permutes (inline PTX,
 `_permuted_values`); for more rows and under the interpreter (LOOKUP 3) tl.gather from the 16 values held
 in registers (a shuffle a code); a tree of 15 selects (LOOKUP 2) and gathers from memory (the pair table,
 LOOKUP 0, or the 16-entry table, LOOKUP 1) measured 2.1x to 10x slower on the H100 (see LOOKUP). x is
@@ -46,15 +46,20 @@ from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# Nf4Config.lookup's default for more rows than one: tl.gather from the 16 values held in registers. On the
-# H100 (benchmarks/gpu/nf4_gemm.py, Llama-3.1-8B shapes, block 64, 1 row) qkv / o / gate_up / down took 16 /
-# 12 / 59 / 31 us with it, against 35 / 23 / 136 / 76 us for the select tree, 155 / 98 / 605 / 335 us for the
-# pair-table gather, and bf16's 21 / 9 / 80 / 40 us; at 16 rows qkv 40 us against 55 (select tree).
+# Nf4Config.lookup's default past PERMUTE_MAX_ROWS rows: tl.gather from the 16 values held in registers.
+# On the H100 (benchmarks/gpu/nf4_gemm.py, Llama-3.1-8B shapes, block 64, 1 row) qkv / o / gate_up / down
+# took 16 / 12 / 59 / 31 us with it, against 35 / 23 / 136 / 76 us for the select tree, 155 / 98 / 605 /
+# 335 us for the pair-table gather, and bf16's 21 / 9 / 80 / 40 us; at 16 rows qkv 40 us against 55
+# (select tree).
 LOOKUP = 3
-# One row (the CUDA-core kernel) on GPUs: byte permutes (LOOKUP 4, inline PTX), no shuffles. On the H100
-# (benchmarks/gpu/batch1_split_sweep.py --nf4 --nf4-lookups 3 4, h100_nf4_permute_lookup.json), each
-# layer at its best split: qkv 15.3 -> 13.8 us, o 12.0 -> 11.3, gate_up 53.1 -> 47.0, down 28.2 -> 26.4.
-GEMV_LOOKUP = 3 if INTERPRETING else 4
+# Up to PERMUTE_MAX_ROWS rows on GPUs: byte permutes (LOOKUP 4, inline PTX), no shuffles. On the H100
+# (benchmarks/gpu/batch1_split_sweep.py --nf4 --nf4-lookups 3 4 [--rows 4 / 16],
+# h100_nf4_permute_lookup.json), one row, each layer at its best split: qkv 15.3 -> 13.8 us, o 12.0 ->
+# 11.3, gate_up 53.1 -> 47.0, down 28.2 -> 26.4; the tensor-core kernel at 4 rows: 27.7 -> 22.9, 19.9 ->
+# 16.6, 106.1 -> 85.0, 55.2 -> 45.3 (16 rows: 37.2 -> 31.9, 26.4 -> 23.1, 152.1 -> 130.7, 78.4 -> 67.8).
+# Past 16 rows not measured.
+PERMUTE_LOOKUP = 3 if INTERPRETING else 4
+PERMUTE_MAX_ROWS = 16
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
 # ... and for one row: as many splits as keep <= GEMV_PROGRAMS_PER_SM programs an SM with at least
 # GEMV_MIN_STEPS steps each, in equal parts (kernels/grid_math.even_splits). From the same sweep: within
@@ -341,7 +346,7 @@ def choose_config(rows: int, out_features: int, in_features: int, blocksize: int
     elif rows <= SPLIT_MAX_ROWS and tiles <= cdiv(out_features, 16) * 8:
         splits = max(1, min(cdiv(PROGRAMS_PER_SM * sms, tiles), MAX_SPLITS, steps // MIN_STEPS_PER_SPLIT))
         splits = cdiv(steps, cdiv(steps, splits))  # no empty split
-    lookup = GEMV_LOOKUP if kernel == "gemv" else LOOKUP
+    lookup = PERMUTE_LOOKUP if rows <= PERMUTE_MAX_ROWS else LOOKUP
     return Nf4Config(kernel, block_m, block_n, block_k, splits, num_warps=warps, lookup=lookup)
 
 

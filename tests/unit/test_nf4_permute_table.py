@@ -1,6 +1,6 @@
 """kernels/nf4_pack.permute_table: the byte tables nf4_gemm's LOOKUP 4 (one-row GPU kernel) picks from. Each
 code's float16 value must be its low byte at byte (c % 4) of word c // 4 and its high byte at the same
-place of word 4 + c // 4, for the nf4 and fp4 tables; and every other row count keeps tl.gather."""
+place of word 4 + c // 4, for the nf4 and fp4 tables; and past 16 rows the kernels keep tl.gather."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ def test_every_code_reassembles_from_its_two_bytes(quant_type: str) -> None:
         assert value.item() == code[c].half().item(), (quant_type, c)
 
 
-def test_only_the_one_row_kernel_takes_the_permute_lookup_on_a_gpu() -> None:
+def test_up_to_16_rows_take_the_permute_lookup() -> None:
     pytest.importorskip("triton")
     from fitserve.kernels import nf4_gemm
 
     one_row = nf4_gemm.choose_config(1, 4096, 4096, 64, 132)
-    assert one_row.kernel == "gemv" and one_row.lookup == nf4_gemm.GEMV_LOOKUP
-    assert nf4_gemm.choose_config(4, 4096, 4096, 64, 132).lookup == nf4_gemm.LOOKUP == 3
+    assert one_row.kernel == "gemv" and one_row.lookup == nf4_gemm.PERMUTE_LOOKUP
+    assert nf4_gemm.choose_config(16, 4096, 4096, 64, 132).lookup == nf4_gemm.PERMUTE_LOOKUP
+    assert nf4_gemm.choose_config(17, 4096, 4096, 64, 132).lookup == nf4_gemm.LOOKUP == 3
     # splits of at least GEMV_MIN_STEPS 64-code steps, at most GEMV_PROGRAMS_PER_SM programs an SM
     assert [
         nf4_gemm.choose_config(1, n, k, 64, 132).split_k
