@@ -25,7 +25,7 @@ four Llama-3.1-8B layers take ~1.35x less time than bf16's, short of the 2x the 
 step over several blocks (each column's absmax taken by tl.gather from a [BLOCK_N, blocks] tile) measured
 no faster in a sweep of tiles and crashed Triton's TritonGPUOptimizeThreadLocality pass for some. The
 byte-permute lookup (LOOKUP 4) and one-row splits of at least GEMV_MIN_STEPS steps took the four layers
-from 116.0 to about 98.5 us (h100_nf4_permute_lookup.json).
+at one row from 116.0 to 97.3 us (two H100 leases, h100_nf4_permute_lookup.json).
 
 Reference: nf4_pack.dequantize_packed, then x.float() @ W.T. Under TRITON_INTERPRET=1 this runs on CPU
 tensors (tests/unit/test_nf4_gemm_interpret.py).
@@ -168,7 +168,8 @@ def _permuted_values(bytes_, tables_ptr):
 def _byte_values(bytes_, table_ptr, code_ptr, LOOKUP: tl.constexpr):
     """(even, odd) float32 code values of a tile of code bytes: LOOKUP 0 one 8-byte gather a byte from the
     pair table, 1 two 4-byte gathers from the 16-entry table, 2 a select tree (no gathers), 3 tl.gather
-    from the 16 values held in registers (the default: see LOOKUP)."""
+    from the 16 values held in registers (LOOKUP), 4 byte permutes, table_ptr then being
+    PackedNf4.permute_table (PERMUTE_LOOKUP, up to PERMUTE_MAX_ROWS rows on GPUs)."""
     if LOOKUP == 0:
         even, odd = _pair_values(bytes_, table_ptr)
     elif LOOKUP == 4:  # table_ptr: PackedNf4.permute_table
