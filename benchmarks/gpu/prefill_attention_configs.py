@@ -39,19 +39,33 @@ def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
     return sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
 
 
-def run_case(query_lens: list[int], seq_lens: list[int]) -> list[dict]:
+def paged_inputs(query_lens: list[int], seq_lens: list[int], poison: bool = False) -> tuple:
+    """(q, cache, query starts, sequence lengths, block tables): each sequence's blocks drawn from a shuffled
+    pool of the 8B shape's heads; with poison, every slot no sequence owns (block 0, spare blocks, the tails
+    of last blocks) holds NaN, so a kernel that reads a key it must not see returns NaN."""
     blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 8
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     order = torch.randperm(num_blocks - 1, device="cuda").to(torch.int32) + 1
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device="cuda")
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int32, device="cuda")
     start = 0
     for row, count in enumerate(blocks_per_seq):
         tables[row, :count] = order[start : start + count]
         start += count
+    if poison:
+        owned = torch.zeros(num_blocks, BLOCK, dtype=torch.bool, device="cuda")
+        for row, length in enumerate(seq_lens):
+            positions = torch.arange(length, device="cuda")
+            owned[tables[row, positions // BLOCK].long(), positions % BLOCK] = True
+        cache[:, ~owned] = float("nan")
     q = torch.randn(sum(query_lens), Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return q, cache, starts, lens, tables
+
+
+def run_case(query_lens: list[int], seq_lens: list[int]) -> list[dict]:
+    q, cache, starts, lens, tables = paged_inputs(query_lens, seq_lens)
     out = torch.empty_like(q)
     flops = 4 * causal_pairs(query_lens, seq_lens) * Q_HEADS * HEAD_DIM
     reference = None

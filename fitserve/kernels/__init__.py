@@ -1,5 +1,6 @@
-"""GPU kernels (Triton) and the torch reference each one is tested against. The layers call them (the CUDA
-attention backend is fitserve/layers/attention/triton_backend.py); nothing here imports the layers.
+"""GPU kernels (Triton; one in Gluon, Triton's lower-level dialect) and the torch reference each one is
+tested against. The layers call them (the CUDA attention backend is
+fitserve/layers/attention/triton_backend.py); nothing here imports the layers.
 
 `reference`, `kv_format` (how the KV cache stores keys and values, float8 included), `attention_inputs` and
 `capability` (the compute capability the config choosers go by, FITSERVE_KERNEL_TARGET to force one, and
@@ -14,6 +15,7 @@ machine):
 | `cache_write` | `reshape_and_cache` | `reshape_and_cache_reference` |
 | `decode_attention` | `paged_decode_attention` (split-K, merged; windows) | `paged_attention_reference` |
 | `prefill_attention` | `paged_prefill_attention` (varlen, causal; windows) | `paged_attention_reference` |
+| `prefill_attention_sm90` | `paged_prefill_attention_sm90` (Gluon; sm_90) | `paged_attention_reference` |
 | `norm` | `rms_norm`, `fused_add_rms_norm` | `rms_norm_reference`, `fused_add_rms_norm_reference` |
 | `norm` | `gemma_rms_norm`, `gemma_norm_add` (Gemma-4) | `GemmaRMSNorm` and the layer's torch path |
 | `rotary` | `rotary_embedding` (neox, in place) | `rotary_embedding_reference` |

@@ -54,3 +54,15 @@ def kv_cache_for_kernels(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.dtype == torch.float8_e4m3fn and not has_e4m3_conversion(kernel_capability(kv_cache.device)):
         return kv_cache.view(torch.uint8)
     return kv_cache
+
+
+def prefill_strides(
+    q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides both prefill attention kernels take, in their order: q's and out's token and head
+    strides, the cache's (keys/values, block, slot, head) strides, the block table's row stride."""
+    return (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+    )  # fmt: skip

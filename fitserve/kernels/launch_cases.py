@@ -86,7 +86,10 @@ def _prefill_attention(target: Target, full: bool) -> None:
                     starts = torch.arange(seqs + 1, dtype=torch.int32) * (tokens // seqs)
                     seq_lens = torch.full((seqs,), tokens // seqs, dtype=torch.int32)
                     tables = torch.zeros(seqs, 256, dtype=torch.int32)
-                    for window in _windows(full):
+                    windows = _windows(full)
+                    if not full and target.capability == (9, 0) and cache_dtype == dtype and head_dim == 128:
+                        windows = (None, *windows)  # the subset reaches kernels/prefill_attention_sm90.py too
+                    for window in windows:
                         paged_prefill_attention(
                             q, kv_cache, starts, seq_lens, tables, tokens // seqs, 0.1, window=window
                         )

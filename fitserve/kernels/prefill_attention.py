@@ -32,11 +32,25 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_for_kernels, kv_cache_scales
+from fitserve.kernels.attention_inputs import (
+    check_attention_inputs,
+    kv_cache_for_kernels,
+    kv_cache_scales,
+    prefill_strides,
+)
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.fp8_bits import kv_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
+
+try:
+    from fitserve.kernels.prefill_attention_sm90 import (
+        choose_sm90_config,
+        paged_prefill_attention_sm90,
+        supports_sm90,
+    )
+except ImportError:  # a Triton without Gluon's Hopper ops (before 3.6): this module's kernel runs everywhere
+    supports_sm90 = None
 
 # fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
 _host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
@@ -302,7 +316,8 @@ def paged_prefill_attention(
     (host floats): a float8 cache's scales; other caches ignore them. config: None chooses one by the
     step's mean query length and the head dim (choose_prefill_config). window: the layer's sliding
     window (None: none): query position p sees keys p - window + 1 .. p, and older keys are never read
-    (their block-table entries may be 0).
+    (their block-table entries may be 0). With config None, an sm_90 GPU runs the steps
+    kernels/prefill_attention_sm90.py supports there.
     """
     check_attention_inputs(q, kv_cache, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -323,6 +338,11 @@ def paged_prefill_attention(
     block_d = next_power_of_2(head_dim)
     if config is None:
         capability = kernel_capability(q.device)
+        if supports_sm90 is not None and supports_sm90(q, kv_cache, window, capability):
+            sm90_config = choose_sm90_config(num_tokens, num_seqs, LONG_QUERY_MIN_MEAN)
+            return paged_prefill_attention_sm90(
+                q, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, scale, out, sm90_config
+            )
         tensor_cores = capability is None or capability >= (8, 0)
         shared_memory = shared_memory_per_block(capability)
         config = choose_prefill_config(num_tokens, num_seqs, head_dim, shared_memory, tensor_cores)
@@ -342,15 +362,7 @@ def paged_prefill_attention(
         v_scale,
         window or 0,
         head_dim,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
+        *prefill_strides(q, out, kv_cache, block_tables),
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

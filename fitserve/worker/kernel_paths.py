@@ -2,10 +2,10 @@
 (issue 35: the doctor names the path each kernel family takes on the GPU present).
 
 Every line is read from the rule the kernels and layers themselves apply (kernels/capability.py's shared
-memory and e4m3 gates, the PDL gate of kernels/dependent_launch.py, prefill attention's tensor-core gate,
-the chunked DeltaNet kernel's minimum, the fp8 W8A8 minimum), so the doctor cannot say one thing while the
-kernels do another. FITSERVE_KERNEL_TARGET (kernels/capability.py) shows and runs another generation's
-choices on the GPU present.
+memory and e4m3 gates, the PDL gate of kernels/dependent_launch.py, prefill attention's tensor-core and
+sm_90 gates, the chunked DeltaNet kernel's minimum, the fp8 W8A8 minimum), so the doctor cannot say one
+thing while the kernels do another. FITSERVE_KERNEL_TARGET (kernels/capability.py) shows and runs another
+generation's choices on the GPU present.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def kernel_paths(capability: tuple[int, int]) -> list[tuple[str, str]]:
     # the Triton modules load with Triton only (a GPU machine has it; `fitserve doctor` on a CPU machine
     # reaches here only with FITSERVE_KERNEL_TARGET set)
     from fitserve.kernels.gated_delta_chunk import MIN_CAPABILITY as DELTANET_CHUNK_MIN_CAPABILITY
+    from fitserve.kernels.prefill_attention_sm90 import CAPABILITY as SM90_PREFILL_CAPABILITY
 
     shared_kb = shared_memory_per_block(capability) // 1024
     tensor_cores = capability >= TENSOR_CORE_DOT_MIN_CAPABILITY
@@ -31,7 +32,13 @@ def kernel_paths(capability: tuple[int, int]) -> list[tuple[str, str]]:
         ("dtype", "bfloat16" if capability >= BF16_MIN_CAPABILITY else "float16 (bfloat16 is emulated)"),
         ("tiles", f"sized for {shared_kb} KB of shared memory a block"),
         ("decode attention", "Triton split-K partitions over the paged KV cache, then one merge"),
-        ("prefill attention", f"Triton, {dot}"),
+        (
+            "prefill attention",
+            "Gluon with warpgroup MMAs for 16-bit caches at head dims 64 and 128 without a window "
+            "(kernels/prefill_attention_sm90.py), Triton on tensor cores otherwise"
+            if capability == SM90_PREFILL_CAPABILITY
+            else f"Triton, {dot}",
+        ),
         (
             "decode launches",
             "programmatic dependent launch between the decode step's kernels"

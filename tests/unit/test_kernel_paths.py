@@ -28,7 +28,8 @@ def test_a_hopper_gpu_gets_every_fast_path():
     paths = dict(kernel_paths((9, 0)))
     assert paths["dtype"] == "bfloat16"
     assert "227 KB" in paths["tiles"]
-    assert "tensor cores" in paths["prefill attention"]
+    assert "Gluon with warpgroup MMAs" in paths["prefill attention"]
+    assert "Triton on tensor cores otherwise" in paths["prefill attention"]
     assert paths["decode launches"].startswith("programmatic dependent launch")
     assert "e4m3 and e5m2 through Triton" in paths["fp8 KV cache"]
     assert paths["fp8 weights"].startswith("W8A8")

@@ -1,0 +1,88 @@
+"""Which prefill attention kernel a step gets: the Hopper Gluon kernel (kernels/prefill_attention_sm90.py)
+where it applies, the Triton kernel elsewhere. No kernel runs here (the Gluon one needs an sm_90 GPU; its
+compile for sm_90 is checked by tests/unit/test_kernel_targets.py, its output by tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fitserve.kernels import prefill_attention  # noqa: E402
+from fitserve.kernels.capability import forced_target  # noqa: E402
+from fitserve.kernels.prefill_attention_sm90 import (  # noqa: E402
+    LONG_QUERY_SM90_CONFIG,
+    SHORT_QUERY_SM90_CONFIG,
+    choose_sm90_config,
+    supports_sm90,
+)
+
+
+def tensors(head_dim: int = 128, dtype=torch.bfloat16, cache_dtype=None, tokens: int = 64):
+    q = torch.empty(tokens, 8, head_dim, dtype=dtype)
+    cache = torch.empty(2, 8, 16, 2, head_dim, dtype=cache_dtype or dtype)
+    return q, cache
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_supported_on_sm90_for_16_bit_caches_at_head_dims_64_and_128(head_dim, dtype) -> None:
+    assert supports_sm90(*tensors(head_dim, dtype), None, (9, 0))
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+@pytest.mark.parametrize(
+    "case,window,capability",
+    [
+        ((80, torch.bfloat16, None), None, (9, 0)),  # head dim not 64 or 128
+        ((256, torch.bfloat16, None), None, (9, 0)),
+        ((128, torch.bfloat16, torch.float8_e4m3fn), None, (9, 0)),  # float8 cache
+        ((128, torch.float16, torch.bfloat16), None, (9, 0)),  # cache dtype differs
+        ((128, torch.float32, None), None, (9, 0)),
+        ((128, torch.bfloat16, None), 512, (9, 0)),  # a sliding window
+        ((128, torch.bfloat16, None), None, (8, 0)),  # no warpgroup MMA
+        ((128, torch.bfloat16, None), None, (10, 0)),
+        ((128, torch.bfloat16, None), None, None),  # not a CUDA device
+    ],
+)
+def test_not_supported_elsewhere(case, window, capability) -> None:
+    assert not supports_sm90(*tensors(*case), window, capability)
+
+
+def test_not_under_the_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not supports_sm90(*tensors(), None, (9, 0))
+
+
+def test_long_queries_get_two_warpgroups_from_a_mean_of_512_tokens() -> None:
+    assert choose_sm90_config(8192, 1, 512) == LONG_QUERY_SM90_CONFIG
+    assert choose_sm90_config(1024, 2, 512) == LONG_QUERY_SM90_CONFIG
+    assert choose_sm90_config(1023, 2, 512) == SHORT_QUERY_SM90_CONFIG
+    assert choose_sm90_config(768 + 128, 129, 512) == SHORT_QUERY_SM90_CONFIG
+    assert LONG_QUERY_SM90_CONFIG.num_warps == 8 and SHORT_QUERY_SM90_CONFIG.num_warps == 4
+
+
+@pytest.mark.usefixtures("compiled_kernels")
+def test_the_default_path_routes_sm90_steps_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def spy(q, kv_cache, starts, seq_lens, tables, max_query_len, scale, out, config):
+        calls.append((max_query_len, config))
+        return out
+
+    monkeypatch.setattr(prefill_attention, "paged_prefill_attention_sm90", spy)
+    q, cache = tensors(tokens=1024)
+    starts = torch.tensor([0, 1024], dtype=torch.int32)
+    lens = torch.tensor([1500], dtype=torch.int32)
+    tables = torch.zeros(1, 128, dtype=torch.int32)
+    with forced_target((9, 0)):
+        out = prefill_attention.paged_prefill_attention(q, cache, starts, lens, tables, 1024, 0.1)
+    assert out.shape == q.shape
+    assert calls == [(1024, LONG_QUERY_SM90_CONFIG)]
