@@ -104,7 +104,7 @@ def _tile_step(tile, p_op, acc, alpha, m_i, l_i, q_smem, k_smem, v_smem, k_base,
     tile's probabilities; acc and alpha, the accumulator and the rescale it still owes). Returns this
     tile's probabilities and the running state."""
     # The stage of tile - 2 is free (both its MMAs were waited for): the tile NUM_STAGES - 2 ahead goes
-    # there, issued at the top so that nothing after this step's last wait pulls it forward.
+    # there, issued first so that its copy has the rest of this step and the next to land.
     ahead = tile + NUM_STAGES - 2
     _issue_tile(k_smem, v_smem, ahead % NUM_STAGES, k_base, v_base, block_row, ahead * BLOCK_N, key_end,
                 stride_cache_block, stride_cache_slot, BLOCK_N, BLOCK_D, BLOCK_SIZE, load_layout)  # fmt: skip
@@ -133,7 +133,8 @@ def _tile_step(tile, p_op, acc, alpha, m_i, l_i, q_smem, k_smem, v_smem, k_base,
 
 
 @fast_launch
-@gluon.jit
+# stride_bt_seq: the step's widest block table, any value: one compile (as the Triton kernel)
+@gluon.jit(do_not_specialize=["stride_bt_seq"])
 def _prefill_sm90_kernel(
     q_ptr,
     cache_ptr,
@@ -292,9 +293,9 @@ def paged_prefill_attention_sm90(
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     queries_per_kv = num_q_heads // num_kv_heads
-    block_m = max(config.block_m, 16 * config.num_warps)
-    if queries_per_kv > block_m or block_m % queries_per_kv:
-        block_m = max(block_m, next_power_of_2(queries_per_kv))
+    # 16 rows a warp at least; a query token's heads never split over tiles (check_attention_inputs allows
+    # at most 64 a KV head), so a group of 7 takes 18 tokens of a 128-row tile and leaves 2 rows idle
+    block_m = max(config.block_m, 16 * config.num_warps, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     grid = (seq_lens.shape[0], num_kv_heads, cdiv(max_query_len, block_q))
     _prefill_sm90_kernel[grid](

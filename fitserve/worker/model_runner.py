@@ -260,8 +260,10 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with forward_context(metadata, scratch):
             hidden = self._alone_forward(input_ids, positions)
-        if self.device.type == "cuda" and num_tokens > 1:
-            self._decode_sized_forward(scratch)
+        if self.device.type == "cuda":
+            for small in (1, 2):
+                if num_tokens > small:
+                    self._small_step_forward(scratch, small)
         rows = min(sc.max_num_seqs, num_tokens)
         logits = None
         if self.stage is None or self.stage.is_last:
@@ -273,24 +275,26 @@ class ModelRunner:
         del scratch, hidden, logits
         return scratch_bytes
 
-    def _decode_sized_forward(self, scratch: list[torch.Tensor]) -> None:
-        """One token's forward over the scratch cache: kernels with a decode-sized variant (the decode
-        attention, the skinny GEMMs, the fused MoE's small-batch tiles) compile here, at startup, also
-        when no CUDA graph is captured (--enforce-eager), not at the first request."""
-        table = torch.ones((1, 1), dtype=torch.int32, device=self.device)
+    def _small_step_forward(self, scratch: list[torch.Tensor], num_tokens: int) -> None:
+        """One sequence of `num_tokens` tokens through the model over the scratch cache, so that kernels
+        with a small-step variant compile here, at startup, not at the first request: 1 token, a decode
+        (the decode attention, the skinny GEMMs, the fused MoE's small-batch tiles; also when no CUDA graph
+        is captured, --enforce-eager); 2 tokens, a step of short prompts (prefill attention's short-query
+        config: the profile step above has the long queries)."""
+        slots = torch.arange(num_tokens, dtype=torch.int64, device=self.device) + self.block_size
         metadata = AttentionMetadata(
-            slot_mapping=torch.full((1,), self.block_size, dtype=torch.int64, device=self.device),
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device),
-            block_tables=table,
-            max_query_len=1,
-            max_seq_len=1,
-            query_lens_cpu=[1],
-            seq_lens_cpu=[1],
+            slot_mapping=slots,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.ones((1, 1), dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_lens_cpu=[num_tokens],
+            seq_lens_cpu=[num_tokens],
         )
-        one = torch.zeros(1, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, dtype=torch.long, device=self.device)
         with forward_context(metadata, scratch):
-            self._alone_forward(one, one)
+            self._alone_forward(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
 
     def _alone_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's forward with no other rank's part in it (profiling, kernel warm-up): a pipeline

@@ -86,3 +86,24 @@ def test_the_default_path_routes_sm90_steps_to_it(monkeypatch: pytest.MonkeyPatc
         out = prefill_attention.paged_prefill_attention(q, cache, starts, lens, tables, 1024, 0.1)
     assert out.shape == q.shape
     assert calls == [(1024, LONG_QUERY_SM90_CONFIG)]
+
+
+def test_one_compile_for_every_block_table_width() -> None:
+    """The block table's row stride is the step's widest table: a compile per width class would stall a
+    server mid-run (tests/gpu/test_no_runtime_compiles.py), so it is not specialized on."""
+    from fitserve.kernels import variants
+
+    def steps_of_three_widths(target, full) -> None:
+        q = torch.empty(2048, 32, 128, dtype=torch.bfloat16)
+        cache = torch.empty(2, 512, 16, 8, 128, dtype=torch.bfloat16)
+        starts = torch.tensor([0, 2048], dtype=torch.int32)
+        lens = torch.tensor([2048], dtype=torch.int32)
+        for width in (128, 129, 131):
+            tables = torch.zeros(1, width, dtype=torch.int32)
+            prefill_attention.paged_prefill_attention(q, cache, starts, lens, tables, 2048, 0.1)
+
+    compiled = list(
+        variants.compile_variants(variants.TARGETS_BY_NAME["sm_90"], cases={"widths": steps_of_three_widths})
+    )
+    assert [variant.kernel for variant in compiled] == ["_prefill_sm90_kernel"]
+    assert not compiled[0].problems
