@@ -1,5 +1,9 @@
 """Paged attention for prefill and mixed batches: variable-length queries over the paged KV cache.
 
+On an sm_90 GPU, paged_prefill_attention hands the steps kernels/prefill_attention_sm90.py supports (16-bit
+caches at head dims 64 and 128, no window) to that Gluon kernel; this Triton kernel runs the rest (float8
+caches, windows, wider heads) and every other GPU's steps. The H100 figures below are this kernel's.
+
 Runs after the step's new keys/values are in the cache, so a sequence's cached prefix (prefix-cache
 hit, earlier chunk, earlier decode steps) and its new tokens are read the same way: chunked prefill
 and prefix caching are this one path. A program takes one (sequence, KV head, query tile); its
