@@ -8,8 +8,8 @@ the accumulator while it runs, issues tile j - 1's p @ v behind it, waits for th
 tile j's softmax; keys and values arrive by cp.async (each key's row looked up in the block table, so any
 cache block size works) NUM_STAGES - 2 tiles ahead. ptxas still moves the second wait ahead of the softmax
 (sm_90 SASS), so most of the overlap between softmax and tensor cores comes from the SM's other warpgroups:
-the long-query config runs two programs of two warpgroups an SM. On an H100 that gives 418-442 TFLOP/s
-where the Triton kernel gives 370-378 (LONG_QUERY_SM90_CONFIG below).
+the long-query config runs two programs of two warpgroups an SM. On an H100 that gives 407-426 TFLOP/s
+where the Triton kernel gives 371-378 (LONG_QUERY_SM90_CONFIG below).
 
 The same problem as the Triton kernel (one program per sequence, KV head and query tile; its BLOCK_M rows
 are query tokens x the query heads of one KV head; causal; the sequence's cached prefix read from the
@@ -262,10 +262,10 @@ class Sm90PrefillConfig:
 
 # On an H100 (benchmarks/gpu/prefill_attention_sm90.py, benchmarks/results/h100_prefill_attention_sm90.json):
 # two warpgroups on 128 rows and 32-key tiles, two programs an SM, for long queries (the Triton kernel's
-# long-query threshold): 418-432 TFLOP/s on an 8k prompt and 4-8k chunks at 24-32k against the Triton
-# kernel's 367-377, 4 x 2k 358 against 325; one warpgroup on 64 rows for steps of short queries and decode
-# rows beside a chunk (a decode row fills a tile's first token only): 246 against 287 us for a 1k chunk
-# beside 32 decodes, 182.5 against 205.3 for 768 prompt tokens beside 128.
+# long-query threshold): 407-426 TFLOP/s on an 8k prompt and 4-8k chunks at 24-32k against the Triton
+# kernel's 371-378, 4 x 2k 346 against 311; one warpgroup on 64 rows for steps of short queries and decode
+# rows beside a chunk (a decode row fills a tile's first token only): 253 against 289 us for a 1k chunk
+# beside 32 decodes, 183.6 against 205.6 for 768 prompt tokens beside 128 (the long config: 278, 187.7).
 LONG_QUERY_SM90_CONFIG = Sm90PrefillConfig(block_m=128, block_n=32, num_stages=3, num_warps=8)
 SHORT_QUERY_SM90_CONFIG = Sm90PrefillConfig(block_m=64, block_n=32, num_stages=3, num_warps=4)
 
