@@ -71,6 +71,7 @@ def _decode_attention(target: Target, full: bool) -> None:
 
 def _prefill_attention(target: Target, full: bool) -> None:
     from fitserve.kernels.prefill_attention import paged_prefill_attention
+    from fitserve.kernels.prefill_attention_sm90 import CAPABILITY as SM90_CAPABILITY
 
     block_size = 16
     for dtype in activation_dtypes(target, full):
@@ -87,7 +88,8 @@ def _prefill_attention(target: Target, full: bool) -> None:
                     seq_lens = torch.full((seqs,), tokens // seqs, dtype=torch.int32)
                     tables = torch.zeros(seqs, 256, dtype=torch.int32)
                     windows = _windows(full)
-                    if not full and target.capability == (9, 0) and cache_dtype == dtype and head_dim == 128:
+                    sm90 = target.capability == SM90_CAPABILITY and cache_dtype == dtype
+                    if not full and sm90 and head_dim == 128:
                         windows = (None, *windows)  # the subset reaches kernels/prefill_attention_sm90.py too
                     for window in windows:
                         paged_prefill_attention(

@@ -41,6 +41,7 @@ from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 CAPABILITY = (9, 0)  # warpgroup MMA: sm_90 (H100, H200, H20, GH200) only
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs no Gluon
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
@@ -51,7 +52,7 @@ def supports_sm90(
     16-bit cache of the queries' dtype, head dim 64 or 128, no window."""
     return (
         capability == CAPABILITY
-        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not INTERPRETING
         and window is None
         and q.dtype in (torch.bfloat16, torch.float16)
         and kv_cache.dtype == q.dtype

@@ -122,7 +122,7 @@ def test_weight_only_matches_reference(k, n, rows, group, monkeypatch) -> None:
         layer, weight, None, torch.bfloat16, "dynamic", "test", torch.device("cuda")
     )
     assert method.path == "weight-only"
-    assert method.kernel == W8A8  # up to 16 rows run kernels/fp8_w8a16.py on 8.9 and up
+    assert method.decode_kernel == W8A8  # up to 16 rows run kernels/fp8_w8a16.py on 8.9 and up
     assert layer.fp8_weight.dtype == torch.float8_e4m3fn  # kept one byte a weight
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize(weight).t()

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fitserve.kernels import prefill_attention  # noqa: E402
+from fitserve.kernels import prefill_attention, prefill_attention_sm90  # noqa: E402
 from fitserve.kernels.capability import forced_target  # noqa: E402
 from fitserve.kernels.prefill_attention_sm90 import (  # noqa: E402
     LONG_QUERY_SM90_CONFIG,
@@ -27,7 +27,7 @@ def tensors(head_dim: int = 128, dtype=torch.bfloat16, cache_dtype=None, tokens:
 
 @pytest.fixture
 def compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(prefill_attention_sm90, "INTERPRETING", False)  # read from TRITON_INTERPRET at import
 
 
 @pytest.mark.usefixtures("compiled_kernels")
@@ -57,7 +57,7 @@ def test_not_supported_elsewhere(case, window, capability) -> None:
 
 
 def test_not_under_the_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(prefill_attention_sm90, "INTERPRETING", True)
     assert not supports_sm90(*tensors(), None, (9, 0))
 
 

@@ -103,15 +103,15 @@ class Fp8WeightOnlyMethod:
 
     path = "weight-only"
 
-    def __init__(self, group_k: int, kernel: bool = False) -> None:
+    def __init__(self, group_k: int, decode_kernel: bool = False) -> None:
         self.group_k = group_k
-        self.kernel = kernel  # kernels/fp8_w8a16.py takes this layer's few-row (decode) products
+        self.decode_kernel = decode_kernel  # few-row (decode) products through kernels/fp8_w8a16.py
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         data, scale = layer.fp8_weight, layer.fp8_scale
         rows = x.reshape(-1, x.shape[-1])
         n, k = data.shape
-        if self.kernel:
+        if self.decode_kernel:
             from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, w8a16_rows_ok
 
             if w8a16_rows_ok(rows):
@@ -179,7 +179,7 @@ def make_fp8_runnable(
         layer.register_buffer("fp8_scale", weight.scale.to(store_on), persistent=False)
         method = Fp8WeightOnlyMethod(weight.group_k, _w8a16_kernel_ok(device, weight))
         note = note or ("" if not w8a8 else "block scales other than 128 x 128 on whole blocks")
-    if getattr(method, "decode_kernel", False) or getattr(method, "kernel", False):
+    if getattr(method, "decode_kernel", False):  # the block-scale methods have no decode kernel
         from fitserve.kernels.fp8_w8a16 import split_counters  # the decode kernel's split-K
 
         layer.register_buffer("fp8_counters", split_counters(n, store_on), persistent=False)
