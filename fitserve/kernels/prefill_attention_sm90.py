@@ -260,6 +260,22 @@ class Sm90PrefillConfig:
     num_stages: int  # key/value tiles in shared memory (at least 3: two in use, one arriving)
     num_warps: int  # 4 (one warpgroup) or 8 (two, each on its half of the rows)
 
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_stages < 3:
+            problems.append(f"num_stages={self.num_stages} is below 3 (two tiles in use, one arriving)")
+        if self.num_warps not in (4, 8):
+            problems.append(f"num_warps={self.num_warps} is not 4 or 8 (one or two warpgroups)")
+        if self.block_m < 16 * self.num_warps or self.block_m & (self.block_m - 1):
+            problems.append(f"block_m={self.block_m} is not a power of two of at least 16 a warp")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            problems.append(f"block_n={self.block_n} is not a power of two of at least 16 (one MMA's depth)")
+        if problems:
+            raise ValueError(
+                f"Sm90PrefillConfig: {'; '.join(problems)}; LONG_QUERY_SM90_CONFIG and "
+                "SHORT_QUERY_SM90_CONFIG are the measured ones"
+            )
+
 
 # On an H100 (benchmarks/gpu/prefill_attention_sm90.py, benchmarks/results/h100_prefill_attention_sm90.json):
 # two warpgroups on 128 rows and 32-key tiles, two programs an SM, for long queries (the Triton kernel's

@@ -14,6 +14,7 @@ from fitserve.kernels.capability import forced_target  # noqa: E402
 from fitserve.kernels.prefill_attention_sm90 import (  # noqa: E402
     LONG_QUERY_SM90_CONFIG,
     SHORT_QUERY_SM90_CONFIG,
+    Sm90PrefillConfig,
     choose_sm90_config,
     supports_sm90,
 )
@@ -107,3 +108,19 @@ def test_one_compile_for_every_block_table_width() -> None:
     )
     assert [variant.kernel for variant in compiled] == ["_prefill_sm90_kernel"]
     assert not compiled[0].problems
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ((128, 32, 2, 8), "num_stages=2 is below 3"),
+        ((128, 32, 3, 2), "num_warps=2 is not 4 or 8"),
+        ((64, 32, 3, 8), "block_m=64 is not a power of two of at least 16 a warp"),
+        ((96, 32, 3, 4), "block_m=96"),
+        ((64, 8, 3, 4), "block_n=8 is not a power of two of at least 16"),
+    ],
+)
+def test_a_config_the_kernel_cannot_run_is_refused(fields, named) -> None:
+    with pytest.raises(ValueError, match=named) as refused:
+        Sm90PrefillConfig(*fields)
+    assert "LONG_QUERY_SM90_CONFIG" in str(refused.value)
