@@ -1,12 +1,13 @@
 """Decode-step linear layers on the GPU: cuBLAS against fitserve's skinny_gemm (1 to 16 rows) and
 swapped_gemm (17 to 32 rows) kernels.
 
-For each weight shape of the Llama-3.1-8B and Qwen3-0.6B shapes (qkv, o, gate_up, down, lm_head) and each
-row count, times F.linear (cuBLAS, and cuBLASLt) and skinny_gemm over a sweep of tile configs (or
-swapped_gemm's one tile past 16 rows), each call
-reading its weight from HBM (the weights rotate through more copies than the L2 holds; timed as CUDA
-graph replays, so no launch cost counts). Prints and saves the time, the bandwidth (weight bytes / time)
-and its fraction of the device-to-device copy bandwidth measured in the same run.
+For each weight shape of the Llama-3.1-8B and Qwen3-0.6B shapes (qkv, o, gate_up, down, lm_head; a
+Qwen3.5/3.6 hybrid's DeltaNet and full-attention projections with --models qwen3.6-27b) and each row
+count, times F.linear (cuBLAS, and cuBLASLt) and skinny_gemm over a sweep of tile configs (or
+swapped_gemm's one tile past 16 rows), each call reading its weight from HBM (the weights rotate through
+more copies than the L2 holds; timed as CUDA graph replays, so no launch cost counts). Prints and saves
+the time, the bandwidth (weight bytes / time) and its fraction of the device-to-device copy bandwidth
+measured in the same run.
 
   python benchmarks/gpu/skinny_gemm.py [--out benchmarks/results/h100_skinny_gemm.json] [--quick]
       [--rows 1 4 8 16] [--models llama-3.1-8b qwen3-0.6b]
@@ -35,6 +36,9 @@ CALLS_PER_GRAPH = 20
 def shapes(model: str) -> dict[str, tuple[int, int]]:
     """Layer name -> (out_features, in_features) from the shape's config.json."""
     config = json.loads((MODELS / model / "config.json").read_text())
+    config = config.get("text_config", config)  # a multimodal checkpoint's language model
+    if "linear_num_value_heads" in config:
+        return hybrid_shapes(config)
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -43,6 +47,25 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
     return {
         "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
         "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (config["vocab_size"], hidden),
+    }
+
+
+def hybrid_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """A Qwen3.5/3.6 hybrid's (dense) decode linears: its DeltaNet layers' in_proj_qkv, in_proj_z and
+    out_proj, its full layers' q_proj (query and gate) and o_proj, the MLP and the LM head."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    query = config["num_attention_heads"] * config["head_dim"]
+    return {
+        "in_proj_qkv": (2 * key + value, hidden),
+        "in_proj_z": (value, hidden),
+        "out_proj": (hidden, value),
+        "q_gate": (2 * query, hidden),
+        "o": (hidden, query),
         "gate_up": (2 * inter, hidden),
         "down": (hidden, inter),
         "lm_head": (config["vocab_size"], hidden),

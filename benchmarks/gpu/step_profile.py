@@ -24,6 +24,7 @@ from common import MODELS, TOKENIZER, save  # noqa: I001
 
 from fitserve import LLM, SamplingParams
 from fitserve.core.sampling_params import RequestOutputKind
+from fitserve.kernels import dependent_launch
 
 STEPS = 50
 PREFILL_STEPS = 8
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens of every request")
     parser.add_argument("--out", default=None)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (auto-fit)")
     parser.add_argument("--top", type=int, default=8, help="kernels to list, by time")
     parser.add_argument(
         "--prefill",
@@ -46,13 +48,21 @@ def main() -> None:
     parser.add_argument(
         "--python-functions", type=int, default=0, help="also list the N Python functions with most own time"
     )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch without PDL: each kernel's time then excludes its wait for the one before",
+    )
     parser.add_argument("--trace", default=None, help="also save a Chrome trace (CPU + CUDA) of 6 steps here")
     args = parser.parse_args()
+    if args.no_pdl:
+        dependent_launch.ENABLED = False
     llm = LLM(
         str(MODELS / args.model),
         tokenizer=str(TOKENIZER),
         load_format="dummy",
         max_model_len=args.max_model_len,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -95,18 +105,22 @@ def main() -> None:
         traced.export_chrome_trace(args.trace)
     abort_all(engine)
     events = prof.key_averages()
-    kernel_us = sum(e.device_time_total for e in events if e.device_time_total > 0)
+    kernels = [e for e in events if e.device_time_total > 0]
+    kernel_us = sum(e.device_time_total for e in kernels)
     top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[: args.top]
     figures = {
         "batch": args.batch,
         "input_len": args.input_len,
         "steps": steps,
         "prefill": args.prefill,
+        "pdl": not args.no_pdl,
         "wall_ms_per_step": round(wall / steps * 1e3, 3),
         "wall_ms_per_step_profiled": round(profiled_wall / steps * 1e3, 3),
         "gpu_kernel_ms_per_step": round(kernel_us / steps / 1e3, 3),
+        "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
         "host_ms_per_step": host_ms,
         "top_kernels_ms_per_step": {e.key[:80]: round(e.device_time_total / steps / 1e3, 3) for e in top},
+        "top_kernels_launches_per_step": {e.key[:80]: round(e.count / steps, 1) for e in top},
     }
     if python_functions:
         figures["top_python_functions_ms_per_step"] = python_functions

@@ -35,6 +35,7 @@ SHARED_MEMORY_PER_BLOCK: dict[tuple[int, int], int] = {
     (10, 0): 227 * 1024,  # B200
     (12, 0): 99 * 1024,  # RTX 50xx
 }
+DEFAULT_SM_COUNT = 132  # an H100 SXM; used only where no CUDA device is at hand (the interpreter)
 REGISTERS_PER_SM = 64 * 1024
 MAX_REGISTERS_PER_THREAD = 255
 # Triton converts float8 e4m3 (its fp8e4nv type) from this capability on; below it the kernels convert a
@@ -109,3 +110,15 @@ def has_e4m3_conversion(capability: tuple[int, int] | None) -> bool:
     """Whether Triton converts float8 e4m3 on `capability` (None: not a CUDA device, such as the unit
     tests' interpreter, which converts it on the CPU)."""
     return capability is None or capability >= E4M3_CONVERSION_MIN_CAPABILITY
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (DEFAULT_SM_COUNT off CUDA, for the interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

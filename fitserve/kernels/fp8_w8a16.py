@@ -28,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import kernel_capability
+from fitserve.kernels.capability import kernel_capability, sm_count
 from fitserve.kernels.grid_math import cdiv, even_splits
-from fitserve.kernels.int4_gemm import sm_count
 from fitserve.kernels.int4_kernel_parts import _finish
 
 MAX_ROWS = 16

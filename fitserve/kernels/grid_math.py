@@ -28,3 +28,9 @@ def even_splits(steps: int, most: int, min_steps: int) -> int:
         if steps - (splits - 1) * part >= part - 1:
             return splits
     return 1
+
+
+def heads_per_program(num_heads: int, block_d: int, tile: int = 1024) -> int:
+    """How many heads of `block_d` values (a power of two) a per-head kernel gives one program: enough to
+    fill `tile` values, no more than the heads there are (rounded up to a power of two), at least one."""
+    return max(1, min(next_power_of_2(num_heads), tile // block_d))

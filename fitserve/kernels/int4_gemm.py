@@ -43,13 +43,18 @@ tests/unit/test_int4_gemm_interpret.py uses.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
+from fitserve.kernels.capability import (
+    DEFAULT_SM_COUNT,
+    SHARED_MEMORY_PER_BLOCK,
+    kernel_capability,
+    shared_memory_per_block,
+    sm_count,
+)
 from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_dot_kernel import _int4_dot_kernel
@@ -84,7 +89,6 @@ MAX_SPLITS = 16
 PREFETCH_ROW_BYTES = 512
 # float32 bits of 2**23: OR-ed over a code held in the low mantissa bits gives 2**23 + code, exactly.
 MAGIC = 0x4B000000
-DEFAULT_SM_COUNT = 132  # an H100 SXM; used only where no CUDA device is at hand (the interpreter)
 
 
 @dataclass(frozen=True)
@@ -102,18 +106,6 @@ class Int4GemmConfig:
     group_m: int = 8  # dot only: row tiles per L2 swizzle group
     paired: bool = True  # dot only: packed-pair dequantization where paired_dequant_ok (else float32)
     maxnreg: int | None = None  # registers a thread may use (None: ptxas decides)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (DEFAULT_SM_COUNT off CUDA, for the interpreter)."""
-    if device.type != "cuda":
-        return DEFAULT_SM_COUNT
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def dot_shared_bytes(config: Int4GemmConfig) -> int:

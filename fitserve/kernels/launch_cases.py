@@ -160,7 +160,17 @@ def _gemms_and_sampling(target: Target, full: bool) -> None:
     from fitserve.kernels.swapped_gemm import swapped_gemm
 
     for dtype in activation_dtypes(target, full):
-        for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (1024, 896), (151936, 896)):
+        # Llama-3.1-8B's and Qwen3-0.6B's weights, and Qwen3.6-27B's narrow-tile ones (choose_config)
+        for n, k in (
+            (4096, 4096),
+            (6144, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (1024, 896),
+            (151936, 896),
+            (5120, 17408),
+            (6144, 5120),
+        ):
             weight = _empty(n, k, dtype=dtype)
             for rows in sorted({1, 2, 4, 8, SKINNY_ROWS}):
                 skinny_gemm(_empty(rows, k, dtype=dtype), weight)
@@ -346,6 +356,49 @@ def _gated_delta(target: Target, full: bool) -> None:
                 )
 
 
+def _qwen3_5_fused(target: Target, full: bool) -> None:
+    """Qwen3.5/3.6's fused norms and gates, at batch 1 and a prefill chunk: the layer norms (weight stored
+    as the offset from 1, alone and with the residual add; hidden 5120 and 2048), DeltaNet's gated output norm
+    (value heads of 128: 48 and 32 of the models at TP 1, 16 at a higher TP), the full layers' q/k norm with
+    partial rope (16 or 32 q heads and 2 or 4 kv heads of 256, a quarter rotated; heads of 128 rotated whole)
+    and their attention output gate; the MLP's activation rounded as torch rounds it; the sparse MoE
+    block's router (256 experts, top 8, weights rounded to the dtype) and its shared expert's gate with the
+    sum."""
+    from fitserve.kernels.activation import sigmoid_gate_mul, silu_and_mul
+    from fitserve.kernels.gated_rms_norm import gated_rms_norm
+    from fitserve.kernels.moe_router import router_topk
+    from fitserve.kernels.norm import fused_add_rms_norm, rms_norm
+    from fitserve.kernels.qk_norm_partial_rope import qk_norm_partial_rope
+    from fitserve.kernels.shared_expert_gate import add_gated_shared_expert
+
+    for dtype in activation_dtypes(target, full):
+        for tokens in (1, 512):
+            for hidden in (5120, 2048):
+                x = _empty(tokens, hidden, dtype=dtype)
+                weight = _empty(hidden, dtype=dtype)
+                rms_norm(x, weight, 1e-6, weight_offset=1.0, round_normed=False)
+                fused_add_rms_norm(x, x, weight, 1e-6, weight_offset=1.0, round_normed=False)
+            silu_and_mul(_empty(tokens, 2 * 17408, dtype=dtype), as_torch=True)
+            x = _empty(tokens, 2048, dtype=dtype)
+            router_topk(_empty(tokens, 256, dtype=dtype), None, 8, round_to_scores_dtype=True)
+            add_gated_shared_expert(x, x, x, _empty(1, 2048, dtype=dtype))
+            for value_heads in (48, 32, 16) if full else (48, 16):
+                core = _empty(tokens, value_heads, 128, dtype=torch.float32)
+                z = _empty(tokens, value_heads * 128, dtype=dtype)
+                gated_rms_norm(core, z, _empty(128, dtype=dtype), 1e-6, dtype)
+            for head_dim, q_heads, kv_heads, rotary_dim in (
+                (256, 16, 2, 64),
+                (256, 32, 4, 64),
+                (128, 8, 2, 128),
+            ):
+                query_gate = _empty(tokens, q_heads, 2 * head_dim, dtype=dtype)
+                k = _empty(tokens, kv_heads, head_dim, dtype=dtype)
+                weight = _empty(head_dim, dtype=dtype)
+                cos = _empty(tokens, rotary_dim, dtype=dtype)
+                qk_norm_partial_rope(query_gate, k, weight, weight, 1e-6, cos, cos)
+                sigmoid_gate_mul(_empty(tokens, q_heads * head_dim, dtype=dtype), query_gate)
+
+
 def _e4m3_kv_cache(target: Target, full: bool) -> None:
     """The four kernels that touch a float8 e4m3 cache, at the 8B shape (head dim 128, GQA 4) and the
     subset's dtype: what tests/unit/test_kernel_targets.py compiles for every target below 8.9, where the
@@ -383,5 +436,6 @@ LAUNCH_CASES: dict[str, Case] = {
     "fused_moe": _fused_moe,
     "gemma_moe": _gemma_moe,
     "gated_delta": _gated_delta,
+    "qwen3_5_fused": _qwen3_5_fused,
     "e4m3_kv_cache": _e4m3_kv_cache,
 }

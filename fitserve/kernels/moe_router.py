@@ -1,6 +1,6 @@
 """A mixture of experts' routing after its score projection, in one kernel: softmax over the experts,
 the top k, renormalised over those k, times a per-expert scale (Gemma-4's router, layers ahead of
-models/gemma4_layers.py's Gemma4Router).
+models/gemma4_layers.py's Gemma4Router) or rounded to the scores' dtype (Qwen3.5/3.6's sparse MoE block).
 
 In torch that is seven launches per layer (softmax, topk, sum, divide, the scale's gather, multiply and
 a cast), each a few microseconds at a decode step's handful of rows: on the 26B-A4B shape, ~200 of a
@@ -42,6 +42,8 @@ def _router_topk_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr = True,
+    ROUND_TO_SCORES_DTYPE: tl.constexpr = False,  # each weight rounded to the scores' dtype (Qwen3.5)
 ):
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
@@ -63,27 +65,36 @@ def _router_topk_kernel(
         top_ids = tl.where(slots == slot, best_id, top_ids)
     in_top = slots < TOP_K
     total = tl.sum(tl.where(in_top, top_values, 0.0), axis=0)
-    scale = tl.load(expert_scale_ptr + top_ids, mask=in_top, other=0.0).to(tl.float32)
-    tl.store(weights_ptr + row * TOP_K + slots, top_values / total * scale, mask=in_top)
+    weights = top_values / total
+    if HAS_SCALE:
+        weights = weights * tl.load(expert_scale_ptr + top_ids, mask=in_top, other=0.0).to(tl.float32)
+    if ROUND_TO_SCORES_DTYPE:
+        weights = weights.to(scores_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=in_top)
     tl.store(ids_ptr + row * TOP_K + slots, top_ids.to(tl.int64), mask=in_top)
 
 
 def router_topk(
-    scores: torch.Tensor, expert_scale: torch.Tensor, top_k: int
+    scores: torch.Tensor,
+    expert_scale: torch.Tensor | None,
+    top_k: int,
+    round_to_scores_dtype: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [T, E] (any float dtype, last dim contiguous), expert_scale [E] -> (weights float32 [T, k],
-    ids int64 [T, k]): the top k of softmax(scores) renormalised over the k, times expert_scale[id]."""
+    """scores [T, E] (any float dtype, last dim contiguous), expert_scale [E] or None -> (weights float32
+    [T, k], ids int64 [T, k]): the top k of softmax(scores) renormalised over the k, times
+    expert_scale[id] (Gemma-4). round_to_scores_dtype: each weight rounded to the scores' dtype, as
+    Qwen3.5's `(weights / weights.sum()).to(x.dtype)` rounds them (stored as float32 all the same)."""
     num_tokens, num_experts = scores.shape if scores.dim() == 2 else (0, 0)
     if (
         scores.dim() != 2
         or scores.stride(-1) != 1
-        or expert_scale.shape != (num_experts,)
+        or (expert_scale is not None and expert_scale.shape != (num_experts,))
         or not 1 <= top_k <= num_experts <= MAX_EXPERTS
     ):
         raise ValueError(
-            f"router_topk takes scores [T, E] with a contiguous last dim, expert_scale [E] and 1 <= top_k "
-            f"<= E <= {MAX_EXPERTS}; got scores {tuple(scores.shape)} (strides {scores.stride()}), "
-            f"expert_scale {tuple(expert_scale.shape)}, top_k {top_k}"
+            f"router_topk takes scores [T, E] with a contiguous last dim, expert_scale [E] or None and 1 <= "
+            f"top_k <= E <= {MAX_EXPERTS}; got scores {tuple(scores.shape)} (strides {scores.stride()}), "
+            f"expert_scale {None if expert_scale is None else tuple(expert_scale.shape)}, top_k {top_k}"
         )
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=scores.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=scores.device)
@@ -92,7 +103,7 @@ def router_topk(
     block_e = next_power_of_2(num_experts)
     _router_topk_kernel[(num_tokens,)](
         scores,
-        expert_scale,
+        scores if expert_scale is None else expert_scale,
         weights,
         ids,
         num_experts,
@@ -100,6 +111,8 @@ def router_topk(
         TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k),
         BLOCK_E=block_e,
+        HAS_SCALE=expert_scale is not None,
+        ROUND_TO_SCORES_DTYPE=round_to_scores_dtype,
         num_warps=4 if block_e >= 512 else 2 if block_e >= 128 else 1,
         **pdl_kwargs(scores.device),
     )

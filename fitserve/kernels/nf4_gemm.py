@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.capability import sm_count
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
-from fitserve.kernels.int4_gemm import sm_count
 from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
 

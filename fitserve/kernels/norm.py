@@ -43,13 +43,15 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr = 0.0,  # the weight used is stored + offset (Qwen3.5's 1 + weight)
+    ROUND_NORMED: tl.constexpr = True,  # round the normalised row before the weight (Llama's order)
 ):
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
     # The weight is never written during a step, so it may be read before the wait (the rule in
     # kernels/dependent_launch.py): its load, a DRAM miss once a GEMM has streamed past the L2, leaves
     # the chain of dependent loads that sets a batch-1 norm's latency.
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + WEIGHT_OFFSET
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     x_offset = (row // rows_per_outer).to(tl.int64) * stride_x_outer + (row % rows_per_outer) * stride_x_inner
@@ -62,8 +64,10 @@ def _rms_norm_kernel(
         tl.store(residual_row, summed, mask=mask)
         x = summed.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / hidden_size
-    normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-    out = (normed.to(tl.float32) * weight).to(out_ptr.dtype.element_ty)
+    normed = x * tl.rsqrt(variance + eps)
+    if ROUND_NORMED:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = (normed * weight).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, out, mask=mask)
 
 
@@ -71,8 +75,13 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [N, hidden] or [N, H, hidden] (e.g. per-head q/k norm on a strided view) -> new contiguous tensor."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0, round_normed: bool = True
+) -> torch.Tensor:
+    """x [N, hidden] or [N, H, hidden] (e.g. per-head q/k norm on a strided view) -> new contiguous tensor.
+
+    weight_offset: the row is multiplied by weight + offset (Qwen3.5 stores the offset from 1);
+    round_normed=False: rounded once, after the weight (Qwen3.5's and Gemma's RMSNorm multiply in float32)."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(
             f"rms_norm takes x [N, hidden] or [N, H, hidden] with a contiguous last dim and weight [hidden]; "
@@ -100,6 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         HAS_RESIDUAL=False,
         BLOCK=block,
+        WEIGHT_OFFSET=weight_offset,
+        ROUND_NORMED=round_normed,
         num_warps=_num_warps(block),
         **pdl_kwargs(x.device),
     )
@@ -107,11 +118,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    round_normed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual <- x + residual, x <- rms_norm(residual). Returns (x, residual).
 
     x, residual [N, hidden], same dtype, contiguous last dim; x's old contents are gone afterwards.
+    weight_offset and round_normed as in `rms_norm`.
     """
     if x.shape != residual.shape or x.dim() != 2 or x.dtype != residual.dtype:
         raise ValueError(
@@ -141,6 +158,8 @@ def fused_add_rms_norm(
         eps,
         HAS_RESIDUAL=True,
         BLOCK=block,
+        WEIGHT_OFFSET=weight_offset,
+        ROUND_NORMED=round_normed,
         num_warps=_num_warps(block),
         **pdl_kwargs(x.device),
     )

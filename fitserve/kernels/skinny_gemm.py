@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
+from fitserve.kernels.capability import kernel_capability, shared_memory_per_block, sm_count
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv
@@ -101,6 +101,13 @@ def _skinny_gemm_kernel(
 
 # The tile that was fastest or within 2% of it for every Llama-3.1-8B weight at 1 to 16 rows.
 DEFAULT_CONFIG = SkinnyGemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
+# Half-width tiles for weights whose DEFAULT_CONFIG programs come to just over one per SM (up to 1.25) where
+# its four stages keep one program resident per SM (A100, H100): there a short second wave runs on a few SMs
+# while the rest idle. On an H100 at batch 1, N = 5120 (160 programs on 132 SMs: Qwen3.6-27B's down_proj,
+# out_proj and o_proj) read 0.74-0.81 of the copy bandwidth with DEFAULT_CONFIG and 0.83-0.90 with these
+# (three resident per SM); benchmarks/results/h100_skinny_gemm_qwen36.json. N = 6144 (192 programs) also
+# gained alone (0.83 -> 0.90) but made Llama-3.1-8B's batch-1 decode 0.8% slower (its qkv_proj), so stays.
+NARROW_CONFIG = SkinnyGemmConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
 
 
 def stage_bytes(config: SkinnyGemmConfig) -> int:
@@ -118,6 +125,17 @@ def default_config(shared_memory: int) -> SkinnyGemmConfig:
     return (
         DEFAULT_CONFIG if stages == DEFAULT_CONFIG.num_stages else replace(DEFAULT_CONFIG, num_stages=stages)
     )
+
+
+def choose_config(out_features: int, shared_memory: int, sms: int) -> SkinnyGemmConfig:
+    """The tile for a weight of `out_features` rows on a GPU of `sms` SMs whose blocks may use
+    `shared_memory` bytes: NARROW_CONFIG where DEFAULT_CONFIG would leave a short second wave (above),
+    else default_config's."""
+    config = default_config(shared_memory)
+    programs = cdiv(out_features, config.block_n)
+    if config == DEFAULT_CONFIG and sms < programs and 4 * programs <= 5 * sms:
+        return NARROW_CONFIG
+    return config
 
 
 def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -159,7 +177,9 @@ def skinny_gemm(
         )
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    config = config or default_config(shared_memory_per_block(kernel_capability(x.device)))
+    if config is None:
+        shared_memory = shared_memory_per_block(kernel_capability(x.device))
+        config = choose_config(out_features, shared_memory, sm_count(x.device))
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     grid = (cdiv(out_features, config.block_n),)
     _skinny_gemm_kernel[grid](

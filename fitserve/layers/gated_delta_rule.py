@@ -340,7 +340,7 @@ def gated_delta_net_decode(
 
 # --- A step's rows and slots -------------------------------------------------------------------------------
 # Built once per step where the step's inputs are uploaded (worker/step_inputs.py), read by every DeltaNet
-# layer (models/qwen3_5_layers.py): no layer builds an index tensor or copies anything to the device.
+# layer (models/qwen3_5_delta_net.py): no layer builds an index tensor or copies anything to the device.
 
 
 @dataclass

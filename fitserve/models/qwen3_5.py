@@ -2,7 +2,8 @@
 Qwen3_5(Moe)ForConditionalGeneration (the published checkpoints, served as text).
 
 A hybrid: most layers are Gated DeltaNet (linear_attention: a per-request recurrent state, no KV cache), every
-fourth one gated softmax attention (full_attention: the paged KV cache); qwen3_5_layers.py computes them.
+fourth one gated softmax attention (full_attention: the paged KV cache); qwen3_5_delta_net.py and
+qwen3_5_layers.py compute them, qwen3_5_decoder.py holds one of each kind with its MLP.
 embed -> layers -> RMSNorm (1 + weight) -> LM head (untied unless tie_word_embeddings).
 
 The DeltaNet states live in a RecurrentStatePool (worker/recurrent_state.py) that the model runner
@@ -22,8 +23,8 @@ here, each with one log line: the MTP layers load into their own module (models/
 MTP speculation (fitserve/spec_decode/mtp.py) reads the model's output hidden states (after the final
 norm, what the LM head reads): `keep_output_hidden` makes every forward copy them into a fixed buffer.
 
-Tensor parallel: every layer splits across the ranks (qwen3_5_layers.py says how); each rank reads the
-whole checkpoint and keeps its part, and its state pool holds its heads' states only. A
+Tensor parallel: every layer splits across the ranks (qwen3_5_layers.py and qwen3_5_delta_net.py say how);
+each rank reads the whole checkpoint and keeps its part, and its state pool holds its heads' states only. A
 --tensor-parallel-size that does not divide the attention heads or the DeltaNet key and value heads is
 refused naming them.
 
@@ -60,14 +61,9 @@ from fitserve.models.qwen3_5_config import (
     linear_layer_indices,
     refuse_quantized_moe,
 )
-from fitserve.models.qwen3_5_layers import (
-    KV_SHARD,
-    GatedDeltaNet,
-    PartialRope,
-    Qwen3_5DecoderLayer,
-    Qwen3_5RMSNorm,
-    rope_inv_freq,
-)
+from fitserve.models.qwen3_5_decoder import Qwen3_5DecoderLayer
+from fitserve.models.qwen3_5_delta_net import GatedDeltaNet
+from fitserve.models.qwen3_5_layers import KV_SHARD, PartialRope, Qwen3_5RMSNorm, rope_inv_freq
 
 logger = logging.getLogger("fitserve")
 
@@ -185,6 +181,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             if ".mlp.experts." in name and load_expert(self, name, tensor, loads, experts):
                 continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
+            if self._load_merged_in_proj(name, tensor, loads):
+                continue
             target, shard_id = _map_name(name)
             param = loads.param(name, target)
             if target.endswith(".conv_weight"):
@@ -207,6 +205,32 @@ class Qwen3_5ForCausalLM(nn.Module):
                 skipped["mtp"],
             )
         return loads.loaded
+
+    def _load_merged_in_proj(self, name: str, tensor: torch.Tensor, loads: ParameterLoads) -> bool:
+        """A DeltaNet projection's weight (in_proj_qkv / _z / _b / _a) loaded into its parts of the layer's
+        merged `in_proj` (16-bit checkpoints: GatedDeltaNet.merged_in_proj); False for any other tensor."""
+        marker = ".linear_attn.in_proj_"
+        if marker not in name or not name.endswith(".weight"):
+            return False
+        prefix, projection, _ = name.rsplit(".", 2)  # model.layers.<i>.linear_attn, in_proj_<x>, weight
+        layer = self.get_submodule(prefix)
+        if not layer.merged_in_proj:
+            return False
+        target = f"{prefix}.in_proj.weight"
+        merged = layer.in_proj
+        if projection == "in_proj_qkv":  # [q | k | v] rows, each part split by heads under TP
+            sizes = [merged.full_shard_offsets[part][1] for part in "qkv"]
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; the config's DeltaNet heads "
+                    f"give q, k and v {sizes} = {sum(sizes)} rows"
+                )
+            pieces = zip("qkv", tensor.split(sizes))
+        else:
+            pieces = [(projection.removeprefix("in_proj_"), tensor)]
+        for part, piece in pieces:
+            loads.load(name, target, piece, part, merged.shard_ids)
+        return True
 
     def _fused_quantized(self, target: str) -> PackedColumnLinear | None:
         """The layer of parameter `target` when it is a quantized packed layer that the checkpoint stores

@@ -35,7 +35,8 @@ from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.qwen3_5 import _SHARDS, MTP_PREFIXES, _map_name, load_expert
 from fitserve.models.qwen3_5_config import FULL_ATTENTION
-from fitserve.models.qwen3_5_layers import PartialRope, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, rope_inv_freq
+from fitserve.models.qwen3_5_decoder import Qwen3_5DecoderLayer
+from fitserve.models.qwen3_5_layers import PartialRope, Qwen3_5RMSNorm, rope_inv_freq
 
 # the model classes whose checkpoints carry MTP layers fitserve runs
 MTP_ARCHITECTURES = (

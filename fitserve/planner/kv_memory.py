@@ -88,7 +88,7 @@ def recurrent_state_bytes(inputs: MemoryInputs) -> int:
 
 def state_bytes_per_seq_on_rank(inputs: MemoryInputs) -> int:
     """One request's recurrent state on one rank: tensor parallel splits the DeltaNet key and value heads
-    evenly (models/qwen3_5_layers.py), so each rank's slots hold 1/tensor_parallel_size of the whole."""
+    evenly (models/qwen3_5_delta_net.py), so each rank's slots hold 1/tensor_parallel_size of the whole."""
     per_seq = inputs.shape.state_bytes_per_seq(DTYPE_BYTES[inputs.dtype])
     return -(-per_seq // inputs.tensor_parallel_size)
 

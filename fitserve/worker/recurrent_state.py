@@ -12,7 +12,7 @@ decoding, k rows per live slot follow (worker/state_rings.py): each request's st
 a verify step, of which the accepted one is kept.
 
 Under tensor parallel each rank's pool holds its own heads' states only (the DeltaNet heads split evenly,
-models/qwen3_5_layers.py): conv_dim and the value heads are the rank's, so a rank's pool is 1/n of one
+models/qwen3_5_delta_net.py): conv_dim and the value heads are the rank's, so a rank's pool is 1/n of one
 rank's pool at tensor_parallel_size 1.
 
 `state_bytes_per_slot` is what the memory planner counts per slot, so that the slots (live and snapshot)

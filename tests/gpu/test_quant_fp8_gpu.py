@@ -279,8 +279,8 @@ def test_fp8_layers_run_w8a8_with_cuda_graphs_and_cpu_offload(enforce_eager) -> 
 @needs_w8a8
 @pytest.mark.parametrize(("n", "k"), [(4096, 14336), (4096, 4096), (6144, 4096)])
 def test_w8a16_split_k_matches_one_split_and_resets_its_counters(n, k) -> None:
+    from fitserve.kernels.capability import sm_count
     from fitserve.kernels.fp8_w8a16 import choose_splits, fp8_w8a16_linear, split_counters
-    from fitserve.kernels.int4_gemm import sm_count
 
     assert choose_splits(n, k, 32, 256, sm_count(torch.device("cuda"))) > 1  # these layers do split
     weight = _weight(k, n, None, 0)  # per-channel scales

@@ -1,6 +1,7 @@
 """Qwen3.5 hybrids on the CUDA engine (run on the GPU machine): a small random Qwen3.5 (head dims 128, as
-the released models; 4 DeltaNet and 2 full-attention layers) in bf16 against the CPU engine in float32
-on the same weights (the CPU engine is checked against HF transformers in tests/unit/test_qwen3_5_*.py).
+the released models; 4 DeltaNet and 2 full-attention layers), and its MoE form (16 experts, top 4, and the
+shared expert), in bf16 against the CPU engine in float32 on the same weights (the CPU engine is checked
+against HF transformers in tests/unit/test_qwen3_5_*.py).
 
 The checkpoint: FITSERVE_QWEN35_CHECKPOINT names a saved one, else it is built with transformers' Qwen3.5
 classes (skipped when this transformers has none).
@@ -23,14 +24,11 @@ pytestmark = [
 CLEAR_MARGIN = 0.5  # as tests/gpu/test_engine_gpu.py: bf16 noise flips closer top-2 logits either way
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    given = os.environ.get("FITSERVE_QWEN35_CHECKPOINT")
-    if given:
-        return Path(given)
+def _build_checkpoint(tmp_path_factory, moe: bool) -> Path:
     transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3_5TextConfig"):
-        pytest.skip("this transformers has no Qwen3.5 and FITSERVE_QWEN35_CHECKPOINT is unset")
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    if not hasattr(transformers, f"{family}TextConfig"):
+        pytest.skip(f"this transformers has no {family} and FITSERVE_QWEN35_CHECKPOINT is unset")
     from tests.model_folders import save_with_tokenizer
     from tests.unit import qwen3_5_helpers as helpers
 
@@ -42,10 +40,30 @@ def checkpoint(tmp_path_factory) -> Path:
         ["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"] * 2 + ["full_attention"]
     )
     text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[8, 4, 4])
-    config = transformers.Qwen3_5TextConfig(**text)
-    config.architectures = ["Qwen3_5ForCausalLM"]
+    if moe:  # 16 experts, top 4, beside the shared expert (the fused MoE, the router and gate kernels)
+        text.update(
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=256,
+        )
+    config = getattr(transformers, f"{family}TextConfig")(**text)
+    config.architectures = [f"{family}ForCausalLM"]
     model = helpers.build_hf(config).to(torch.bfloat16)
-    return save_with_tokenizer(model, tmp_path_factory.mktemp("qwen35"))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("qwen35moe" if moe else "qwen35"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    given = os.environ.get("FITSERVE_QWEN35_CHECKPOINT")
+    if given:
+        return Path(given)
+    return _build_checkpoint(tmp_path_factory, moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    return _build_checkpoint(tmp_path_factory, moe=True)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -77,10 +95,15 @@ def _cpu_reference(checkpoint: Path, sequence: list[int], prompt_len: int) -> tu
     return best, torch.tensor(margins)
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [8192, 96], ids=["whole-prompts", "chunked"])
-def test_greedy_matches_the_cpu_engine(checkpoint, max_num_batched_tokens):
+@pytest.mark.parametrize(
+    ("moe", "max_num_batched_tokens"),
+    [(False, 8192), (False, 96), (True, 8192)],
+    ids=["whole-prompts", "chunked", "moe"],
+)
+def test_greedy_matches_the_cpu_engine(request, moe, max_num_batched_tokens):
     from fitserve import LLM
 
+    checkpoint = request.getfixturevalue("moe_checkpoint" if moe else "checkpoint")
     prompts = _prompts(4)
     llm = LLM(
         str(checkpoint),
@@ -98,7 +121,12 @@ def test_greedy_matches_the_cpu_engine(checkpoint, max_num_batched_tokens):
         clear = margins > CLEAR_MARGIN
         agree = (torch.tensor(output) == torch.tensor(best))[clear].float().mean().item()
         assert clear.sum() >= 20, "too few clear positions to judge"
-        assert agree >= 0.99, f"greedy agreement {agree:.3f} < 0.99 on {int(clear.sum())} clear positions"
+        # MoE: a router near-tie in bfloat16 picks another expert, which can move a clear margin (as
+        # tests/gpu/test_gemma4_gpu.py's 26B-A4B); test_qwen3_5_fused_gpu.py checks the block's kernels
+        wanted = 0.95 if moe else 0.99
+        assert agree >= wanted, (
+            f"greedy agreement {agree:.3f} < {wanted} on {int(clear.sum())} clear positions"
+        )
 
 
 def test_a_second_turn_reuses_the_first_and_answers_as_a_cold_run(checkpoint):

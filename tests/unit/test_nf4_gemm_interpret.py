@@ -98,7 +98,7 @@ def test_kernels_match_the_dequantized_reference() -> None:
 def _run_case(case: list) -> dict:
     from dataclasses import replace
 
-    from fitserve.kernels.int4_gemm import DEFAULT_SM_COUNT
+    from fitserve.kernels.capability import DEFAULT_SM_COUNT
     from fitserve.kernels.nf4_dequant import chunked_nf4_linear
     from fitserve.kernels.nf4_gemm import choose_config, nf4_linear
 

@@ -23,7 +23,7 @@ from fitserve.layers.gated_delta_rule import (
     recurrent_gated_delta_rule,
     split_state_rows,
 )
-from fitserve.models.qwen3_5_layers import GatedDeltaNet
+from fitserve.models.qwen3_5_delta_net import GatedDeltaNet
 from fitserve.worker.cuda_graphs import CudaGraphRunner
 from fitserve.worker.model_runner import ModelRunner
 from fitserve.worker.recurrent_state import RecurrentStatePool, recurrent_state_layers
@@ -92,8 +92,8 @@ def per_sequence_reference(layer, hidden, query_lens, seq_lens, slots, conv, rec
     """The layer as it ran before: each prompt piece alone through the chunked rule, each decode row
     through the one-token ops, states read from and written to conv / recurrent (copies of the pool)."""
     with torch.no_grad():
-        qkv = layer.in_proj_qkv(hidden)
-        g, beta = layer._gates(layer.in_proj_a(hidden), layer.in_proj_b(hidden))
+        qkv, z, b, a = layer.project(hidden)
+        g, beta = layer._gates(a, b)
         outs, start = [], 0
         for query_len, seq_len, slot in zip(query_lens, seq_lens, slots):
             rows = slice(start, start + query_len)
@@ -114,7 +114,7 @@ def per_sequence_reference(layer, hidden, query_lens, seq_lens, slots, conv, rec
             start += query_len
         core = torch.cat(outs)
         tokens = hidden.shape[0]
-        core = layer.norm(core.to(hidden.dtype), layer.in_proj_z(hidden).view(tokens, layer.num_v_heads, -1))
+        core = layer.norm(core.to(hidden.dtype), z.reshape(tokens, layer.num_v_heads, -1))
         return layer.out_proj(core.reshape(tokens, layer.value_size))
 
 

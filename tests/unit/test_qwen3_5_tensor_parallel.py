@@ -163,10 +163,14 @@ def test_a_rank_holds_its_heads_of_every_delta_net_tensor(folders):
     whole_key = 16
     rows = [*range(key, 2 * key), *range(whole_key + key, whole_key + 2 * key)]
     rows += range(2 * whole_key + value, 2 * whole_key + 2 * value)
-    assert torch.equal(layer.in_proj_qkv.weight, weights[prefix + "in_proj_qkv.weight"][rows])
+    # the 16-bit projections in one matrix: this rank's [q | k | v | z | b | a] rows
+    assert layer.merged_in_proj
+    qkv, z, b, a = layer.in_proj.weight.split((32, value, 2, 2))
+    assert torch.equal(qkv, weights[prefix + "in_proj_qkv.weight"][rows])
     assert torch.equal(layer.conv_weight, weights[prefix + "conv1d.weight"][rows, 0])
-    assert torch.equal(layer.in_proj_z.weight, weights[prefix + "in_proj_z.weight"][value:])
-    assert torch.equal(layer.in_proj_a.weight, weights[prefix + "in_proj_a.weight"][2:])
+    assert torch.equal(z, weights[prefix + "in_proj_z.weight"][value:])
+    assert torch.equal(b, weights[prefix + "in_proj_b.weight"][2:])
+    assert torch.equal(a, weights[prefix + "in_proj_a.weight"][2:])
     assert torch.equal(layer.A_log, weights[prefix + "A_log"][2:])
     assert torch.equal(layer.dt_bias, weights[prefix + "dt_bias"][2:])
     assert torch.equal(layer.out_proj.weight, weights[prefix + "out_proj.weight"][:, value:])
