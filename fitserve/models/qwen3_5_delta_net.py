@@ -250,35 +250,19 @@ class GatedDeltaNet(nn.Module):
         decode_out = prefill_out = None
         if step.decode_slots is not None:
             rows = step.decode_rows
-            qkv_d, a_d, b_d = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])
+            inputs = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])
+            params_and_states = (
+                self.A_log,
+                self.dt_bias,
+                self.conv_weight,
+                self.conv_states,
+                self.recurrent_states,
+            )
+            heads = (self.num_k_heads, self.k_dim)
             if isinstance(step, ChainedStepSlots):  # a verify step: each request's rows in order
-                decode_out = chained_decode(
-                    qkv_d,
-                    a_d,
-                    b_d,
-                    self.A_log,
-                    self.dt_bias,
-                    self.conv_weight,
-                    self.conv_states,
-                    self.recurrent_states,
-                    step,
-                    self.num_k_heads,
-                    self.k_dim,
-                )
+                decode_out = chained_decode(*inputs, *params_and_states, step, *heads)
             else:
-                decode_out = gated_delta_net_decode(
-                    qkv_d,
-                    a_d,
-                    b_d,
-                    self.A_log,
-                    self.dt_bias,
-                    self.conv_weight,
-                    self.conv_states,
-                    self.recurrent_states,
-                    step.decode_slots,
-                    self.num_k_heads,
-                    self.k_dim,
-                )
+                decode_out = gated_delta_net_decode(*inputs, *params_and_states, step.decode_slots, *heads)
         if step.prefill_query_lens:
             rows = step.prefill_rows
             qkv_p, a_p, b_p = (qkv, a, b) if rows is None else (qkv[rows], a[rows], b[rows])

@@ -26,7 +26,9 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -142,10 +144,17 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / float(want.float().abs().max().clamp_min(1e-30))
 
 
-def _tiles() -> list[tuple[str, int | None, tuple[str, ...]]]:
-    """(label, HEAD_TILE, dtypes): the modules' default in every dtype, and a tile of two heads of 32
-    (several programs a token, the last partly masked for 3 heads) in bfloat16 (the interpreter is slow)."""
-    return [("tile_default", None, DTYPES), ("tile_two_heads", 64, ("bfloat16",))]
+def _tiles(module: Any) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """Sets module.HEAD_TILE to its default, then to a tile of two heads of 32 (several programs a token,
+    the last partly masked for 3 heads), yielding (label, dtypes) for each: every dtype at the default,
+    bfloat16 at the small tile (the interpreter is slow). The default is put back afterwards."""
+    default = module.HEAD_TILE
+    try:
+        for label, tile, names in (("tile_default", default, DTYPES), ("tile_two_heads", 64, ("bfloat16",))):
+            module.HEAD_TILE = tile
+            yield label, names
+    finally:
+        module.HEAD_TILE = default
 
 
 def _gated_checks(results: dict[str, float]) -> None:
@@ -153,9 +162,7 @@ def _gated_checks(results: dict[str, float]) -> None:
     from fitserve.models.qwen3_5_delta_net import GatedRMSNorm
 
     generator = torch.Generator().manual_seed(0)
-    default_tile = module.HEAD_TILE
-    for tile_label, tile, names in _tiles():
-        module.HEAD_TILE = tile or default_tile
+    for tile_label, names in _tiles(module):
         for name in names:
             dtype = getattr(torch, name)
             for tokens, heads, head_dim in ((1, 3, 32), (5, 3, 32), (5, 4, 16)):
@@ -180,7 +187,6 @@ def _gated_checks(results: dict[str, float]) -> None:
                     module.gated_rms_norm(core_d, z, norm.weight, EPS, dtype),
                     norm(core_d, z.view_as(core_d)).reshape(tokens, -1),
                 )
-    module.HEAD_TILE = default_tile
 
 
 def _qk_checks(results: dict[str, float]) -> None:
@@ -188,9 +194,7 @@ def _qk_checks(results: dict[str, float]) -> None:
     from fitserve.models.qwen3_5_layers import PartialRope, Qwen3_5RMSNorm, rope_inv_freq
 
     generator = torch.Generator().manual_seed(1)
-    default_tile = module.HEAD_TILE
-    for tile_label, tile, names in _tiles():
-        module.HEAD_TILE = tile or default_tile
+    for tile_label, names in _tiles(module):
         for name in names:
             dtype = getattr(torch, name)
             for tokens, heads, kv_heads, head_dim, factor in (
@@ -227,16 +231,13 @@ def _qk_checks(results: dict[str, float]) -> None:
                 )
                 results[f"{label}/q"] = _error(got_q, want_q)
                 results[f"{label}/k"] = _error(got_k, want_k)
-    module.HEAD_TILE = default_tile
 
 
 def _sigmoid_gate_checks(results: dict[str, float]) -> None:
     from fitserve.kernels import activation as module
 
     generator = torch.Generator().manual_seed(2)
-    default_tile = module.HEAD_TILE
-    for tile_label, tile, names in _tiles():
-        module.HEAD_TILE = tile or default_tile
+    for tile_label, names in _tiles(module):
         for name in names:
             dtype = getattr(torch, name)
             for tokens, heads, head_dim in ((1, 3, 32), (5, 3, 32), (5, 4, 16)):
@@ -246,7 +247,6 @@ def _sigmoid_gate_checks(results: dict[str, float]) -> None:
                 out = torch.randn(tokens, heads * head_dim, generator=generator).to(dtype)
                 want = out * torch.sigmoid(query_gate[..., head_dim:].reshape(tokens, -1))
                 results[label] = _error(module.sigmoid_gate_mul(out, query_gate), want)
-    module.HEAD_TILE = default_tile
 
 
 if __name__ == "__main__":
