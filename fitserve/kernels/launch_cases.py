@@ -160,7 +160,7 @@ def _gemms_and_sampling(target: Target, full: bool) -> None:
     from fitserve.kernels.swapped_gemm import swapped_gemm
 
     for dtype in activation_dtypes(target, full):
-        # Llama-3.1-8B's and Qwen3-0.6B's weights, and Qwen3.6-27B's narrow-tile ones (choose_config)
+        # Llama-3.1-8B's and Qwen3-0.6B's weights, and Qwen3.6-27B's down_proj (choose_config's narrow tiles)
         for n, k in (
             (4096, 4096),
             (6144, 4096),
@@ -169,7 +169,6 @@ def _gemms_and_sampling(target: Target, full: bool) -> None:
             (1024, 896),
             (151936, 896),
             (5120, 17408),
-            (6144, 5120),
         ):
             weight = _empty(n, k, dtype=dtype)
             for rows in sorted({1, 2, 4, 8, SKINNY_ROWS}):

@@ -233,9 +233,8 @@ class Qwen3_5Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: PartialRope) -> torch.Tensor:
         tokens = hidden.shape[0]
         query_gate = self.q_proj(hidden).view(tokens, self.num_heads, 2 * self.head_dim)
-        if use_fused_kernels(
-            hidden
-        ):  # the q/k norms and the rotation in one kernel, the output gate in another
+        # fused: the q/k norms and the rotation in one kernel, the output gate in another
+        if use_fused_kernels(hidden):
             from fitserve.kernels.activation import sigmoid_gate_mul
             from fitserve.kernels.qk_norm_partial_rope import qk_norm_partial_rope
 
