@@ -11,6 +11,16 @@ measured in the same run.
 
   python benchmarks/gpu/skinny_gemm.py [--out benchmarks/results/h100_skinny_gemm.json] [--quick]
       [--rows 1 4 8 16] [--models llama-3.1-8b qwen3-0.6b]
+
+With --split: the weights below skinny_gemm's 4,096 output features of Qwen3.6-35B-A3B, Gemma-4 26B-A4B and
+Llama-3.1-8B (router, shared expert, o_proj / out_proj, k / v, down; `small_shapes`), cuBLAS against
+skinny_split_gemm in each of --split-configs (kernels/skinny_split_gemm.CONFIGS; K split by its
+choose_splits), side by side; `routed` says whether layers/linear.py sends the weight there
+(takes_weight). --split-prefetch-steps sets its L2 prefetch (0: off); --no-pdl launches every Triton kernel
+without programmatic dependent launch.
+
+  python benchmarks/gpu/skinny_gemm.py --split [--split-configs n32k256 n16k256 n32k128 n64k128x2]
+      [--rows 1 4 8 16] [--out benchmarks/results/h100_skinny_split_gemm.json]
 """
 
 from __future__ import annotations
@@ -18,19 +28,24 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from common import MODELS, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
 
+from fitserve.kernels import dependent_launch
+from fitserve.kernels import skinny_split_gemm as split_module
 from fitserve.kernels.skinny_gemm import DEFAULT_CONFIG, MAX_ROWS, SkinnyGemmConfig, skinny_gemm
+from fitserve.kernels.skinny_gemm import MIN_OUT_FEATURES as SKINNY_MIN_OUT_FEATURES
 from fitserve.kernels.swapped_gemm import supports as swapped_supports
 from fitserve.kernels.swapped_gemm import swapped_gemm
 
 ROWS = (1, 4, 8, 16)  # the rows skinny_gemm takes (MAX_ROWS)
 L2_BYTES_TO_BEAT = 256 << 20  # rotate through at least this many weight bytes
 CALLS_PER_GRAPH = 20
+SPLIT_MODELS = ("qwen3.6-35b-a3b", "gemma-4-26b-a4b-it", "llama-3.1-8b")
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -72,6 +87,36 @@ def hybrid_shapes(config: dict) -> dict[str, tuple[int, int]]:
     }
 
 
+def small_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """Layer names -> (out_features, in_features) of a model's decode linears below skinny_gemm's 4,096 rows
+    (one entry per shape, its layers' names joined): k / v and o projections (Gemma-4's global layers'
+    too), the MLP's or shared expert's, the MoE router, a DeltaNet's out_proj."""
+    config = json.loads((MODELS / model / "config.json").read_text())
+    config = config.get("text_config", config)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    found = {"k / v": (config["num_key_value_heads"] * head_dim, hidden), "o": (hidden, heads * head_dim)}
+    if "global_head_dim" in config:
+        global_dim = config["global_head_dim"]
+        found["k / v global"] = (config["num_global_key_value_heads"] * global_dim, hidden)
+        found["o global"] = (hidden, heads * global_dim)
+    if "intermediate_size" in config:
+        found["gate_up"] = (2 * config["intermediate_size"], hidden)
+        found["down"] = (hidden, config["intermediate_size"])
+    if "num_experts" in config:
+        found["router"] = (config["num_experts"], hidden)
+    if "shared_expert_intermediate_size" in config:
+        found["shared gate_up"] = (2 * config["shared_expert_intermediate_size"], hidden)
+        found["shared down"] = (hidden, config["shared_expert_intermediate_size"])
+    if "linear_num_value_heads" in config:
+        found["out_proj"] = (hidden, config["linear_num_value_heads"] * config["linear_value_head_dim"])
+    by_shape: dict[tuple[int, int], list[str]] = {}
+    for name, shape in found.items():
+        if shape[0] < SKINNY_MIN_OUT_FEATURES:  # every weight skinny_gemm leaves, taken or not
+            by_shape.setdefault(shape, []).append(name)
+    return {" + ".join(names): shape for shape, names in by_shape.items()}
+
+
 def time_us(call, weights: list[torch.Tensor]) -> float:
     """Mean microseconds of one call, from CUDA graph replays cycling through `weights`."""
     for weight in weights[:2]:
@@ -103,8 +148,56 @@ def add_fractions(entry: dict, weight_bytes: int, bandwidth: float) -> None:
     """Each timing's fraction of the copy bandwidth, then prints the entry."""
     for key in [k[: -len("_us")] for k in entry if k.endswith("_us")]:
         achieved = weight_bytes / (entry[f"{key}_us"] * 1e-6)
+        entry[f"{key}_gb_per_s"] = round(achieved / 1e9, 1)
         entry[f"{key}_copy_bw_frac"] = round(achieved / bandwidth, 3)
     print(json.dumps(entry), flush=True)
+
+
+def split_entries(models: list[str], rows_list: list[int], names: list[str], bandwidth: float) -> list[dict]:
+    """cuBLAS against skinny_split_gemm in each named config, per small weight and row count."""
+    results = []
+    for model in models:
+        for layer, (out_features, in_features) in small_shapes(model).items():
+            weight_bytes = out_features * in_features * 2
+            copies = max(2, -(-L2_BYTES_TO_BEAT // weight_bytes))
+            weights = [
+                torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
+                for _ in range(copies)
+            ]
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            for rows in rows_list:
+                x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+                reference = F.linear(x, weights[0]).float()
+                entry = {"model": model, "layer": layer, "rows": rows, "n": out_features, "k": in_features}
+                entry["routed"] = split_module.takes_weight(out_features, in_features)
+                entry["cublas_us"] = time_us(lambda w, x=x: F.linear(x, w), weights)
+                for name in names:
+                    config = split_module.CONFIGS[name]
+                    result = split_module.skinny_split_gemm(x, weights[0], config=config)
+                    check(result, reference, f"{model} {layer} rows {rows} {name}")
+                    entry[f"split_{name}_splits"] = split_module.choose_splits(
+                        out_features, in_features, config, sms
+                    )
+                    entry[f"split_{name}_us"] = time_us(
+                        lambda w, x=x, c=config: split_module.skinny_split_gemm(x, w, config=c), weights
+                    )
+                add_fractions(entry, weight_bytes, bandwidth)
+                results.append(entry)
+            del weights
+            torch.cuda.empty_cache()
+    return results
+
+
+def print_side_by_side(results: list[dict], names: list[str]) -> None:
+    """One line per weight and row count: cuBLAS and each split config, us and fraction of copy bw."""
+    for entry in results:
+        cells = [f"cuBLAS {entry['cublas_us']:6.2f} us {entry['cublas_copy_bw_frac']:.2f}"]
+        for name in names:
+            us, frac = entry[f"split_{name}_us"], entry[f"split_{name}_copy_bw_frac"]
+            cells.append(f"{name} {us:6.2f} us {frac:.2f} ({entry[f'split_{name}_splits']} splits)")
+        where = f"{entry['model']} {entry['layer']} [{entry['n']}, {entry['k']}] x{entry['rows']}"
+        routed = "routed" if entry["routed"] else "not routed"
+        print(f"{where} ({routed}): " + " | ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -115,8 +208,34 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, nargs="+", default=list(ROWS), help="rows of x (1 to 32 for the kernels)"
     )
+    parser.add_argument("--split", action="store_true", help="The small weights: cuBLAS against split-K.")
+    parser.add_argument(
+        "--split-configs",
+        nargs="+",
+        default=list(split_module.CONFIGS),
+        choices=list(split_module.CONFIGS),
+        help="skinny_split_gemm configs to time with --split",
+    )
+    parser.add_argument(
+        "--split-prefetch-steps",
+        type=int,
+        default=split_module.PREFETCH_STEPS,
+        help="BLOCK_K steps a row skinny_split_gemm asks the L2 for before its PDL wait (0: off)",
+    )
+    parser.add_argument("--no-pdl", action="store_true", help="Launch without programmatic dependent launch.")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_bytes_per_s()
+    dependent_launch.ENABLED = not args.no_pdl
+    if args.split:
+        split_module.PREFETCH_STEPS = args.split_prefetch_steps
+        models = args.models if "--models" in sys.argv else list(SPLIT_MODELS)
+        results = split_entries(models, args.rows, args.split_configs, bandwidth)
+        print_side_by_side(results, args.split_configs)
+        figures = {"copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1), "layers": results}
+        figures["split_prefetch_steps"] = args.split_prefetch_steps
+        figures["pdl"] = not args.no_pdl
+        save("skinny_split_gemm", figures, args.out)
+        return
     results = []
     for model in args.models:
         for layer, (out_features, in_features) in shapes(model).items():

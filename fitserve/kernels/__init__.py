@@ -4,7 +4,8 @@ fitserve/layers/attention/triton_backend.py); nothing here imports the layers.
 
 `reference`, `kv_format` (how the KV cache stores keys and values, float8 included), `attention_inputs` and
 `capability` (the compute capability the config choosers go by, FITSERVE_KERNEL_TARGET to force one, and
-each GPU generation's shared memory a block) are plain torch and import on any machine. `variants` compiles
+each GPU generation's shared memory a block) and `split_counters` (the split-K kernels' arrival counters) are
+plain torch and import on any machine. `variants` compiles
 every kernel variant the launchers pick for sm_70 to sm_90 without a GPU and checks it fits
 (tests/unit/test_kernel_targets.py). Every other module here imports triton at import time, so only
 CUDA code paths may import them (fitserve never imports this package's Triton modules on a CPU-only
@@ -23,7 +24,9 @@ machine):
 | `activation` | `silu_and_mul` | `silu_and_mul_reference` |
 | `activation` | `gelu_tanh_and_mul`, `gelu_tanh_mul` (Gemma-4) | torch's gelu (tanh) |
 | `fused_moe` | `fused_moe` (routing, gate_up + act, down x weight, sum) | `FusedExperts.reference` |
+| `moe_decode` | `moe_decode` (1-8 tokens in two kernels; shared expert) | `FusedExperts.reference` |
 | `skinny_gemm` | `skinny_gemm` (1 to 16 rows; `l2_prefetch` asks for its weight rows early) | `F.linear` |
+| `skinny_split_gemm` | `skinny_split_gemm` (1 to 16 rows, N <= 2,048: split over K) | `F.linear` |
 | `swapped_gemm` | `swapped_gemm` (17 to 32 rows: y.T = W x.T) | `F.linear` |
 | `argmax` | `argmax_rows` (greedy sampling) | `torch.argmax` |
 | `graph_inputs` | `stage_decode_inputs` | `CudaGraphRunner.copy_inputs_torch` |

@@ -1,7 +1,8 @@
 """Fused mixture-of-experts: out[t] = the sum over t's k experts e of w[t, e] * down_e(act(gate_e(x[t])) *
 up_e(x[t])), with the weights as fitserve/layers/moe.py stores them (gate_up_proj [E, 2I, hidden], gate rows
 then up rows; down_proj [E, hidden, I]), in four kernels and without any host sync, so a captured CUDA graph
-replays correctly for any routing:
+replays correctly for any routing. (Decode-sized batches take kernels/moe_decode.py's two kernels instead,
+`fused_moe` decides; the grouped path below serves every other batch.)
 
 1. routing (`_moe_align_kernel`, one program): counts the (token, slot) pairs of each of this rank's experts
    (tl.histogram), pads each expert's count to BLOCK_M, and writes the pairs grouped by expert into
@@ -53,9 +54,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels import moe_decode as decode_path
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
+from fitserve.kernels.moe_decode import SharedExpert, moe_decode, takes
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
@@ -447,15 +450,29 @@ def fused_moe(
     activation: str,
     first_expert: int = 0,
     config: FusedMoeConfig | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E_local, 2I, hidden], down_proj [E_local, hidden, I], topk_ids [T, k]
     (global expert ids; this rank holds experts first_expert .. first_expert + E_local - 1) and topk_weights
     [T, k] -> this rank's share of the MoE output [T, hidden] in x's dtype. activation: "silu",
-    "gelu_tanh" or "gelu". No host sync: the launches depend only on the shapes."""
+    "gelu_tanh" or "gelu". No host sync: the launches depend only on the shapes.
+
+    Decode-sized batches (kernels/moe_decode.py `takes`) run on moe_decode.py's two kernels unless a
+    config for the grouped path is given; only they take a shared expert, added with its gate."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     check_inputs(x, gate_up_proj, down_proj, topk_ids, topk_weights)
     num_tokens, hidden = x.shape
+    if config is None and takes(num_tokens, shared is not None):
+        return moe_decode(
+            x, gate_up_proj, down_proj, topk_ids, topk_weights, activation, first_expert, shared
+        )
+    if shared is not None:
+        raise ValueError(
+            f"fused_moe: a shared expert runs only on the decode path (1 to "
+            f"{decode_path.MAX_TOKENS_WITH_SHARED} tokens and no grouped-path config); got {num_tokens} "
+            "tokens: add the shared expert's output yourself"
+        )
     top_k = topk_ids.shape[1]
     local_experts, double_width, _ = gate_up_proj.shape
     intermediate = double_width // 2

@@ -156,6 +156,7 @@ def _gemms_and_sampling(target: Target, full: bool) -> None:
     from fitserve.kernels.argmax import argmax_rows, race_rows
     from fitserve.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS
     from fitserve.kernels.skinny_gemm import skinny_gemm
+    from fitserve.kernels.skinny_split_gemm import skinny_split_gemm
     from fitserve.kernels.swapped_gemm import MAX_ROWS as SWAPPED_ROWS
     from fitserve.kernels.swapped_gemm import swapped_gemm
 
@@ -177,6 +178,13 @@ def _gemms_and_sampling(target: Target, full: bool) -> None:
             for rows in sorted({SKINNY_ROWS + 1, 24, SWAPPED_ROWS}):
                 swapped_gemm(_empty(rows, k, dtype=dtype), weight)
                 swapped_gemm(_empty(rows, k, dtype=dtype), weight, _empty(n, dtype=dtype))
+        # skinny_split_gemm's weights (split, or not on GPUs of few SMs): Qwen3.6-35B-A3B's router and
+        # shared expert down, a K not a multiple of the step (2112), a ragged N, a long K
+        for n, k in ((256, 2048), (2048, 512), (2816, 2112), (1000, 4096), (1024, 8192)):
+            weight = _empty(n, k, dtype=dtype)
+            for rows in sorted({1, 2, 4, 8, SKINNY_ROWS}):
+                skinny_split_gemm(_empty(rows, k, dtype=dtype), weight)
+                skinny_split_gemm(_empty(rows, k, dtype=dtype), weight, _empty(n, dtype=dtype))
         for width in (32000, 128256, 151936, 262144):
             for rows in (1, 32):
                 logits = _empty(rows, width, dtype=dtype)
@@ -258,6 +266,7 @@ def _fp8_linear(target: Target, full: bool) -> None:
 
 def _fused_moe(target: Target, full: bool) -> None:
     from fitserve.kernels.fused_moe import fused_moe
+    from fitserve.kernels.moe_decode import SharedExpert
 
     # Qwen3-30B-A3B (128 experts, top 8, 2048 / 768), Qwen3.5 MoE (256, top 8, 2048 / 512), Gemma-4 MoE
     models = ((128, 8, 2048, 768, "silu"), (256, 8, 2048, 512, "silu"), (128, 8, 2816, 704, "gelu_tanh"))
@@ -269,6 +278,15 @@ def _fused_moe(target: Target, full: bool) -> None:
                 topk_ids = torch.zeros(tokens, top_k, dtype=torch.int32)
                 weights = torch.ones(tokens, top_k, dtype=torch.float32)
                 fused_moe(_empty(tokens, hidden, dtype=dtype), gate_up, down, topk_ids, weights, activation)
+            if experts == 256:  # Qwen3.5's shared expert beside the routed ones (decode-sized batches)
+                shared = SharedExpert(
+                    _empty(2 * intermediate, hidden, dtype=dtype),
+                    _empty(hidden, intermediate, dtype=dtype),
+                    _empty(1, hidden, dtype=dtype),
+                )
+                topk_ids, weights = torch.zeros(1, top_k, dtype=torch.int32), torch.ones(1, top_k)
+                x = _empty(1, hidden, dtype=dtype)
+                fused_moe(x, gate_up, down, topk_ids, weights, activation, shared=shared)
 
 
 def _gemma_moe(target: Target, full: bool) -> None:

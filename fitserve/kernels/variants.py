@@ -214,7 +214,8 @@ def compiling_for(
     # and answer the target's SM count
     standins = {"supports": lambda *args: True, "sm_count": lambda device: target.sms}
     patched = []
-    for name in ("int4_gemm", "nf4_gemm", "int4_dequant", "argmax", "skinny_gemm", "swapped_gemm"):
+    gemms = ("int4_gemm", "nf4_gemm", "int4_dequant", "argmax", "skinny_gemm", "skinny_split_gemm")
+    for name in (*gemms, "swapped_gemm"):
         module = importlib.import_module(f"fitserve.kernels.{name}")
         for attribute, standin in standins.items():
             if hasattr(module, attribute):

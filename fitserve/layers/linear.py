@@ -36,6 +36,9 @@ ShardId = int | str
 # without Triton (CPU builds).
 SKINNY_MAX_ROWS = 16
 SWAPPED_MAX_ROWS = 32
+# Off: weights below skinny_gemm's 4,096 output features stay on cuBLAS at <= 16 rows instead of
+# kernels/skinny_split_gemm.py (for comparisons: benchmarks, tests).
+SMALL_WEIGHT_SPLIT_K = True
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -61,17 +64,23 @@ def dense_linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, then widened to out_dtype if given: a decode step's few rows
     on the GPU stream the weight through fitserve's own kernels (faster than cuBLAS there): up to 16
-    rows kernels/skinny_gemm.py, up to 32 kernels/swapped_gemm.py; everything else is F.linear."""
+    rows kernels/skinny_gemm.py, or kernels/skinny_split_gemm.py (split over K) for weights of fewer
+    than 4,096 output features; up to 32 kernels/swapped_gemm.py; everything else is F.linear. Each
+    kernel's `worth_it` says which shapes it takes."""
     out = None
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SWAPPED_MAX_ROWS:
         if x.shape[0] <= SKINNY_MAX_ROWS:
-            from fitserve.kernels.skinny_gemm import skinny_gemm as gemm
-            from fitserve.kernels.skinny_gemm import worth_it
+            from fitserve.kernels import skinny_gemm, skinny_split_gemm
+
+            if skinny_gemm.worth_it(x, weight):
+                out = skinny_gemm.skinny_gemm(x, weight, bias)
+            elif SMALL_WEIGHT_SPLIT_K and skinny_split_gemm.worth_it(x, weight):
+                out = skinny_split_gemm.skinny_split_gemm(x, weight, bias)
         else:
-            from fitserve.kernels.swapped_gemm import swapped_gemm as gemm
-            from fitserve.kernels.swapped_gemm import worth_it
-        if worth_it(x, weight):
-            out = gemm(x, weight, bias)
+            from fitserve.kernels.swapped_gemm import swapped_gemm, worth_it
+
+            if worth_it(x, weight):
+                out = swapped_gemm(x, weight, bias)
     if out is None:
         out = F.linear(x, weight, bias)
     return out if out_dtype is None else out.to(out_dtype)

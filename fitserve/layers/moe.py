@@ -29,6 +29,7 @@ output first (the dense MLP beside it) passes reduce=False and reduces once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from fitserve.distributed.collectives import all_reduce
 from fitserve.distributed.parallel_state import tp
 from fitserve.layers.linear import WholeTensor, default_weight_loader, whole_tensor
 from fitserve.layers.tp_shards import split_evenly
+
+if TYPE_CHECKING:
+    from fitserve.kernels.moe_decode import SharedExpert
 
 
 def kernel_activation(activation: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
@@ -158,9 +162,16 @@ class FusedExperts(nn.Module):
         return tensors
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        reduce: bool = True,
+        shared: SharedExpert | None = None,
     ) -> torch.Tensor:
-        """[T, hidden]: the whole MoE output (reduce=True), or this rank's partial sum (reduce=False)."""
+        """[T, hidden]: the whole MoE output (reduce=True), or this rank's partial sum (reduce=False).
+        shared: a shared expert to add, with its gate, in the same kernels (only where
+        `takes_shared_expert` said so)."""
         if x.is_cuda and self.kernel_activation is not None:
             from fitserve.kernels.fused_moe import fused_moe
 
@@ -172,6 +183,7 @@ class FusedExperts(nn.Module):
                 topk_weights,
                 self.kernel_activation,
                 first_expert=self.first_expert,
+                shared=shared,
             )
         else:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -182,6 +194,23 @@ class FusedExperts(nn.Module):
                 )
             out = self.reference(x, topk_ids, topk_weights)
         return all_reduce(out) if reduce else out
+
+    def takes_shared_expert(self, x: torch.Tensor, shared: SharedExpert) -> bool:
+        """Whether forward can add this shared expert in its own kernels for x: a decode-sized CUDA batch
+        (kernels/moe_decode.py) whose shared expert has 16-bit weights in x's dtype, on the GPU, as wide
+        as this rank's experts."""
+        if not (x.is_cuda and self.kernel_activation is not None):
+            return False
+        from fitserve.kernels import moe_decode
+
+        tensors = (shared.gate_up_proj, shared.down_proj, shared.gate_weight)
+        return (
+            moe_decode.takes(x.shape[0], with_shared=True)
+            and all(t.is_cuda and t.dtype == x.dtype for t in tensors)
+            and shared.gate_up_proj.shape == (2 * self.intermediate_per_rank, self.hidden_size)
+            and shared.down_proj.shape == (self.hidden_size, self.intermediate_per_rank)
+            and shared.gate_weight.numel() == self.hidden_size
+        )
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """This rank's partial output [T, hidden] in plain torch (the CPU path and the kernel's reference)."""

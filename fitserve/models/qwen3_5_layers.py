@@ -38,7 +38,7 @@ dt_bias stay in the model dtype, as every Qwen3.5 quantized checkpoint stores th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,9 @@ from fitserve.layers.moe import FusedExperts
 from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, split_evenly
 from fitserve.models.gemma4_config import expert_parallel_of
+
+if TYPE_CHECKING:
+    from fitserve.kernels.moe_decode import SharedExpert
 
 # On CUDA the norms, the q/k rotation, the gates and the MoE routing run as fused Triton kernels (a batch-1
 # step of the 27B went from 3,462 launches to 1,069); False runs the torch ops there too (tests compare).
@@ -306,6 +309,20 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         self.shared_expert = Qwen3_5MLP(hidden, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
 
+    def _shared_expert_tensors(self) -> SharedExpert | None:
+        """The shared expert's weights for kernels/moe_decode.py, or None when they are not plain 16-bit
+        tensors (a quantized shared expert keeps its own kernels)."""
+        from fitserve.kernels.moe_decode import SharedExpert
+
+        gate_up = getattr(self.shared_expert.gate_up_proj, "weight", None)
+        down = getattr(self.shared_expert.down_proj, "weight", None)
+        gate = getattr(self.shared_expert_gate, "weight", None)
+        if any(t is None or t.dim() != 2 or not t.dtype.is_floating_point for t in (gate_up, down, gate)):
+            return None
+        if any(t.element_size() != 2 for t in (gate_up, down, gate)):
+            return None
+        return SharedExpert(gate_up, down, gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # each rank's partial sums of both branches (the gate is per token, so it scales a partial sum
         # as it scales the whole), added and all-reduced once
@@ -314,6 +331,9 @@ class Qwen3_5SparseMoeBlock(nn.Module):
             from fitserve.kernels.shared_expert_gate import add_gated_shared_expert
 
             weights, ids = router_topk(self.gate(x), None, self.top_k, round_to_scores_dtype=True)
+            shared = self._shared_expert_tensors()
+            if shared is not None and self.experts.takes_shared_expert(x, shared):  # both in two kernels
+                return all_reduce(self.experts(x, ids, weights, reduce=False, shared=shared))
             routed = self.experts(x, ids, weights, reduce=False)
             shared = self.shared_expert(x, reduce=False)
             return all_reduce(add_gated_shared_expert(routed, shared, x, self.shared_expert_gate.weight))

@@ -75,7 +75,7 @@ def test_mlp_activation(monkeypatch, tokens) -> None:
     _close(*_both(monkeypatch, lambda: mlp(x)))
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 4, 64])
 def test_moe_block(monkeypatch, tokens) -> None:
     """Qwen3.6-35B-A3B's block sizes (256 experts, top 8, hidden 2048): the router kernel's experts and
     weights, the fused experts and the gated shared expert against torch's softmax / topk / sigmoid."""

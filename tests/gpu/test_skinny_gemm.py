@@ -1,4 +1,5 @@
-"""The decode steps' skinny GEMM kernel against F.linear in float32, and when linear layers use it."""
+"""The decode steps' skinny GEMM kernels (skinny_gemm; skinny_split_gemm, split over K, for weights below
+4,096 output features) against F.linear in float32, and when linear layers use them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from fitserve.kernels import skinny_split_gemm as split_module  # noqa: E402
 from fitserve.kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_gemm, worth_it  # noqa: E402
+from fitserve.kernels.skinny_split_gemm import CONFIGS, skinny_split_gemm  # noqa: E402
+from fitserve.layers import linear  # noqa: E402
 from fitserve.layers.linear import SKINNY_MAX_ROWS, SWAPPED_MAX_ROWS, dense_linear  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +80,7 @@ def test_captured_in_a_cuda_graph() -> None:
 def test_linear_layers_use_it_for_large_weights_and_few_rows_only() -> None:
     assert SKINNY_MAX_ROWS == MAX_ROWS
     big = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    small = torch.empty(1024, 2048, device="cuda", dtype=torch.bfloat16)  # Qwen3-0.6B's o_proj: cuBLAS
+    small = torch.empty(1024, 2048, device="cuda", dtype=torch.bfloat16)  # Qwen3-0.6B's o_proj: split-K
     assert worth_it(torch.empty(MAX_ROWS, 4096, device="cuda", dtype=torch.bfloat16), big)
     assert not worth_it(torch.empty(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16), big)
     assert not worth_it(torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16), small)
@@ -119,3 +123,105 @@ def test_row_head_sizes_that_cannot_be_prefetched_turn_it_off() -> None:
     assert row_head_bytes(weight, 40, 4) == 0  # 10-byte pieces
     assert row_head_bytes(weight[:, :512], 2048, 4) == 0  # rows shorter than the head
     assert row_head_bytes(torch.empty(64, 4104, device="cuda", dtype=torch.bfloat16)[:, 4:], 2048, 4) == 0
+
+
+# skinny_split_gemm: N 256 to 2,816, K 512 to 8,192, K and N multiples of its tiles and not
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 16])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "with_bias"),
+    [
+        (256, 2048, False),  # Qwen3.6-35B-A3B's router
+        (512, 2048, True),  # its k / v
+        (1024, 2048, False),  # its shared expert's gate_up
+        (2048, 512, True),  # its shared expert's down
+        (2048, 4096, False),  # its o_proj / out_proj
+        (2816, 2112, True),  # Gemma-4 26B-A4B's MLP down: K not a multiple of the step
+        (1000, 8192, False),  # a ragged N tile
+        (3000, 1040, True),
+    ],
+)
+def test_split_k_matches_float32_linear(
+    dtype: torch.dtype, rows: int, out_features: int, in_features: int, with_bias: bool
+) -> None:
+    assert_matches_float32_linear(skinny_split_gemm, dtype, rows, out_features, in_features, with_bias)
+    assert int(split_module._counters(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_split_config_and_split_count_gives_the_same_result(name: str) -> None:
+    x = torch.randn(6, 2112, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2816, 2112, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(2816, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    config = CONFIGS[name]
+    steps = -(-2112 // config.block_k)
+    for splits in sorted({None, 1, 2, 3, steps}, key=lambda count: count or 0):
+        out = skinny_split_gemm(x, weight, bias, config=config, splits=splits).float()
+        torch.testing.assert_close(out, expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
+
+
+def test_split_k_in_cuda_graphs_chained_and_replayed() -> None:
+    """Three split-K GEMMs in a row (the counters shared, each launched while the one before runs, with
+    PDL), captured once and replayed with new inputs: the same bits as eager calls, counters back at 0."""
+    weights = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in ((2048, 2048), (512, 2048))
+    ]
+    weights.append(torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        hidden = x
+        for weight in weights:
+            hidden = skinny_split_gemm(hidden, weight)
+        return hidden
+
+    eager = chain()
+    reference = x.float()
+    for weight in weights:
+        reference = reference @ weight.float().T
+    torch.testing.assert_close(eager.float(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        graph.replay()  # a replay right after a replay finds every counter at 0 again
+        torch.cuda.synchronize()
+        assert torch.equal(captured, chain())
+    assert int(split_module._counters(x.device).abs().sum()) == 0
+
+
+def test_linear_layers_use_split_k_for_small_weights_and_few_rows_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    assert split_module.worth_it(x, small) and not worth_it(x, small)
+    assert torch.equal(dense_linear(x, small), skinny_split_gemm(x, small))
+    assert not split_module.worth_it(
+        torch.randn(MAX_ROWS + 1, 2048, device="cuda", dtype=torch.bfloat16), small
+    )
+    assert not split_module.worth_it(x.float(), small.float())
+    assert not split_module.worth_it(x, torch.empty(4096, 2048, device="cuda", dtype=torch.bfloat16))
+    assert not split_module.worth_it(x, torch.empty(64, 2048, device="cuda", dtype=torch.bfloat16))
+    assert not split_module.worth_it(x, torch.empty(2816, 2048, device="cuda", dtype=torch.bfloat16))
+    monkeypatch.setattr(linear, "SMALL_WEIGHT_SPLIT_K", False)
+    assert torch.equal(dense_linear(x, small), F.linear(x, small))
+
+
+def test_split_k_prefetch_off_and_on_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    with_prefetch = skinny_split_gemm(x, weight)
+    monkeypatch.setattr(split_module, "PREFETCH_STEPS", 0)
+    assert torch.equal(skinny_split_gemm(x, weight), with_prefetch)
+
+
+def test_split_k_refuses_what_it_cannot_take() -> None:
+    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x \(17, 4096\).*use torch.nn.functional.linear"):
+        skinny_split_gemm(torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError, match=r"splits=0 must be 1 to 16"):
+        skinny_split_gemm(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), weight, splits=0)

@@ -1,0 +1,526 @@
+"""A mixture-of-experts layer for decode-sized batches in two kernels, the shared expert included.
+
+fused_moe.py's grouped path sorts the (token, slot) pairs by expert so that a tile of rows shares one
+expert's weights: worth it when many tokens choose the same experts, pure overhead when a step has a
+handful of tokens. At batch 1 the layer is its k experts' weights streamed once, and every launch between
+them costs a few microseconds: the grouped path takes four (routing, gate_up, down, sum), and Qwen3.5/3.6's
+shared expert four more beside it (two cuBLAS GEMMs, the activation, the gate and sum kernel). Here:
+
+1. `_decode_gate_up_kernel`: one program per (token, slot, BLOCK_N intermediate columns); a slot is one of
+   the token's k routed experts or, when given, the shared expert (slot k). It streams the expert's gate
+   and up rows once, multiplies them by the token's row (x padded to a 16-row tensor-core tile, as
+   skinny_gemm.py does) and stores act(gate) * up to `mid` [T * slots, I].
+2. `_decode_down_kernel`: one program per (token, BLOCK_N hidden columns) runs through all its slots' down
+   rows in one pipelined loop (slots x K chunks), so a program streams k + 1 experts' slices back to back
+   rather than k short loops; it weights each routed slot's result, rounds it to the dtype and sums them
+   in float32 (the grouped path's and the torch path's rounding), and adds the gated shared expert.
+
+Numbers: routed slots as the grouped kernels compute them (act(gate) * up in float32, rounded once; each
+weighted row rounded, the k rows summed in float32 and rounded). The shared expert as Qwen3.5's torch
+modules round it (gate and up rounded, silu rounded, their product rounded, the down projection rounded),
+its gate as kernels/shared_expert_gate.py computes it (the same one-block dot product, torch's sigmoid
+rounded), and the end as that kernel does: round(routed + round(gate * shared)).
+
+Expert parallel: a slot whose expert another rank holds contributes nothing (its loads are masked off, so
+its weights are never read). Tensor parallel: I is this rank's slice, for the routed and shared experts
+alike (the caller checks that the two widths match). Nothing syncs with the host and the launches depend
+only on the shapes, so CUDA graphs capture it for any routing.
+
+Reference: FusedExperts.reference (fitserve/layers/moe.py) plus the shared expert of
+models/qwen3_5_layers.Qwen3_5SparseMoeBlock's torch path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fitserve.kernels.activation import exp_as_torch
+from fitserve.kernels.capability import sm_count
+from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
+from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.grid_math import cdiv, next_power_of_2
+from fitserve.kernels.split_counters import device_counters
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
+_host_launched = (lambda function: function) if INTERPRETING else fast_launch
+
+# Activation constexprs (the same numbering as fused_moe.py's).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# Rows of the tensor-core tile a token's row is padded to.
+TILE_ROWS = 16
+# Tokens up to which fused_moe takes this path (0 turns it off), without and with a shared expert. Past
+# them the grouped path's one read of each chosen expert per tile of rows wins: tokens share experts, and
+# this path reads an expert once per (token, slot). Measured on an H100 (benchmarks/gpu/moe_decode_bench.py,
+# docs/performance.md "MoE decode"): routed experts alone, 1.18x the grouped path at 1 token, even at 2,
+# 0.95x at 4; with Qwen3.6's shared expert (which the grouped path runs as four more launches) 1.43x at 1,
+# 1.26-1.29x at 2-4, 1.03x at 8, 0.83x at 16.
+MAX_TOKENS = 1
+MAX_TOKENS_WITH_SHARED = 8
+
+
+def takes(num_tokens: int, with_shared: bool = False) -> bool:
+    """Whether a step of this many tokens runs here rather than on fused_moe's grouped path."""
+    return 0 < num_tokens <= (MAX_TOKENS_WITH_SHARED if with_shared else MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    gate_up: DecodeTile
+    down: DecodeTile
+    # programs the down kernel aims for per SM: where its (token, tile) programs are fewer, each token's
+    # slots are split over several programs (`down_splits`)
+    down_programs_per_sm: int = 3
+    # slots per split, forced (tests and sweeps); None: down_splits decides
+    down_slots_per_split: int | None = None
+
+
+# From benchmarks/gpu/moe_decode_bench.py --sweep on an H100 (docs/performance.md, "MoE decode").
+DEFAULT_CONFIG = MoeDecodeConfig(DecodeTile(32, 128, 4, 4), DecodeTile(32, 128, 4, 4))
+# (token, hidden tile) counters: enough for 16 tokens at hidden 16,384 in 16-wide tiles; splits happen only
+# below down_programs_per_sm x SMs programs anyway.
+COUNTER_SLOTS = 16384
+
+
+def down_splits(tiles: int, tokens: int, slots: int, sms: int, programs_per_sm: int) -> tuple[int, int]:
+    """(splits, slots per split) of each token's slots over the down kernel's programs: as many splits as
+    bring tiles x tokens x splits nearest programs_per_sm x sms, at most one per slot, none empty."""
+    wanted = round(programs_per_sm * sms / (tiles * tokens))
+    if wanted <= 1 or tiles * tokens > COUNTER_SLOTS:
+        return 1, slots
+    per_split = cdiv(slots, min(wanted, slots))
+    return cdiv(slots, per_split), per_split
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """Qwen3.5/3.6's shared expert, this rank's slices: gate_up_proj [2 I, hidden] (gate rows, then up
+    rows), down_proj [hidden, I], gate_weight [1, hidden] (the one-output gate projection)."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    gate_weight: torch.Tensor
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:  # silu
+        return x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == 1:  # gelu, tanh approximation: x * sigmoid(2 z)
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(-2.0 * z))
+    else:  # gelu
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _dot(a, b, acc, FP32: tl.constexpr):
+    """acc + a @ b; float32 inputs exactly (no TF32), for the tests' tight checks."""
+    if FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: tl.constexpr):
+    """This rank's index of the expert in the token's routed slot (0 when the slot is another rank's or
+    the shared one), and whether this rank computes the slot."""
+    routed = slot < TOP_K
+    pair = token * TOP_K + tl.minimum(slot, TOP_K - 1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32) - first_expert
+    mine = (expert >= 0) & (expert < local_experts)
+    return tl.where(routed & mine, expert, 0).to(tl.int64), mine | (slot >= TOP_K), pair
+
+
+@_host_launched
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    shared_w_ptr,
+    mid_ptr,
+    topk_ids_ptr,
+    hidden,
+    intermediate,
+    first_expert,
+    local_experts,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_sn,
+    stride_mm,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(1)  # token * SLOTS + slot
+    token = row // SLOTS
+    slot = row % SLOTS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < intermediate
+    wait_for_previous_kernel(USE_PDL)
+    expert, mine, _ = _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K)
+    if mine:
+        shared = slot >= TOP_K
+        rows64 = offs_n.to(tl.int64)[:, None]
+        gate_rows = tl.where(
+            shared, shared_w_ptr + rows64 * stride_sn, w_ptr + expert * stride_we + rows64 * stride_wn
+        )
+        up_rows = gate_rows + intermediate * tl.where(shared, stride_sn, stride_wn)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + token.to(tl.int64) * stride_xm + 0 * offs_m[:, None]  # one real row of the tile
+        first_row = (offs_m == 0)[:, None]
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = (k + offs_k) < hidden
+            a = tl.load(x_row + (k + offs_k)[None, :], mask=first_row & k_ok[None, :], other=0.0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
+            w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
+            gate = _dot(a, tl.trans(w_gate), gate, FP32)
+            up = _dot(a, tl.trans(w_up), up, FP32)
+        gate = tl.sum(gate, axis=0)  # the padding rows are zeros
+        up = tl.sum(up, axis=0)
+        dtype = mid_ptr.dtype.element_ty
+        if shared:  # as Qwen3.5's modules round: the projections, silu, the product
+            gate = gate.to(dtype).to(tl.float32)
+            silu = tl.div_rn(gate, 1.0 + exp_as_torch(-gate)).to(dtype).to(tl.float32)
+            mid = silu * up.to(dtype).to(tl.float32)
+        else:
+            mid = _activation(gate, ACTIVATION) * up
+        tl.store(mid_ptr + row.to(tl.int64) * stride_mm + offs_n, mid.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _down_epilogue(
+    routed,
+    shared,
+    x_ptr,
+    shared_gate_ptr,
+    out_ptr,
+    token,
+    offs_n,
+    hidden,
+    stride_xm,
+    stride_om,
+    HAS_SHARED: tl.constexpr,
+    GATE_BLOCK: tl.constexpr,
+):
+    """out[token, offs_n] = round(routed) (the float32 sum of the rounded weighted slots), plus the gated
+    shared expert (its down projection's float32 row `shared`) as kernels/shared_expert_gate.py adds it."""
+    dtype = out_ptr.dtype.element_ty
+    out = routed.to(dtype)
+    if HAS_SHARED:
+        cols = tl.arange(0, GATE_BLOCK)
+        col_ok = cols < hidden
+        x = tl.load(x_ptr + token.to(tl.int64) * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gate_weight = tl.load(shared_gate_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        logit = tl.sum(x * gate_weight, axis=0).to(dtype).to(tl.float32)
+        gate = tl.div_rn(1.0, 1.0 + exp_as_torch(-logit)).to(dtype).to(tl.float32)  # torch.sigmoid's numbers
+        gated = (gate * shared.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        out = (out.to(tl.float32) + gated).to(dtype)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out, mask=offs_n < hidden)
+
+
+@_host_launched
+@triton.jit(do_not_specialize=["num_splits", "slots_per_split"])
+def _decode_down_kernel(
+    mid_ptr,
+    w_ptr,
+    shared_w_ptr,
+    x_ptr,
+    shared_gate_ptr,
+    topk_ids_ptr,
+    topk_weights_ptr,
+    out_ptr,
+    part_ptr,
+    counter_ptr,
+    num_tokens,
+    hidden,
+    intermediate,
+    first_expert,
+    local_experts,
+    num_splits,
+    slots_per_split,
+    stride_mm,
+    stride_we,
+    stride_wn,
+    stride_sn,
+    stride_xm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    SLOTS_POW2: tl.constexpr,
+    FP32: tl.constexpr,
+    GATE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    token = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    rows64 = offs_n.to(tl.int64)[:, None]
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    first_row = (offs_m == 0)[:, None]
+    dtype = out_ptr.dtype.element_ty
+    wait_for_previous_kernel(USE_PDL)
+    chunks = tl.cdiv(intermediate, BLOCK_K)
+    # every slot's expert, whether this rank computes it, and its weight, read once: no load in the loop
+    # but the two streams (a load there would stop Triton pipelining them)
+    slots = tl.arange(0, SLOTS_POW2)
+    pairs = token * TOP_K + tl.minimum(slots, TOP_K - 1)
+    experts = tl.load(topk_ids_ptr + pairs).to(tl.int32) - first_expert
+    mine_of_slot = ((experts >= 0) & (experts < local_experts) & (slots < TOP_K)) | (slots == TOP_K)
+    experts = tl.where(mine_of_slot & (slots < TOP_K), experts, 0)
+    weights = tl.load(topk_weights_ptr + pairs)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    routed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    shared = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # this split's slots in one loop over their K chunks: the pipeline runs on from one expert's rows into
+    # the next's
+    first_slot = split * slots_per_split
+    steps = (tl.minimum(first_slot + slots_per_split, SLOTS) - first_slot) * chunks
+    for step in tl.range(0, steps, num_stages=NUM_STAGES):
+        slot = first_slot + step // chunks
+        k = (step % chunks) * BLOCK_K
+        this_slot = slots == slot
+        expert = tl.sum(tl.where(this_slot, experts, 0), axis=0).to(tl.int64)
+        mine = tl.sum(tl.where(this_slot & mine_of_slot, 1, 0), axis=0) > 0
+        is_shared = slot >= TOP_K
+        w_rows = tl.where(
+            is_shared, shared_w_ptr + rows64 * stride_sn, w_ptr + expert * stride_we + rows64 * stride_wn
+        )
+        k_ok = (k + offs_k) < intermediate
+        mid_row = mid_ptr + (token * SLOTS + slot).to(tl.int64) * stride_mm + 0 * offs_m[:, None]
+        a = tl.load(mid_row + (k + offs_k)[None, :], mask=first_row & k_ok[None, :] & mine, other=0.0)
+        w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :] & mine, other=0.0)
+        acc = _dot(a, tl.trans(w), acc, FP32)
+        # the slot's last chunk: weight its row and round it (a routed slot), or keep it (the shared one)
+        last = k + BLOCK_K >= intermediate
+        weight = tl.sum(tl.where(this_slot, weights, 0.0), axis=0)
+        weighted = (acc * weight).to(dtype).to(tl.float32)
+        routed = tl.where(last & (slot < TOP_K), routed + weighted, routed)
+        shared = tl.where(last & is_shared, acc, shared)
+        acc = tl.where(last, 0.0, acc)
+    routed = tl.sum(routed, axis=0)  # the padding rows are zeros
+    shared = tl.sum(shared, axis=0)
+    if num_splits == 1:
+        _down_epilogue(
+            routed,
+            shared,
+            x_ptr,
+            shared_gate_ptr,
+            out_ptr,
+            token,
+            offs_n,
+            hidden,
+            stride_xm,
+            stride_om,
+            SLOTS > TOP_K,
+            GATE_BLOCK,
+        )
+    else:
+        # each split's two partial rows [split, 2, T, hidden] (float32); the program that arrives last at
+        # this (token, tile) counter adds them in split order (the same sum whoever arrives last)
+        part = part_ptr + token.to(tl.int64) * hidden + offs_n
+        split_stride = 2 * num_tokens * hidden
+        tl.store(part + split * split_stride, routed, mask=n_ok)
+        tl.store(part + split * split_stride + num_tokens * hidden, shared, mask=n_ok)
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        counter = counter_ptr + token * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            routed = tl.zeros_like(routed)
+            shared = tl.zeros_like(shared)
+            for other in range(0, num_splits):
+                routed += tl.load(part + other * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
+                own = part + other * split_stride + num_tokens * hidden
+                shared += tl.load(own, mask=n_ok, other=0.0, cache_modifier=".cg")
+            _down_epilogue(
+                routed,
+                shared,
+                x_ptr,
+                shared_gate_ptr,
+                out_ptr,
+                token,
+                offs_n,
+                hidden,
+                stride_xm,
+                stride_om,
+                SLOTS > TOP_K,
+                GATE_BLOCK,
+            )
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+def _launch(kernel, grid, args, constexprs: dict, device: torch.device, num_warps: int) -> None:
+    if INTERPRETING:  # the interpreter runs the JIT function itself, without launch options
+        kernel[grid](*args, **constexprs, USE_PDL=False)
+        return
+    kernel[grid](*args, **constexprs, num_warps=num_warps, **pdl_kwargs(device))
+
+
+def check_shared(shared: SharedExpert, x: torch.Tensor, intermediate: int) -> None:
+    """ValueError naming the tensor and the fix when the shared expert's tensors do not fit."""
+    hidden = x.shape[1]
+    problem = ""
+    if shared.gate_up_proj.shape != (2 * intermediate, hidden):
+        problem = (
+            f"its gate_up_proj must be [2 x {intermediate}, {hidden}] (the routed experts' intermediate "
+            f"width: a shared expert of another width takes the grouped path), got "
+            f"{tuple(shared.gate_up_proj.shape)}"
+        )
+    elif shared.down_proj.shape != (hidden, intermediate):
+        problem = f"its down_proj must be [{hidden}, {intermediate}], got {tuple(shared.down_proj.shape)}"
+    elif shared.gate_weight.numel() != hidden:
+        problem = f"its gate weight must hold {hidden} values, got {tuple(shared.gate_weight.shape)}"
+    elif any(t.dtype != x.dtype for t in (shared.gate_up_proj, shared.down_proj, shared.gate_weight)):
+        problem = (
+            f"its weights must be in x's dtype {x.dtype} (a quantized shared expert takes the grouped path)"
+        )
+    elif shared.gate_up_proj.stride(1) != 1 or shared.down_proj.stride(1) != 1:
+        problem = "its weights' last dims must be contiguous"
+    elif not shared.gate_weight.is_contiguous():
+        problem = "its gate weight must be contiguous"
+    if problem:
+        raise ValueError(f"moe_decode: the shared expert does not fit: {problem}")
+
+
+def moe_decode(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str,
+    first_expert: int = 0,
+    shared: SharedExpert | None = None,
+    config: MoeDecodeConfig | None = None,
+) -> torch.Tensor:
+    """fused_moe's result (this rank's share of the MoE output [T, hidden] in x's dtype) in two kernels,
+    plus the gated shared expert when given. The inputs as fused_moe takes them; fused_moe.check_inputs
+    has checked them (fused_moe sends decode-sized batches here). A shared expert's slices must have the
+    routed experts' intermediate width and x's dtype (`check_shared`)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_decode: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if shared is not None:
+        check_shared(shared, x, gate_up_proj.shape[1] // 2)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    config = config or DEFAULT_CONFIG
+    mid = decode_gate_up(x, gate_up_proj, topk_ids, activation, first_expert, shared, config.gate_up)
+    return decode_down(mid, x, down_proj, topk_ids, topk_weights, first_expert, shared, config)
+
+
+def decode_gate_up(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    first_expert: int,
+    shared: SharedExpert | None,
+    tile: DecodeTile,
+) -> torch.Tensor:
+    """moe_decode's first kernel: mid [T * slots, I], each slot's act(gate) * up (checked inputs)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    local_experts, double_width, _ = gate_up_proj.shape
+    intermediate = double_width // 2
+    slots = top_k + (shared is not None)
+    # without a shared expert its pointers are never read (every slot is routed): pass the routed ones
+    shared_gate_up = shared.gate_up_proj if shared is not None else gate_up_proj
+    mid = torch.empty((num_tokens * slots, intermediate), dtype=x.dtype, device=x.device)
+    args = (x, gate_up_proj, shared_gate_up, mid, topk_ids, hidden, intermediate, first_expert, local_experts)
+    args += (x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), shared_gate_up.stride(0))
+    args += (mid.stride(0),)
+    constexprs = {
+        "TOP_K": top_k,
+        "SLOTS": slots,
+        "ACTIVATION": ACTIVATIONS[activation],
+        "FP32": x.dtype == torch.float32,
+        "BLOCK_M": TILE_ROWS,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "NUM_STAGES": tile.num_stages,
+    }
+    grid = (cdiv(intermediate, tile.block_n), num_tokens * slots)
+    _launch(_decode_gate_up_kernel, grid, args, constexprs, x.device, tile.num_warps)
+    return mid
+
+
+def decode_down(
+    mid: torch.Tensor,
+    x: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    first_expert: int,
+    shared: SharedExpert | None,
+    config: MoeDecodeConfig,
+) -> torch.Tensor:
+    """moe_decode's second kernel: out [T, hidden] from decode_gate_up's mid (checked inputs, topk_weights
+    float32)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    local_experts, _, intermediate = down_proj.shape
+    slots = top_k + (shared is not None)
+    device = x.device
+    shared_down = shared.down_proj if shared is not None else down_proj
+    shared_gate = shared.gate_weight if shared is not None else x
+    out = torch.empty_like(x)
+    tile = config.down
+    tiles = cdiv(hidden, tile.block_n)
+    splits, per_split = down_splits(tiles, num_tokens, slots, sm_count(device), config.down_programs_per_sm)
+    if config.down_slots_per_split is not None:
+        per_split = min(config.down_slots_per_split, slots)
+        splits = cdiv(slots, per_split)
+    part_shape = (splits, 2, num_tokens, hidden) if splits > 1 else (1,)
+    parts = torch.empty(part_shape, dtype=torch.float32, device=device)
+    counters = device_counters("moe_decode", device, COUNTER_SLOTS)
+    args = (mid, down_proj, shared_down, x, shared_gate, topk_ids, topk_weights, out, parts, counters)
+    args += (num_tokens, hidden, intermediate, first_expert, local_experts, splits, per_split)
+    args += (mid.stride(0), down_proj.stride(0), down_proj.stride(1), shared_down.stride(0), x.stride(0))
+    args += (out.stride(0),)
+    constexprs = {
+        "TOP_K": top_k,
+        "SLOTS": slots,
+        "SLOTS_POW2": next_power_of_2(slots),
+        "FP32": x.dtype == torch.float32,
+        "GATE_BLOCK": next_power_of_2(hidden),
+        "BLOCK_M": TILE_ROWS,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": tile.block_k,
+        "NUM_STAGES": tile.num_stages,
+    }
+    _launch(_decode_down_kernel, (tiles, num_tokens, splits), args, constexprs, device, tile.num_warps)
+    return out
