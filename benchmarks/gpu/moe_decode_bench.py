@@ -108,9 +108,9 @@ def kernel_sweep(module, shared, x, routes) -> dict:
     activation = module.kernel_activation
     gate_up = []
     for fields in GATE_UP_TILES:
-        tile = md.DecodeTile(*fields)
+        tile = md.GemmTile(*fields)
 
-        def gate_up_call(i: int, tile: md.DecodeTile = tile) -> torch.Tensor:
+        def gate_up_call(i: int, tile: md.GemmTile = tile) -> torch.Tensor:
             return md.decode_gate_up(x, module.gate_up_proj, args[i][0], activation, 0, shared, tile)
 
         gate_up.append({"tile": fields, "us": graph_us(gate_up_call)})
@@ -119,7 +119,7 @@ def kernel_sweep(module, shared, x, routes) -> dict:
     down = []
     for fields in DOWN_TILES:
         for per_sm, per_split in SPLITS:
-            config = md.MoeDecodeConfig(md.DEFAULT_CONFIG.gate_up, md.DecodeTile(*fields), per_sm, per_split)
+            config = md.MoeDecodeConfig(md.DEFAULT_CONFIG.gate_up, md.GemmTile(*fields), per_sm, per_split)
 
             def down_call(i: int, config: md.MoeDecodeConfig = config) -> torch.Tensor:
                 ids, weights = args[i]

@@ -47,7 +47,6 @@ Reference: FusedExperts.reference in fitserve/layers/moe.py (plain torch).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,18 +54,15 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels import moe_decode as decode_path
-from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.moe_decode import SharedExpert, moe_decode, takes
+from fitserve.kernels.moe_parts import ACTIVATIONS, GELU, GELU_TANH, SILU, GemmTile  # noqa: F401 (re-exported)
+from fitserve.kernels.moe_parts import activation as _activation
+from fitserve.kernels.moe_parts import dot as _dot
+from fitserve.kernels.moe_parts import host_launched as _host_launched
+from fitserve.kernels.moe_parts import launch as _launch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
-
-# Activation constexprs of GEMM 1's epilogue.
-SILU, GELU_TANH, GELU = 0, 1, 2
-ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU}
 # Pairs per program of the scatter kernel, pairs (and padding rows) per step of the routing kernel, blocks
 # per step of its block -> expert pass.
 SCATTER_BLOCK = 1024
@@ -77,14 +73,6 @@ SUM_BLOCK = 1024
 SMALL_BATCH_TOKENS = 64
 # Programs GEMM 1 and 2 aim for at small batches (about two per SM of an H100's 132).
 TARGET_PROGRAMS = 256
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 4
 
 
 @dataclass(frozen=True)
@@ -210,26 +198,6 @@ def _moe_scatter_kernel(
     wait_for_previous_kernel(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _scatter_pairs(topk_ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs, first_expert, local_experts)
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 0:  # silu
-        return x / (1.0 + tl.exp(-x))
-    elif ACTIVATION == 1:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return x / (1.0 + tl.exp(-2.0 * z))
-    else:  # gelu
-        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-
-
-@triton.jit
-def _dot(a, b, acc, FP32: tl.constexpr):
-    """acc + a @ b; float32 inputs exactly (no TF32), for the tests' tight checks."""
-    if FP32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @_host_launched
@@ -367,13 +335,6 @@ def _moe_sum_kernel(
         row = tl.load(per_pair_ptr + pair * stride_pm + cols, mask=col_ok & mine, other=0.0)
         total += row.to(tl.float32)
     tl.store(out_ptr + token * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-def _launch(kernel, grid, args, constexprs: dict, device: torch.device, num_warps: int) -> None:
-    if INTERPRETING:  # the interpreter runs the JIT function itself, without launch options
-        kernel[grid](*args, **constexprs, USE_PDL=False)
-        return
-    kernel[grid](*args, **constexprs, num_warps=num_warps, **pdl_kwargs(device))
 
 
 def check_inputs(

@@ -32,7 +32,6 @@ models/qwen3_5_layers.Qwen3_5SparseMoeBlock's torch path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,17 +40,15 @@ import triton.language as tl
 
 from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.capability import sm_count
-from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
+from fitserve.kernels.moe_parts import ACTIVATIONS, GemmTile
+from fitserve.kernels.moe_parts import activation as _activation
+from fitserve.kernels.moe_parts import dot as _dot
+from fitserve.kernels.moe_parts import host_launched as _host_launched
+from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.split_counters import device_counters
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
-
-# Activation constexprs (the same numbering as fused_moe.py's).
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 # Rows of the tensor-core tile a token's row is padded to.
 TILE_ROWS = 16
 # Tokens up to which fused_moe takes this path (0 turns it off), without and with a shared expert. Past
@@ -70,17 +67,9 @@ def takes(num_tokens: int, with_shared: bool = False) -> bool:
 
 
 @dataclass(frozen=True)
-class DecodeTile:
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-@dataclass(frozen=True)
 class MoeDecodeConfig:
-    gate_up: DecodeTile
-    down: DecodeTile
+    gate_up: GemmTile
+    down: GemmTile
     # programs the down kernel aims for per SM: where its (token, tile) programs are fewer, each token's
     # slots are split over several programs (`down_splits`)
     down_programs_per_sm: int = 3
@@ -89,7 +78,7 @@ class MoeDecodeConfig:
 
 
 # From benchmarks/gpu/moe_decode_bench.py --sweep on an H100 (docs/performance.md, "MoE decode").
-DEFAULT_CONFIG = MoeDecodeConfig(DecodeTile(32, 128, 4, 4), DecodeTile(32, 128, 4, 4))
+DEFAULT_CONFIG = MoeDecodeConfig(GemmTile(32, 128, 4, 4), GemmTile(32, 128, 4, 4))
 # (token, hidden tile) counters: enough for 16 tokens at hidden 16,384 in 16-wide tiles; splits happen only
 # below down_programs_per_sm x SMs programs anyway.
 COUNTER_SLOTS = 16384
@@ -113,26 +102,6 @@ class SharedExpert:
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
     gate_weight: torch.Tensor
-
-
-@triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 0:  # silu
-        return x / (1.0 + tl.exp(-x))
-    elif ACTIVATION == 1:  # gelu, tanh approximation: x * sigmoid(2 z)
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return x / (1.0 + tl.exp(-2.0 * z))
-    else:  # gelu
-        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-
-
-@triton.jit
-def _dot(a, b, acc, FP32: tl.constexpr):
-    """acc + a @ b; float32 inputs exactly (no TF32), for the tests' tight checks."""
-    if FP32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -332,22 +301,8 @@ def _decode_down_kernel(
         acc = tl.where(last, 0.0, acc)
     routed = tl.sum(routed, axis=0)  # the padding rows are zeros
     shared = tl.sum(shared, axis=0)
-    if num_splits == 1:
-        _down_epilogue(
-            routed,
-            shared,
-            x_ptr,
-            shared_gate_ptr,
-            out_ptr,
-            token,
-            offs_n,
-            hidden,
-            stride_xm,
-            stride_om,
-            SLOTS > TOP_K,
-            GATE_BLOCK,
-        )
-    else:
+    finish = num_splits == 1
+    if num_splits > 1:
         # each split's two partial rows [split, 2, T, hidden] (float32); the program that arrives last at
         # this (token, tile) counter adds them in split order (the same sum whoever arrives last)
         part = part_ptr + token.to(tl.int64) * hidden + offs_n
@@ -356,35 +311,18 @@ def _decode_down_kernel(
         tl.store(part + split * split_stride + num_tokens * hidden, shared, mask=n_ok)
         tl.debug_barrier()  # every thread's partials are written before the release below
         counter = counter_ptr + token * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+        if finish:
             routed = tl.zeros_like(routed)
             shared = tl.zeros_like(shared)
             for other in range(0, num_splits):
                 routed += tl.load(part + other * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
                 own = part + other * split_stride + num_tokens * hidden
                 shared += tl.load(own, mask=n_ok, other=0.0, cache_modifier=".cg")
-            _down_epilogue(
-                routed,
-                shared,
-                x_ptr,
-                shared_gate_ptr,
-                out_ptr,
-                token,
-                offs_n,
-                hidden,
-                stride_xm,
-                stride_om,
-                SLOTS > TOP_K,
-                GATE_BLOCK,
-            )
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-
-
-def _launch(kernel, grid, args, constexprs: dict, device: torch.device, num_warps: int) -> None:
-    if INTERPRETING:  # the interpreter runs the JIT function itself, without launch options
-        kernel[grid](*args, **constexprs, USE_PDL=False)
-        return
-    kernel[grid](*args, **constexprs, num_warps=num_warps, **pdl_kwargs(device))
+    if finish:
+        args = (x_ptr, shared_gate_ptr, out_ptr, token, offs_n, hidden, stride_xm, stride_om)
+        _down_epilogue(routed, shared, *args, SLOTS > TOP_K, GATE_BLOCK)
 
 
 def check_shared(shared: SharedExpert, x: torch.Tensor, intermediate: int) -> None:
@@ -449,7 +387,7 @@ def decode_gate_up(
     activation: str,
     first_expert: int,
     shared: SharedExpert | None,
-    tile: DecodeTile,
+    tile: GemmTile,
 ) -> torch.Tensor:
     """moe_decode's first kernel: mid [T * slots, I], each slot's act(gate) * up (checked inputs)."""
     num_tokens, hidden = x.shape

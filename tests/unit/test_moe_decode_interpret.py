@@ -45,7 +45,7 @@ def case(
     low: bool = False,
 ) -> dict:
     """8 experts. ep: (rank, size) for expert parallel. low: tokens choose among experts 0-3 only (with
-    ep (1, 2) none of this rank's). tiles: [gate_up, down] DecodeTile fields instead of the default."""
+    ep (1, 2) none of this rank's). tiles: [gate_up, down] GemmTile fields instead of the default."""
     return {
         "tokens": tokens,
         "dtype": dtype,
@@ -236,7 +236,7 @@ def _run_case(spec: dict) -> dict:
     config = None
     if spec["tiles"]:
         gate_up_tile, down_tile, per_split = spec["tiles"]
-        tiles = md.DecodeTile(*gate_up_tile), md.DecodeTile(*down_tile)
+        tiles = md.GemmTile(*gate_up_tile), md.GemmTile(*down_tile)
         config = md.MoeDecodeConfig(*tiles, down_slots_per_split=per_split)
     out = md.moe_decode(x, gate_up, down, ids, weights, spec["act"], first, shared, config)
     again = md.moe_decode(x, gate_up, down, ids, weights, spec["act"], first, shared, config)

@@ -1,0 +1,58 @@
+"""What the grouped MoE kernels (kernels/fused_moe.py) and the decode-sized ones (kernels/moe_decode.py)
+share: the tile type, the activation constexprs and their Triton code, the dot that keeps float32 exact,
+and the launch (the interpreter's, or a compiled kernel's with programmatic dependent launch)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fitserve.kernels.dependent_launch import pdl_kwargs
+from fitserve.kernels.fast_launch import fast_launch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
+host_launched = (lambda function: function) if INTERPRETING else fast_launch
+
+# Activation constexprs of the gate_up kernels' epilogues.
+SILU, GELU_TANH, GELU = 0, 1, 2
+ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU}
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:  # silu
+        return x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == 1:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x * sigmoid(2 z)
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(-2.0 * z))
+    else:  # gelu
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def dot(a, b, acc, FP32: tl.constexpr):
+    """acc + a @ b; float32 inputs exactly (no TF32), for the tests' tight checks."""
+    if FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+def launch(kernel, grid, args, constexprs: dict, device: torch.device, num_warps: int) -> None:
+    if INTERPRETING:  # the interpreter runs the JIT function itself, without launch options
+        kernel[grid](*args, **constexprs, USE_PDL=False)
+        return
+    kernel[grid](*args, **constexprs, num_warps=num_warps, **pdl_kwargs(device))
