@@ -11,6 +11,7 @@ before the next starts). --text-only gives the engine the text model's config al
 flattened, Qwen3_5[Moe]ForCausalLM), for an engine that cannot take the multimodal checkpoint's form.
 
   python benchmarks/gpu/hybrid_vs_vllm.py --engine vllm|fitserve [--models 27b,35b] --out FILE
+      [--stderr-dir DIR]
 vLLM 0.26.0 from ../shared/vllm_bundle (PYTHONPATH with its site folder).
 """
 
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300)
     parser.add_argument("--text-only", action="store_true", help="the text model's config alone (see above)")
     parser.add_argument("--out")
+    parser.add_argument("--stderr-dir", help="where a failed run's whole stderr is written")
     args = parser.parse_args()
     if args.one:
         run_one(args.engine, args.one, args.text_only)
@@ -112,9 +114,18 @@ def main() -> None:
         if lines:
             figures[model] = json.loads(lines[-1].removeprefix("FIGURES "))
         else:
-            # the first error lines say why (vLLM's model inspection runs in a child whose log comes first)
+            # the first error lines say why (vLLM's model inspection runs in a child whose log comes first);
+            # the whole stderr goes to --stderr-dir (the inspection's own traceback may be anywhere in it)
             errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
             figures[model] = {"error": f"exit {done.returncode}", "first_errors": errors[:12]}
+            figures[model]["traceback_lines"] = [
+                line for line in done.stderr.splitlines() if line.startswith(("Traceback", "  File", "    "))
+            ][-60:]
+            if args.stderr_dir:
+                where = Path(args.stderr_dir) / f"hybrid_vs_vllm_{args.engine}_{model}.stderr.txt"
+                where.parent.mkdir(parents=True, exist_ok=True)
+                where.write_text(done.stderr)
+                figures[model]["stderr_file"] = str(where)
     save(f"hybrid_vs_vllm_{args.engine}", figures, args.out)
 
 
