@@ -259,3 +259,33 @@ def _run_case(spec: dict) -> dict:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run by the tests with TRITON_INTERPRET=1"
     answer_cases(_run_case)
+
+
+@needs_triton
+def test_qwen_block_hands_over_only_a_16_bit_shared_expert() -> None:
+    """Qwen3.5's MoE block gives the decode kernels its shared expert only as plain 16-bit weights (a
+    quantized one keeps its own kernels), and FusedExperts takes it only on CUDA at decode-sized steps."""
+    from types import SimpleNamespace
+
+    from fitserve.kernels.moe_decode import SharedExpert
+    from fitserve.models.qwen3_5_layers import Qwen3_5SparseMoeBlock
+
+    config = SimpleNamespace(
+        hidden_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    block = Qwen3_5SparseMoeBlock(config).to(torch.bfloat16)
+    shared = block._shared_expert_tensors()
+    assert isinstance(shared, SharedExpert)
+    assert shared.gate_up_proj.shape == (64, 64) and shared.down_proj.shape == (64, 32)
+    assert shared.gate_weight.shape == (1, 64)
+    assert not block.experts.takes_shared_expert(torch.zeros(1, 64, dtype=torch.bfloat16), shared)  # CPU
+    block.shared_expert.down_proj.weight.data = block.shared_expert.down_proj.weight.data.to(
+        torch.float8_e4m3fn
+    )
+    assert block._shared_expert_tensors() is None
+    del block.shared_expert.gate_up_proj.weight  # as a quantized layer's packed tensors replace it
+    assert block._shared_expert_tensors() is None
