@@ -183,3 +183,24 @@ def test_chunked_gated_delta_kernel_refuses_gpus_below_sm80() -> None:
                 [0],
                 [False],
             )
+
+
+def test_compiling_leaves_every_launcher_as_it_was() -> None:
+    """compile_variants stands in for the launchers' `supports` and `sm_count` while it runs; afterwards each
+    module has its own again, one first imported inside it included (skinny_split_gemm imports skinny_gemm's
+    `supports` by name: imported after skinny_gemm was patched, it kept the stand-in, and every later call
+    on a CPU tensor went to the kernel). In a fresh process, so nothing is imported before."""
+    code = (
+        "from fitserve.kernels import capability, variants\n"
+        "target = variants.TARGETS_BY_NAME['sm_86']\n"
+        "list(variants.compile_variants(target, cases={'none': lambda target, full: None}))\n"
+        "from fitserve.kernels import skinny_gemm, skinny_split_gemm\n"
+        "assert skinny_split_gemm.supports is skinny_gemm.supports, skinny_split_gemm.supports\n"
+        "assert skinny_split_gemm.sm_count is capability.sm_count, skinny_split_gemm.sm_count\n"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
