@@ -10,10 +10,14 @@ shared expert four more beside it (two cuBLAS GEMMs, the activation, the gate an
    the token's k routed experts or, when given, the shared expert (slot k). It streams the expert's gate
    and up rows once, multiplies them by the token's row (x padded to a 16-row tensor-core tile, as
    skinny_gemm.py does) and stores act(gate) * up to `mid` [T * slots, I].
-2. `_decode_down_kernel`: one program per (token, BLOCK_N hidden columns) runs through all its slots' down
-   rows in one pipelined loop (slots x K chunks), so a program streams k + 1 experts' slices back to back
-   rather than k short loops; it weights each routed slot's result, rounds it to the dtype and sums them
-   in float32 (the grouped path's and the torch path's rounding), and adds the gated shared expert.
+2. `_decode_down_kernel`: one program per (token, BLOCK_N hidden columns, split of the token's slots) runs
+   through its slots' down rows in one pipelined loop (slots x K chunks), so a program streams several
+   experts' slices back to back rather than one short loop each; it weights each routed slot's result,
+   rounds it to the dtype and sums them in float32 (the grouped path's and the torch path's rounding). With
+   the slots split (`down_splits`: at batch 1 a tile's slots alone make too few programs to keep the memory
+   busy) each program stores its float32 partial rows and the last to arrive at the tile's counter adds
+   them in split order (the same sum whoever arrives last) and resets the counter, so replays need no
+   memset. The program that finishes a tile adds the gated shared expert.
 
 Numbers: routed slots as the grouped kernels compute them (act(gate) * up in float32, rounded once; each
 weighted row rounded, the k rows summed in float32 and rounded). The shared expert as Qwen3.5's torch
@@ -112,7 +116,7 @@ def _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: 
     pair = token * TOP_K + tl.minimum(slot, TOP_K - 1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32) - first_expert
     mine = (expert >= 0) & (expert < local_experts)
-    return tl.where(routed & mine, expert, 0).to(tl.int64), mine | (slot >= TOP_K), pair
+    return tl.where(routed & mine, expert, 0).to(tl.int64), mine | (slot >= TOP_K)
 
 
 @_host_launched
@@ -148,7 +152,7 @@ def _decode_gate_up_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < intermediate
     wait_for_previous_kernel(USE_PDL)
-    expert, mine, _ = _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K)
+    expert, mine = _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K)
     if mine:
         shared = slot >= TOP_K
         rows64 = offs_n.to(tl.int64)[:, None]
