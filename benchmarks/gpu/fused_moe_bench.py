@@ -171,20 +171,30 @@ def measure(name: str, module: FusedExperts, tokens: int, copy_bandwidth: float,
     return entry
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def measure_models(
+    description: str, tokens: tuple[int, ...], measure
+) -> tuple[argparse.Namespace, float, list]:
+    """The command line both MoE benchmarks take (--out, --sweep, --tokens, --models) and
+    measure(name, module, tokens, copy_bandwidth, sweep) over each model and token count, one model's
+    weights on the GPU at a time: (the arguments, the copy bandwidth measured, the entries)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     copy_bandwidth = copy_bandwidth_bytes_per_s()
     results = []
     for name in args.models:
         module = build(name)
-        results += [measure(name, module, tokens, copy_bandwidth, args.sweep) for tokens in args.tokens]
+        results += [measure(name, module, count, copy_bandwidth, args.sweep) for count in args.tokens]
         del module
         torch.cuda.empty_cache()
+    return args, copy_bandwidth, results
+
+
+def main() -> None:
+    args, copy_bandwidth, results = measure_models(__doc__.splitlines()[0], TOKENS, measure)
     save("fused_moe", {"copy_bandwidth_gb_per_s": copy_bandwidth / 1e9, "results": results}, args.out)
 
 

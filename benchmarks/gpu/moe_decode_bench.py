@@ -16,13 +16,12 @@ DEFAULT_CONFIG, and reports the best of each as a fraction of the copy bandwidth
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
-from fused_moe_bench import CALLS_PER_GRAPH, DTYPE, SHAPES, build, routings
+from common import replay_ms, save  # noqa: I001
+from fused_moe_bench import CALLS_PER_GRAPH, DTYPE, SHAPES, measure_models, routings
 
 from fitserve.kernels import fused_moe as fm
 from fitserve.kernels import moe_decode as md
@@ -168,19 +167,7 @@ def measure(name: str, module, tokens: int, copy_bandwidth: float, sweep: bool) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out")
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    args = parser.parse_args()
-    copy_bandwidth = copy_bandwidth_bytes_per_s()
-    results = []
-    for name in args.models:
-        module = build(name)
-        results += [measure(name, module, tokens, copy_bandwidth, args.sweep) for tokens in args.tokens]
-        del module
-        torch.cuda.empty_cache()
+    args, copy_bandwidth, results = measure_models(__doc__.splitlines()[0], TOKENS, measure)
     summary = {
         "copy_bandwidth_gb_per_s": copy_bandwidth / 1e9,
         "max_tokens": md.MAX_TOKENS,

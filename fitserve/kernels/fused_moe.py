@@ -56,7 +56,6 @@ import triton.language as tl
 from fitserve.kernels import moe_decode as decode_path
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-from fitserve.kernels.moe_decode import SharedExpert, moe_decode, takes
 from fitserve.kernels.moe_parts import ACTIVATIONS, GELU, GELU_TANH, SILU, GemmTile  # noqa: F401 (re-exported)
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
@@ -411,7 +410,7 @@ def fused_moe(
     activation: str,
     first_expert: int = 0,
     config: FusedMoeConfig | None = None,
-    shared: SharedExpert | None = None,
+    shared: decode_path.SharedExpert | None = None,
 ) -> torch.Tensor:
     """x [T, hidden], gate_up_proj [E_local, 2I, hidden], down_proj [E_local, hidden, I], topk_ids [T, k]
     (global expert ids; this rank holds experts first_expert .. first_expert + E_local - 1) and topk_weights
@@ -424,8 +423,8 @@ def fused_moe(
         raise ValueError(f"fused_moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     check_inputs(x, gate_up_proj, down_proj, topk_ids, topk_weights)
     num_tokens, hidden = x.shape
-    if config is None and takes(num_tokens, shared is not None):
-        return moe_decode(
+    if config is None and decode_path.takes(num_tokens, shared is not None):
+        return decode_path.moe_decode(
             x, gate_up_proj, down_proj, topk_ids, topk_weights, activation, first_expert, shared
         )
     if shared is not None:

@@ -214,10 +214,18 @@ def compiling_for(
     # and answer the target's SM count
     standins = {"supports": lambda *args: True, "sm_count": lambda device: target.sms}
     patched = []
-    gemms = ("int4_gemm", "nf4_gemm", "int4_dequant", "argmax", "skinny_gemm", "skinny_split_gemm")
+    names = (
+        "int4_gemm",
+        "nf4_gemm",
+        "int4_dequant",
+        "argmax",
+        "skinny_gemm",
+        "skinny_split_gemm",
+        "swapped_gemm",
+    )
     # every module imported before any is patched: one that imports another's function by name (as
     # skinny_split_gemm imports skinny_gemm's `supports`) would otherwise bind the stand-in for good
-    modules = [importlib.import_module(f"fitserve.kernels.{name}") for name in (*gemms, "swapped_gemm")]
+    modules = [importlib.import_module(f"fitserve.kernels.{name}") for name in names]
     for module in modules:
         for attribute, standin in standins.items():
             if hasattr(module, attribute):

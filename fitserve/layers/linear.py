@@ -36,8 +36,8 @@ ShardId = int | str
 # without Triton (CPU builds).
 SKINNY_MAX_ROWS = 16
 SWAPPED_MAX_ROWS = 32
-# Off: weights below skinny_gemm's 4,096 output features stay on cuBLAS at <= 16 rows instead of
-# kernels/skinny_split_gemm.py (for comparisons: benchmarks, tests).
+# Off: the weights kernels/skinny_split_gemm.py takes (`takes_weight`: at most 2,048 output features) stay
+# on cuBLAS at <= 16 rows (for comparisons: benchmarks, tests).
 SMALL_WEIGHT_SPLIT_K = True
 
 
@@ -64,8 +64,8 @@ def dense_linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, then widened to out_dtype if given: a decode step's few rows
     on the GPU stream the weight through fitserve's own kernels (faster than cuBLAS there): up to 16
-    rows kernels/skinny_gemm.py, or kernels/skinny_split_gemm.py (split over K) for weights of fewer
-    than 4,096 output features; up to 32 kernels/swapped_gemm.py; everything else is F.linear. Each
+    rows kernels/skinny_gemm.py, or kernels/skinny_split_gemm.py (split over K) for weights of at
+    most 2,048 output features; up to 32 kernels/swapped_gemm.py; everything else is F.linear. Each
     kernel's `worth_it` says which shapes it takes."""
     out = None
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= SWAPPED_MAX_ROWS:
