@@ -104,8 +104,9 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
             "roofline_tok_per_s": round(bandwidth / nbytes, 1),
             "roofline_frac": round(tok_per_s * nbytes / bandwidth, 3),
         }
-    if figure == "b64":
-        prompts = [{"prompt_token_ids": [rng.randint(0, 10000) for _ in range(16)]} for _ in range(64)]
+    if figure[0] == "b" and figure[1:].isdigit():  # b64, b4, ...: decode steps at that batch
+        batch = int(figure[1:])
+        prompts = [{"prompt_token_ids": [rng.randint(0, 10000) for _ in range(16)]} for _ in range(batch)]
 
         def timed(tokens: int) -> float:
             params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -116,8 +117,8 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
         timed(257)  # warm-up
         short = min(timed(1) for _ in range(3))
         long = min(timed(257) for _ in range(2))
-        return {"decode_ms": round((long - short) / 256 * 1e3, 3), "batch": 64}
-    raise ValueError(f"figure {figure!r}: use single, b64 or equal")
+        return {"decode_ms": round((long - short) / 256 * 1e3, 3), "batch": batch}
+    raise ValueError(f"figure {figure!r}: use single, b<batch> (b64, b4, ...) or equal")
 
 
 def run_equal(fmt: str) -> dict:
@@ -149,7 +150,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("one")
     one.add_argument("--format", choices=sorted(FLAGS), required=True)
-    one.add_argument("--figure", choices=("single", "b64", "equal"), required=True)
+    one.add_argument("--figure", required=True, help="single, b<batch> (b64, b4, ...) or equal")
     one.add_argument("--model", default="llama-3.1-8b")
     one.add_argument("--json-out", required=True)
     every = sub.add_parser("all")
@@ -175,9 +176,10 @@ def main() -> None:
         if "tok_per_s" in single:
             keys[f"{key}_single8b_tok_per_s"] = single["tok_per_s"]
             keys[f"{key}_single8b_roofline_frac"] = single["roofline_frac"]
-        b64 = figures.get(f"{fmt}_b64", {})
-        if "decode_ms" in b64:
-            keys[f"{key}_b64_decode_ms"] = b64["decode_ms"]
+        for figure, result in figures.items():
+            batch = figure.removeprefix(f"{fmt}_b")
+            if figure.startswith(f"{fmt}_b") and batch.isdigit() and "decode_ms" in result:
+                keys[f"{key}_b{batch}_decode_ms"] = result["decode_ms"]
         equal = figures.get(f"{fmt}_equal", {})
         if "out_tok_per_s" in equal:
             keys[f"{key}_equal_out_tok_per_s"] = equal["out_tok_per_s"]

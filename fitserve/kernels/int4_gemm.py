@@ -5,11 +5,15 @@ block, nibble j of the block's 32 words = its 32 consecutive codes 32 j .. 32 j 
 weight row a (scale, zero point) pair in the activation dtype). This module is the host side: the
 launch configurations, their choice and `int4_linear`, which launches the kernels.
 
-Two kernels, picked by the number of rows M of x (`choose_config`, a deterministic rule of M, N, K and
+Three kernels, picked by the number of rows M of x (`choose_config`, a deterministic rule of M, N, K and
 the GPU's SM count: no autotuning at run time, since fitserve captures CUDA graphs):
 
-- `_int4_gemv_kernel` (kernels/int4_gemv_kernel.py), M <= GEMV_MAX_ROWS (batch-1 decode): CUDA cores,
-  no tensor cores, ~4.4 instructions per weight in its loop (its docstring says how).
+- `_int4_mma_gemv_kernel` (kernels/int4_mma_gemv.py, Gluon), M <= MMA_MAX_ROWS on SM 8.0+ with zero
+  points the packed pairs keep exact (`mma_kernel_ok`): tensor cores fed from registers, x's rows the
+  MMA's 8 columns. Against the two below at 1 to 8 rows (H100, Llama-3.1-8B's four layers): 56.8 against
+  61.4 us at 1 row, 57.9 against 73.2 at 4 (benchmarks/results/h100_int4_mma_gemv.json).
+- `_int4_gemv_kernel` (kernels/int4_gemv_kernel.py), M <= GEMV_MAX_ROWS (batch-1 decode) where the
+  first cannot run: CUDA cores, ~4.4 instructions per weight in its loop (its docstring says how).
 - `_int4_dot_kernel` (kernels/int4_dot_kernel.py), more rows:
   tensor cores on [BLOCK_M, BLOCK_N] output tiles, the weights dequantized in packed 16-bit pairs on
   GPUs (PAIRED, kernels/int4_pair_dequant.py), through float32 otherwise; SWAP_AB, WIDE_K and GROUP_M
@@ -23,7 +27,7 @@ program of a tile sums the splits' partials from a workspace [splits, M, N], cou
 `PackedInt4.counters`). Nothing is synchronised with the host and the only allocations are torch.empty
 of y and of the workspace, so calls can be captured in CUDA graphs (one layer's calls must not run
 concurrently on two streams: they share its counters).
-Both kernels launch with programmatic dependent launch on SM 9.0+ (kernels/dependent_launch.py).
+All three launch with programmatic dependent launch on SM 9.0+ (kernels/dependent_launch.py).
 
 What the lead should sweep on the H100 (benchmarks/gpu/int4_gemm.py --sweep times these per shape):
 - GEMV (1 row; 2 to 4 rows against the dot kernel): BLOCK_N 16 / 32 / 64 / 128, num_warps 1 / 2 / 4 /
@@ -59,7 +63,14 @@ from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_dot_kernel import _int4_dot_kernel
 from fitserve.kernels.int4_gemv_kernel import _int4_gemv_kernel
-from fitserve.kernels.int4_repack import BLOCK_K, MAX_SPLIT_ROW_TILES, MIN_BLOCK_N, PackedInt4
+from fitserve.kernels.int4_mma_gemv import _int4_mma_gemv_kernel
+from fitserve.kernels.int4_repack import (
+    BLOCK_K,
+    MAX_PAIRED_ZERO,
+    MAX_SPLIT_ROW_TILES,
+    MIN_BLOCK_N,
+    PackedInt4,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -67,6 +78,14 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # row (SASS of the sm_90 build), ~7.5 at two and ~10.6 at four, against ~6 for the tensor-core kernel
 # at any row count up to 64: past one row the tensor cores win.
 GEMV_MAX_ROWS = 1
+# Up to this many rows, on SM 8.0+ with packed-pair zero points, the tensor-core kernel with the weights in
+# registers (kernels/int4_mma_gemv.py: ~3 instructions a weight at one row against the CUDA-core
+# kernel's ~4.4). Its 16-column form (9 to 16 rows) needs more registers than its 8-column one and
+# measured slower than the tl.dot kernel (benchmarks/results/h100_int4_mma_gemv.json). MMA_DECODE False
+# sends every row count to the other kernels (for comparisons).
+MMA_MAX_ROWS = 8
+MMA_DECODE = True
+MMA_PROGRAMS_PER_SM = 4
 SPLIT_MAX_ROWS = 64  # split-K only up to this many rows (past it the tiles fill the GPU)
 # Split K into at most as many splits as keep the batch-1 grid within this many programs per SM, and
 # only into splits of about equal length (a short last split idles the SMs that hold the others). The
@@ -82,6 +101,7 @@ DOT_PROGRAMS_PER_SM = 2
 # 270.4 -> 235.7 at 16; Llama-3.1-8B 76.4 -> 73.6 and 83.2 -> 79.9: h100_int4_small_batch_splits.json);
 # past it the round-up rule, not swept.
 EVEN_SPLIT_MAX_ROWS = 16
+PROGRAMS_PER_SM = {"gemv": GEMV_PROGRAMS_PER_SM, "mma": MMA_PROGRAMS_PER_SM, "dot": DOT_PROGRAMS_PER_SM}
 MIN_BLOCKS_PER_SPLIT = 2  # a split streams at least 2 x 256 codes per weight row
 MAX_SPLITS = 16
 # Bytes of each of its weight rows (1,024 codes, the weights of skinny_gemm's 2 KB of bf16) a program
@@ -95,7 +115,7 @@ MAGIC = 0x4B000000
 class Int4GemmConfig:
     """One launch configuration. split_k None: chosen from the grid and the SM count (choose_config)."""
 
-    kernel: str  # "gemv" or "dot"
+    kernel: str  # "gemv", "dot" or "mma" (kernels/int4_mma_gemv.py: block_n = 16 num_warps row tiles)
     block_m: int
     block_n: int
     num_warps: int = 4
@@ -143,11 +163,15 @@ def choose_config(
     in_features: int,
     sms: int = DEFAULT_SM_COUNT,
     shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
+    mma: bool = False,
 ) -> Int4GemmConfig:
     """The launch configuration for x [rows, K] @ W[N, K].T: a fixed rule (no autotuning), split-K
     resolved. First guesses, to be swept on an H100 (module docstring); on GPUs whose blocks may have
-    less shared memory than `shared_memory` (the H100's), cut down by fit_shared_memory."""
-    if rows <= GEMV_MAX_ROWS:
+    less shared memory than `shared_memory` (the H100's), cut down by fit_shared_memory. `mma`: the
+    register-fed tensor-core kernel may run (`mma_kernel_ok`)."""
+    if mma and rows <= MMA_MAX_ROWS:
+        config = Int4GemmConfig("mma", block_m=8, block_n=64, num_warps=4)
+    elif rows <= GEMV_MAX_ROWS:
         # 64 weight rows over 2 warps: 8 rows a thread, over which each x value's widening is shared; 3
         # stages keep two blocks of words in flight. At every K (the tensor-core kernel's 17.3 us for the
         # 8B's down projection against 15.3; the 70B's, 75.4 against 48.2: h200_batch1_split_sweep.json)
@@ -180,8 +204,10 @@ def resolve_split(
         splits = max(1, min(config.split_k, blocks))
     elif rows > SPLIT_MAX_ROWS or tiles > _counter_slots(out_features):
         splits = 1
-    elif config.kernel == "gemv" or rows <= EVEN_SPLIT_MAX_ROWS:
-        per_sm = GEMV_PROGRAMS_PER_SM if config.kernel == "gemv" else DOT_PROGRAMS_PER_SM
+    elif config.kernel != "dot" or rows <= EVEN_SPLIT_MAX_ROWS:
+        per_sm = {"gemv": GEMV_PROGRAMS_PER_SM, "mma": MMA_PROGRAMS_PER_SM}.get(
+            config.kernel, DOT_PROGRAMS_PER_SM
+        )
         splits = even_splits(blocks, min(per_sm * sms // tiles, MAX_SPLITS), MIN_BLOCKS_PER_SPLIT)
     else:
         splits = cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)
@@ -227,9 +253,14 @@ def int4_linear(
     sms = sm_count(x.device)
     if config is None:
         shared_memory = shared_memory_per_block(kernel_capability(x.device))
-        config = choose_config(rows, out_features, in_features, sms, shared_memory)
+        config = choose_config(rows, out_features, in_features, sms, shared_memory, mma_kernel_ok(x, packed))
     else:
         check_config(config, rows)
+        if config.kernel == "mma" and not mma_kernel_ok(x, packed):
+            raise ValueError(
+                f"int4 GEMM config {config}: the mma kernel needs an SM 8.0+ GPU (not the interpreter) "
+                f"and integer zero points 0..{MAX_PAIRED_ZERO}; use kernel 'gemv' or 'dot'"
+            )
         config = resolve_split(config, rows, out_features, in_features, sms)
     splits = config.split_k
     blocks = cdiv(in_features, BLOCK_K)
@@ -246,27 +277,16 @@ def int4_linear(
     else:
         workspace = y  # not read
     group_size = packed.group_size
+    # every kernel's first arguments: the tensors, the sizes and the strides
+    bias_or_any = bias if bias is not None else packed.scale_zero  # (not read without a bias)
+    args = (x, packed.qweight, packed.scale_zero, bias_or_any, y, workspace, packed.counters, rows,
+            out_features, in_features, x.stride(0), packed.qweight.stride(0), y.stride(0))  # fmt: skip
+    if config.kernel == "mma":
+        args += (cdiv(group_size, BLOCK_K), blocks_per_split, splits)
+        _launch_mma(args, packed, config, tiles_n, has_bias=bias is not None)
+        return y
     group_j = min(group_size, BLOCK_K) // 32  # groups > 256 codes: multiples of 256, or K (per-channel)
-    args = (
-        x,
-        packed.qweight,
-        packed.scale_zero,
-        bias if bias is not None else packed.scale_zero,
-        y,
-        workspace,
-        packed.counters,
-        rows,
-        out_features,
-        in_features,
-        x.stride(0),
-        packed.qweight.stride(0),
-        y.stride(0),
-        group_size,
-        blocks_per_split,
-        splits,
-        MAGIC,
-        16,
-    )
+    args += (group_size, blocks_per_split, splits, MAGIC, 16)
     common = {
         "HAS_BIAS": bias is not None,
         "BLOCK_M": config.block_m,
@@ -291,6 +311,34 @@ def int4_linear(
     return y
 
 
+def _launch_mma(
+    args: tuple, packed: PackedInt4, config: Int4GemmConfig, tiles_n: int, has_bias: bool
+) -> None:
+    """kernels/int4_mma_gemv.py for `args` (int4_linear's, with blocks a group spans, blocks a split
+    takes and the split count)."""
+    x = args[0]
+    _int4_mma_gemv_kernel[(tiles_n, config.split_k)](
+        *args,
+        HAS_BIAS=has_bias,
+        BLOCK_M=config.block_m,
+        ROW_TILES=config.block_n // (16 * config.num_warps),
+        GROUP_CODES=packed.group_size if packed.group_size in (32, 64, 128) else BLOCK_K,
+        EVEN_K=x.shape[1] % BLOCK_K == 0,
+        SPLIT=config.split_k > 1,
+        num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
+    )
+
+
+def mma_kernel_ok(x: torch.Tensor, packed: PackedInt4) -> bool:
+    """True when the register-fed tensor-core kernel (kernels/int4_mma_gemv.py) may take x: compiled for
+    an SM 8.0+ GPU (mma.sync with 16-bit inputs; inline PTX, so not under the interpreter) and zero points
+    that the packed-pair dequantization keeps exact."""
+    if not MMA_DECODE or INTERPRETING or not packed.paired_zeros:
+        return False
+    return kernel_capability(x.device) >= (8, 0)
+
+
 def paired_dequant_ok(x: torch.Tensor, packed: PackedInt4) -> bool:
     """True when the dot kernel may dequantize in packed 16-bit pairs (kernels/int4_pair_dequant.py) for
     an x that `supports` took: compiled for a GPU (inline PTX: not under the interpreter), zero points
@@ -304,14 +352,18 @@ def check_config(config: Int4GemmConfig, rows: int) -> None:
     """Raises ValueError for a configuration the kernels cannot run for `rows` rows of x."""
     sizes = (config.block_m, config.block_n, config.num_warps)
     problem = None
-    if config.kernel not in ("gemv", "dot"):
-        problem = "kernel must be 'gemv' or 'dot'"
+    if config.kernel not in ("gemv", "dot", "mma"):
+        problem = "kernel must be 'gemv', 'dot' or 'mma'"
     elif any(size < 1 or size & (size - 1) for size in sizes):
         problem = "block_m, block_n and num_warps must be powers of two"
     elif config.kernel == "gemv" and config.block_m < rows:
         problem = f"the gemv kernel takes at most block_m rows, here {rows}"
     elif config.kernel == "dot" and min(config.block_m, config.block_n) < 16:
         problem = "tl.dot needs block_m and block_n >= 16"
+    elif config.kernel == "mma" and (config.block_m not in (8, 16) or config.block_m < rows):
+        problem = f"the mma kernel takes block_m 8 or 16 and at most block_m rows, here {rows}"
+    elif config.kernel == "mma" and config.block_n % (16 * config.num_warps):
+        problem = "the mma kernel's block_n is 16 rows x num_warps x row tiles"
     if problem:
         raise ValueError(f"int4 GEMM config {config}: {problem}")
 

@@ -205,7 +205,12 @@ BAD_CONFIGS = [
     ({"kernel": "gemv", "block_m": 1, "block_n": 64}, 2, "at most block_m rows"),
     ({"kernel": "dot", "block_m": 8, "block_n": 64}, 5, "block_m and block_n >= 16"),
     ({"kernel": "dot", "block_m": 16, "block_n": 48}, 5, "powers of two"),
-    ({"kernel": "wgmma", "block_m": 16, "block_n": 64}, 5, "'gemv' or 'dot'"),
+    ({"kernel": "wgmma", "block_m": 16, "block_n": 64}, 5, "'gemv', 'dot' or 'mma'"),
+    ({"kernel": "mma", "block_m": 4, "block_n": 64}, 2, "block_m 8 or 16"),
+    ({"kernel": "mma", "block_m": 8, "block_n": 64}, 9, "at most block_m rows"),
+    ({"kernel": "mma", "block_m": 8, "block_n": 32}, 2, "16 rows x num_warps"),
+    # the interpreter cannot run it (inline PTX): refused, not launched
+    ({"kernel": "mma", "block_m": 8, "block_n": 64}, 2, "SM 8.0+ GPU"),
 ]
 
 

@@ -204,3 +204,15 @@ def test_compiling_leaves_every_launcher_as_it_was() -> None:
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_int4_rows_up_to_8_take_the_mma_kernel_where_it_runs() -> None:
+    from fitserve.kernels import int4_gemm
+
+    for rows in (1, 5, 8):
+        config = int4_gemm.choose_config(rows, 4096, 14336, 132, mma=True)
+        assert (config.kernel, config.block_m, config.block_n, config.split_k) == ("mma", 8, 64, 8), config
+    assert int4_gemm.choose_config(9, 4096, 4096, 132, mma=True).kernel == "dot"
+    assert int4_gemm.choose_config(1, 4096, 4096, 132, mma=False).kernel == "gemv"
+    # gate_up's 448 tiles of 64 rows already give 3.4 programs an SM: no split
+    assert int4_gemm.choose_config(1, 28672, 4096, 132, mma=True).split_k == 1
