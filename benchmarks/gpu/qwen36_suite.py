@@ -20,7 +20,8 @@ Figures:
   (max_model_len 1024, max_num_seqs --equal-max-num-seqs: 64 by default, the most an H100 holds beside
   either model's weights with the decode graphs; an H200 fits 256).
 - a trailing `_eager` runs the figure with --enforce-eager (the same steps without CUDA graphs).
-Models: 27b = Qwen3.6-27B, 35b = Qwen3.6-35B-A3B (shared/models/qwen3.6-27b, qwen3.6-35b-a3b). Both are
+Models: 27b = Qwen3.6-27B, 35b = Qwen3.6-35B-A3B, 27bint4 = Qwen3.6-27B-AWQ-INT4 (shared/models/qwen3.6-27b,
+qwen3.6-35b-a3b, qwen3.6-27b-awq-int4; dummy weights in its int4 format). The first two are
 large for one H100 (80 GB): 27B's bf16 weights take ~54 GB and 35B-A3B's ~67 GB, and each sequence holds
 ~150 MB / ~63 MB of recurrent state, so auto-fit lowers what is left unset, the decode graphs among the
 first: the single figures run with max_num_seqs 16, and every figure records the settings it ran with
@@ -44,7 +45,7 @@ from common import (  # noqa: I001
 )
 from tp_suite import equal_figures, experts_read_per_token, rank_step_bytes, single_figures
 
-SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b"}
+SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b", "27bint4": "qwen3.6-27b-awq-int4"}
 DEFAULT_FIGURES = "single27b,single35b,equal27b,equal35b"
 
 
