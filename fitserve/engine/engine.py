@@ -22,7 +22,6 @@ from fitserve.engine.detokenizer import IncrementalDetokenizer
 from fitserve.engine.output_processor import OutputProcessor, ParentRequest
 from fitserve.engine.step_failures import StepFailures
 from fitserve.kv_groups import group_num_blocks
-from fitserve.kv_layers import LINEAR
 from fitserve.logger import configure_default_logging
 from fitserve.models.loader import (
     load_generation_defaults,
@@ -109,8 +108,7 @@ class Engine:
         use_fast = mc.tokenizer_mode != "slow"  # --tokenizer-mode
         draft_config = None
         if config.speculative is not None:  # refused before any weight loads
-            recurrent = sum(1 for spec in mc.kv_layers if spec.layer_type == LINEAR)
-            check_speculative_model(config.speculative, len(config.kv_groups), recurrent)
+            check_speculative_model(config.speculative, len(config.kv_groups))
             if config.speculative.method == "draft_model":
                 draft_config = draft_model_config(config)
             elif config.speculative.method == "eagle3":

@@ -141,11 +141,8 @@ def auto_mtp(
     """Whether a checkpoint with an MTP layer (Qwen3.5 / Qwen3.6's `mtp.*`) speculates with it: None when
     auto-MTP does not apply (the switch is off, --speculative-config was given, '{}' included, or the model
     has no MTP layer fitserve runs); else on with AUTO_MTP_TOKENS draft tokens, or off with the reason (a
-    setting method mtp does not run with, weights without the mtp tensors, a model whose verify steps are
-    not built)."""
-    from fitserve.kv_layers import LINEAR, kv_layer_specs
+    setting method mtp does not run with, weights without the mtp tensors)."""
     from fitserve.models.qwen3_5_mtp import missing_mtp_keys, mtp_keys, mtp_layer_count, runs_mtp
-    from fitserve.spec_decode.config import check_speculative_model
 
     if not AUTO_MTP or speculative_config is not None:
         return None
@@ -167,11 +164,6 @@ def auto_mtp(
     if missing:
         return AutoMtp(None, f"{off}; the weights have no {missing[0]} (the export dropped the MTP layer)")
     config = {"method": "mtp", "num_speculative_tokens": AUTO_MTP_TOKENS}
-    recurrent = sum(1 for spec in kv_layer_specs(hf_config) if spec.layer_type == LINEAR)
-    try:
-        check_speculative_model(parse_speculative_config(config), 1, recurrent)
-    except ValueError as error:
-        return AutoMtp(None, f"{off}; {error}")
     return AutoMtp(
         config,
         f"the checkpoint has an MTP layer: method mtp, {AUTO_MTP_TOKENS} draft tokens a step "

@@ -200,13 +200,20 @@ def _draft_keys(raw: dict[str, Any], method: str) -> dict[str, Any]:
     }
 
 
-def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int, recurrent_layers: int) -> None:
-    """Refuses, before any weight loads, a model whose steps a verify step cannot be shaped for yet. A
-    hybrid model (recurrent_layers > 0) speculates: its verify steps keep the state after each token and
-    continue from the accepted one (worker/state_rings.py)."""
-    if num_kv_groups > 1:
+# The methods whose drafter keeps its own keys and values in the target's block table (group 0's)
+DRAFT_KV_METHODS = ("draft_model", "eagle3", "mtp")
+
+
+def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int) -> None:
+    """Refuses, before any weight loads, what a verify step cannot serve yet: a drafter with a KV cache of
+    its own on a model with sliding-window layers (more than one KV cache group: its blocks are sized
+    and freed per group, the drafter's are not). n-gram drafting has no cache and runs on those models
+    (tests/unit/test_spec_decode_sliding.py); hybrid models speculate with every method (their verify
+    steps keep the state after each token: worker/state_rings.py)."""
+    if num_kv_groups > 1 and config.method in DRAFT_KV_METHODS:
         raise ValueError(
-            f"--speculative-config method {config.method} with sliding-window layers ({num_kv_groups} KV "
-            "cache groups) is not built yet: drop --speculative-config for this model, or set "
+            f"--speculative-config method {config.method} on a model with sliding-window layers "
+            f"({num_kv_groups} KV cache groups) is not built yet: the drafter's KV cache is not sized per "
+            'group. Use \'{"method": "ngram", "num_speculative_tokens": 3}\' (no cache of its own), or set '
             "--max-model-len to the window or less (its layers then keep one group)"
         )

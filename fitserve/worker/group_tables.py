@@ -41,7 +41,10 @@ class GroupTables:
                     slots.append(table[start // bs] * bs + start % bs)
                 else:
                     extend_slots(slots, table, start, start + n, bs)
-                first_live = 0 if window is None else max(0, start - window + 1) // bs
+                # A verify step's k + 1 rows of a request share one table row: zero it only behind the window
+                # of the first (row j has the j drafts before it), or the earlier rows would lose keys
+                first = start - len(item.draft_token_ids)
+                first_live = 0 if window is None else max(0, first - window + 1) // bs
                 rows.append(table_rows.row_in_window(item.request.request_id, table, first_live))
                 max_blocks = max(max_blocks, len(table))
             out.append(np.array(slots, dtype=np.int64))

@@ -73,3 +73,33 @@ def test_kv_shared_layers_match_hf_past_the_window(tmp_path):
     agree, clear = _greedy_agreement(folder, 700, max_model_len=2048, max_num_batched_tokens=512)
     assert clear >= 40, "too few clear positions to judge"
     assert agree >= 0.95, f"greedy agreement {agree:.3f} < 0.95 on {clear} positions"
+
+
+def test_ngram_speculation_past_the_window_follows_the_plain_engine(tmp_path):
+    """E2B-like with KV-shared layers, the sliding layers in a KV cache group of their own (window 512,
+    max_model_len 2,048): n-gram drafts verified in decode-shaped steps (CUDA graphs) give the plain
+    engine's greedy tokens where its top-2 gap is clear, on prompts that repeat themselves (drafts found)."""
+    from fitserve import SamplingParams
+
+    folder = save_cut_model("gemma-4-e2b-it", 10, tmp_path, num_kv_shared_layers=5)
+    rng = random.Random(1)
+    motif = [rng.randrange(49152) for _ in range(40)]
+    prompts = [motif * 16 + [rng.randrange(49152) for _ in range(60)] for _ in range(3)]  # 700 tokens
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, logprobs=2)
+    kwargs = {"max_model_len": 2048, "max_num_batched_tokens": 512}
+    runs = []
+    for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}):
+        llm = _llm(folder, speculative_config=speculative, **kwargs)
+        assert len(llm.engine.config.kv_groups) == 2
+        runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)])
+        if speculative:
+            assert llm.engine.speculator.stats.num_accepted_tokens > 0
+        del llm
+        torch.cuda.empty_cache()
+    for plain, spec in zip(*runs, strict=True):
+        for position, (want, have) in enumerate(zip(plain.token_ids, spec.token_ids)):
+            if want == have:
+                continue
+            top = sorted(plain.logprobs[position].values(), key=lambda lp: -lp.logprob)
+            assert top[0].logprob - top[1].logprob < CLEAR_MARGIN, f"left the plain run at {position}"
+            break

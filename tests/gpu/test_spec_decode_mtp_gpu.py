@@ -7,9 +7,6 @@ run eagerly), run on the GPU machine:
   eager run computes;
 - the field report's setup: Qwen3.6-27B-AWQ-INT4's shape (shared/models, dummy weights) with MTP at 3 and 4
   draft tokens: it starts, drafts, and the KV pool, block bytes and weights agree with the plan.
-
-The hybrid cases run once speculation on hybrid targets is built (check_speculative_model refuses it
-until then).
 """
 
 from __future__ import annotations
@@ -32,23 +29,6 @@ K = 3
 CLEAR_MARGIN = 0.5  # as tests/gpu/test_engine_gpu.py: bf16 noise flips closer top-2 logits either way
 FULL, LIN = "full_attention", "linear_attention"
 LAYOUTS = {"full": [FULL] * 4, "hybrid": [LIN, LIN, FULL, LIN, LIN, FULL]}
-
-
-def _hybrids_refused() -> bool:
-    from fitserve.spec_decode.config import check_speculative_model, parse_speculative_config
-
-    try:
-        check_speculative_model(
-            parse_speculative_config({"method": "mtp", "num_speculative_tokens": K}), 1, 3
-        )
-    except ValueError:
-        return True
-    return False
-
-
-HYBRID_SKIP = pytest.mark.skipif(
-    _hybrids_refused(), reason="speculation on hybrid targets is not built yet (check_speculative_model)"
-)
 
 
 def _mtp_tensors(text: dict, seed: int = 5) -> dict[str, torch.Tensor]:
@@ -111,11 +91,6 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, folder
 
 
-def _skip_refused_hybrid(layout: str) -> None:
-    if layout == "hybrid" and _hybrids_refused():
-        pytest.skip("speculation on hybrid targets is not built yet (check_speculative_model)")
-
-
 def _prompts(n: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(4096) for _ in range(rng.randint(70, 300))] for _ in range(n)]
@@ -159,8 +134,7 @@ def _free(llm) -> None:
 
 
 def test_mtp_follows_the_plain_engine_with_graphs(checkpoint):
-    layout, folder = checkpoint
-    _skip_refused_hybrid(layout)
+    _, folder = checkpoint
     prompts = _prompts(6)
     plain_llm = _llm(folder)
     plain = _greedy(plain_llm, prompts, 128, logprobs=5)
@@ -206,8 +180,7 @@ def _output_rows(folder: Path, prompts, **kwargs) -> dict[tuple[int, int], torch
 
 
 def test_graphs_replay_the_output_rows_an_eager_run_keeps(checkpoint):
-    layout, folder = checkpoint
-    _skip_refused_hybrid(layout)
+    _, folder = checkpoint
     prompts = _prompts(2)
     graphs = _output_rows(folder, prompts)
     eager = _output_rows(folder, prompts, enforce_eager=True)
@@ -216,7 +189,6 @@ def test_graphs_replay_the_output_rows_an_eager_run_keeps(checkpoint):
         torch.testing.assert_close(row, eager[key], atol=0.05, rtol=0.05, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@HYBRID_SKIP
 @pytest.mark.parametrize("k", [3, 4])
 def test_qwen36_27b_awq_int4_with_mtp_starts_drafts_and_matches_its_plan(k):
     """The field report's setup, dummy weights (so acceptance is meaningless): MTP k = 3 and 4 on the

@@ -371,21 +371,6 @@ def test_the_plan_counts_the_layer_as_the_engine_does(target):
 
 
 # ---- hybrid targets ---------------------------------------------------------------------------------
-def _hybrid_speculation_refused() -> bool:
-    from fitserve.spec_decode.config import check_speculative_model, parse_speculative_config
-
-    try:
-        check_speculative_model(parse_speculative_config(_mtp()), 1, 3)
-    except ValueError:
-        return True
-    return False
-
-
-@pytest.mark.skipif(
-    _hybrid_speculation_refused(),
-    reason="speculation on hybrid targets (DeltaNet state rollback in the verify step) is not built yet: "
-    "check_speculative_model refuses it; this runs once it is",
-)
 def test_hybrid_greedy_output_equals_no_speculation(tmp_path):
     folder, _ = save_target(tmp_path, [LIN, LIN, FULL, LIN], mtp_tensors(5))
     prompts = _prompts(3, seed=9)
@@ -441,13 +426,9 @@ def test_auto_mtp_stays_off_where_mtp_cannot_run(target, bad_targets):
     assert _auto(folder, tensor_parallel_size=2).config is not None
 
 
-def test_auto_mtp_on_a_hybrid_follows_whether_hybrids_speculate(tmp_path):
+def test_auto_mtp_turns_on_for_a_hybrid(tmp_path):
     folder, _ = save_target(tmp_path, [LIN, LIN, FULL, LIN], mtp_tensors(5))
-    auto = _auto(folder)
-    if _hybrid_speculation_refused():
-        assert auto.config is None and "hybrid" in auto.reason
-    else:
-        assert auto.config is not None
+    assert _auto(folder).config is not None
 
 
 # ---- a quantized target -----------------------------------------------------------------------------

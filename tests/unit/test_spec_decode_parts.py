@@ -46,12 +46,13 @@ def test_bad_configs_name_the_value_and_the_fix(raw, match):
         parse_speculative_config(raw)
 
 
-def test_models_a_verify_step_cannot_serve_yet_are_refused():
-    config = SpeculativeConfig("ngram", 3)
-    with pytest.raises(ValueError, match="sliding-window layers.*2 KV cache groups"):
-        check_speculative_model(config, 2, 0)
-    check_speculative_model(config, 1, 0)
-    check_speculative_model(config, 1, 3)  # hybrids speculate (tests/unit/test_spec_decode_hybrid.py)
+def test_drafters_with_a_kv_cache_are_refused_on_sliding_window_models():
+    # n-gram drafting has no cache: it runs with several KV cache groups (test_spec_decode_sliding.py)
+    check_speculative_model(SpeculativeConfig("ngram", 3), 2)
+    for method in ("draft_model", "eagle3", "mtp"):
+        with pytest.raises(ValueError, match=f"method {method} on a model with sliding-window layers.*ngram"):
+            check_speculative_model(SpeculativeConfig(method, 3), 2)
+        check_speculative_model(SpeculativeConfig(method, 3), 1)
 
 
 def _reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
