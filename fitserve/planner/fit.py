@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fitserve.args import EngineArgs
 from fitserve.config import DEFAULT_GPU_MEMORY_UTILIZATION, Choice
@@ -42,11 +43,13 @@ from fitserve.planner.fit_parallel import AUTO_TP_REQUESTS, auto_sizes, size_pro
 from fitserve.planner.formats import BF16_MIN_CAPABILITY, canonical_dtype, format_capability
 from fitserve.planner.hardware import DeviceSpec, GiB
 from fitserve.planner.kv_length import largest_length
+from fitserve.planner.kv_memory import kv_groups
 from fitserve.planner.memory import MemoryPlan, plan_memory
 from fitserve.planner.memory_estimates import cpu_kept_forms, weight_bytes_per_gpu
 from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 from fitserve.planner.model_info import ModelInfo
 from fitserve.planner.model_shape import ModelShape
+from fitserve.spec_decode.config import SpeculativeConfig, check_speculative_model, parse_speculative_config
 
 # The model's own max_model_len is kept when the KV cache holds FULL_LENGTH_REQUESTS (2) requests of that
 # length (one long request then never stalls all the others); else the largest length that many fit. The
@@ -276,6 +279,7 @@ def _fit_at(
         )
     plan = plan_memory(inputs)
     check_host_memory(plan, host_ram_available)
+    _check_speculation(args.speculative_config, inputs)
     choices += _late_choices(plan, args, explicit, shrink_reasons, length_reason, seqs_reason, serving)
     return FitResult(
         plan=plan,
@@ -284,6 +288,15 @@ def _fit_at(
         choices=tuple(choices),
         notes=tuple(_notes(plan, model, args, devices)),
     )
+
+
+def _check_speculation(speculative: Any, inputs: MemoryInputs) -> None:
+    """The engine's refusal of a speculative method for this model (spec_decode/config.py), with the
+    KV cache groups of the max_model_len chosen: `fitserve plan` says it before `serve` would."""
+    if not isinstance(speculative, SpeculativeConfig):
+        speculative = parse_speculative_config(speculative)
+    if speculative is not None:
+        check_speculative_model(speculative, len(kv_groups(inputs)))
 
 
 def resolve_mamba_cache_mode(args: EngineArgs, shape: ModelShape) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fitserve.cli.plan import run_plan
 from tests.paths import MODELS_DIR
 from tests.unit.test_planner_cli import parse
@@ -80,3 +82,18 @@ def test_gemma4_plans_cuda_graphs_unless_eager(capsys):
     assert eager["cuda_graph_gib"] == 0 and eager["settings"]["cudagraph_capture_sizes"] == []
     choice = next(c for c in eager["choices"] if c["setting"] == "cudagraph_capture_sizes")
     assert "--enforce-eager" in choice["reason"]
+
+
+def test_plan_refuses_a_drafter_with_a_kv_cache_as_serve_does_and_takes_ngram(capsys):
+    draft = json.dumps(
+        {"method": "draft_model", "model": str(MODELS_DIR / "gemma-4-e2b-it"), "num_speculative_tokens": 3}
+    )
+    with pytest.raises(
+        ValueError, match=r"method draft_model on a model with sliding-window layers \(2 KV cache"
+    ):
+        run_plan(parse("plan", [str(MODEL), *FLAGS, "--speculative-config", draft]))
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    assert plan_json(capsys, "--speculative-config", ngram)["kv_groups"][1]["sliding_window"] == 1024
+    # within the window the layers keep one group, and a draft model is counted as usual
+    within = ["--assume-gpus", "1x79.19@8.0", "--max-model-len", "1024", "--speculative-config", draft]
+    assert run_plan(parse("plan", [str(MODEL), *within])) == 0
