@@ -52,6 +52,9 @@ class SchedulerOutput:
     num_batched_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # since the last step: drop their state
     num_preempted: int = 0
+    # requests the KV cache cannot hold even alone (a pool smaller than one request, as
+    # --num-gpu-blocks-override allows): preempted and waiting, for the engine to end with an error
+    unservable: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -90,6 +93,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        unservable: list[Request] = []
 
         # The loop below runs for every running request every step: its lookups are hoisted, and a
         # decoding request (one token missing) skips the chunking arithmetic.
@@ -118,6 +122,8 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
+                    if not running:  # no other request holds a block: it never fits
+                        unservable.append(request)
                     break
             else:
                 scheduled.append(self._record(request, num_new, drafts))
@@ -125,7 +131,7 @@ class Scheduler:
                 i += 1
 
         if not preempted:
-            budget = self._admit_waiting(scheduled, budget)
+            budget = self._admit_waiting(scheduled, budget, unservable)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
@@ -134,9 +140,12 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             num_preempted=len(preempted),
+            unservable=unservable,
         )
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+    def _admit_waiting(
+        self, scheduled: list[ScheduledRequest], budget: int, unservable: list[Request]
+    ) -> int:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -152,6 +161,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if not self.kv_manager.allocate_slots(request, num_new, computed_blocks):
                 request.num_computed_tokens = 0
+                if not self.running and not scheduled:  # the whole pool is free and still too small
+                    unservable.append(request)
                 break
             self.waiting.popleft()
             if request.num_cached_tokens < 0:

@@ -376,6 +376,8 @@ class Engine:
         # first and its sampling once they are taken.
         defer = previous is not None and previous.launched.needs_token_history
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.unservable:
+            outputs.extend(self.failures.end_unservable(scheduler_output.unservable))
         if self.speculator is not None and scheduler_output.finished_req_ids:
             self.speculator.release(scheduler_output.finished_req_ids)  # a draft model's state
         if not scheduler_output.is_empty:

@@ -86,6 +86,31 @@ class StepFailures:
             parent_ids += self.end_with_error(readers, {}, shared)
         return self.output_processor.make_outputs(parent_ids)
 
+    def end_unservable(self, requests: list) -> list[RequestOutput]:
+        """End the requests the KV cache cannot hold even alone (the scheduler found each preempting
+        itself, or not admitted, with no other request holding a block), naming both sizes and the fix,
+        rather than retry them forever."""
+        block_size = self.config.cache.block_size
+        capacity = self.kv_manager.pool.num_usable_blocks * block_size
+        override = self.config.cache.num_gpu_blocks_override
+        parent_ids = list(dict.fromkeys(request.parent_id for request in requests))
+        for request in requests:
+            message = (
+                f"the KV cache holds {capacity:,} tokens ({capacity // block_size:,} blocks of {block_size}"
+                + (f", --num-gpu-blocks-override {override}" if override is not None else "")
+                + f"), fewer than this request alone needs: it has {request.num_tokens:,} (a prompt of "
+                f"{request.num_prompt_tokens:,} and {request.num_output_tokens:,} generated) and needs "
+                "room for the next: lower its max_tokens, or give the cache more blocks (raise "
+                "--num-gpu-blocks-override or leave it unset)"
+            )
+            logger.error("Request %s was ended: %s", request.parent_id, message)
+            self.output_processor.fail(request.parent_id, message)
+        for parent_id in parent_ids:
+            self.scheduler.finish_requests(
+                self.output_processor.child_ids(parent_id), RequestStatus.FINISHED_ERROR
+            )
+        return self.output_processor.make_outputs(parent_ids)
+
     def unwritten_blocks(self, items: list) -> set[int]:
         """The blocks these scheduled requests were to fill this step: they leave the prefix cache."""
         block_size = self.config.cache.block_size
