@@ -63,7 +63,6 @@ from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_dot_kernel import _int4_dot_kernel
 from fitserve.kernels.int4_gemv_kernel import _int4_gemv_kernel
-from fitserve.kernels.int4_mma_gemv import _int4_mma_gemv_kernel
 from fitserve.kernels.int4_repack import (
     BLOCK_K,
     MAX_PAIRED_ZERO,
@@ -73,6 +72,11 @@ from fitserve.kernels.int4_repack import (
 )
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:
+    from fitserve.kernels.int4_mma_gemv import _int4_mma_gemv_kernel
+except ImportError:  # a Triton without Gluon's mma_v2 (before 3.6): the other kernels take every row count
+    _int4_mma_gemv_kernel = None
 
 # Rows of x the CUDA-core kernel takes by default. Per 4-bit weight its loop is ~4.5 instructions at one
 # row (SASS of the sm_90 build), ~7.5 at two and ~10.6 at four, against ~6 for the tensor-core kernel
@@ -334,7 +338,7 @@ def mma_kernel_ok(x: torch.Tensor, packed: PackedInt4) -> bool:
     """True when the register-fed tensor-core kernel (kernels/int4_mma_gemv.py) may take x: compiled for
     an SM 8.0+ GPU (mma.sync with 16-bit inputs; inline PTX, so not under the interpreter) and zero points
     that the packed-pair dequantization keeps exact."""
-    if not MMA_DECODE or INTERPRETING or not packed.paired_zeros:
+    if not MMA_DECODE or INTERPRETING or _int4_mma_gemv_kernel is None or not packed.paired_zeros:
         return False
     return kernel_capability(x.device) >= (8, 0)
 
