@@ -16,6 +16,7 @@ import tempfile
 import pytest
 
 triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")  # Gluon's mma_v2: Triton 3.6+
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
