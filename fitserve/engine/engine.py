@@ -108,7 +108,7 @@ class Engine:
         use_fast = mc.tokenizer_mode != "slow"  # --tokenizer-mode
         draft_config = None
         if config.speculative is not None:  # refused before any weight loads
-            check_speculative_model(config.speculative, len(config.kv_groups))
+            check_speculative_model(config.speculative, config.kv_groups)
             if config.speculative.method == "draft_model":
                 draft_config = draft_model_config(config)
             elif config.speculative.method == "eagle3":

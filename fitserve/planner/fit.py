@@ -296,7 +296,7 @@ def _check_speculation(speculative: Any, inputs: MemoryInputs) -> None:
     if not isinstance(speculative, SpeculativeConfig):
         speculative = parse_speculative_config(speculative)
     if speculative is not None:
-        check_speculative_model(speculative, len(kv_groups(inputs)))
+        check_speculative_model(speculative, kv_groups(inputs))
 
 
 def resolve_mamba_cache_mode(args: EngineArgs, shape: ModelShape) -> str:

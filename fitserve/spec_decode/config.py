@@ -14,8 +14,12 @@ benchmarks only, `oracle` (drafts the tokens a first pass produced, fitserve/spe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fitserve.kv_groups import KvCacheGroup
 
 # What each method needs, and the most draft tokens one step verifies (a verify step computes
 # batch x (k + 1) tokens; past 15 a miss wastes more than any acceptance saves).
@@ -204,16 +208,19 @@ def _draft_keys(raw: dict[str, Any], method: str) -> dict[str, Any]:
 DRAFT_KV_METHODS = ("draft_model", "eagle3", "mtp")
 
 
-def check_speculative_model(config: SpeculativeConfig, num_kv_groups: int) -> None:
+def check_speculative_model(config: SpeculativeConfig, kv_groups: Sequence[KvCacheGroup]) -> None:
     """Refuses, before any weight loads, what a verify step cannot serve yet: a drafter with a KV cache of
-    its own on a model with sliding-window layers (more than one KV cache group: its blocks are sized
-    and freed per group, the drafter's are not). n-gram drafting has no cache and runs on those models
+    its own (it lives in the first KV cache group's blocks, as many as that group's pool) where that group
+    is a sliding window's among several (its blocks behind the window are freed, and the drafter's keys
+    there with them). The full-attention group comes first wherever a model has one (kv_groups.py), so
+    Gemma-4 past its window takes every method; n-gram drafting has no cache and runs everywhere
     (tests/unit/test_spec_decode_sliding.py); hybrid models speculate with every method (their verify
     steps keep the state after each token: worker/state_rings.py)."""
-    if num_kv_groups > 1 and config.method in DRAFT_KV_METHODS:
+    if len(kv_groups) > 1 and kv_groups[0].is_sliding and config.method in DRAFT_KV_METHODS:
         raise ValueError(
-            f"--speculative-config method {config.method} on a model with sliding-window layers "
-            f"({num_kv_groups} KV cache groups) is not built yet: the drafter's KV cache is not sized per "
-            'group. Use \'{"method": "ngram", "num_speculative_tokens": 3}\' (no cache of its own), or set '
+            f"--speculative-config method {config.method} keeps the drafter's KV cache in the first KV cache "
+            f"group's blocks, here a sliding window of {kv_groups[0].sliding_window} tokens among "
+            f"{len(kv_groups)} groups, which frees them behind the window: not built yet. Use "
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (no cache of its own), or set '
             "--max-model-len to the window or less (its layers then keep one group)"
         )

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from fitserve.cli.plan import run_plan
 from tests.paths import MODELS_DIR
 from tests.unit.test_planner_cli import parse
@@ -84,16 +82,15 @@ def test_gemma4_plans_cuda_graphs_unless_eager(capsys):
     assert "--enforce-eager" in choice["reason"]
 
 
-def test_plan_refuses_a_drafter_with_a_kv_cache_as_serve_does_and_takes_ngram(capsys):
-    draft = json.dumps(
-        {"method": "draft_model", "model": str(MODELS_DIR / "gemma-4-e2b-it"), "num_speculative_tokens": 3}
-    )
-    with pytest.raises(
-        ValueError, match=r"method draft_model on a model with sliding-window layers \(2 KV cache"
-    ):
-        run_plan(parse("plan", [str(MODEL), *FLAGS, "--speculative-config", draft]))
-    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-    assert plan_json(capsys, "--speculative-config", ngram)["kv_groups"][1]["sliding_window"] == 1024
-    # within the window the layers keep one group, and a draft model is counted as usual
-    within = ["--assume-gpus", "1x79.19@8.0", "--max-model-len", "1024", "--speculative-config", draft]
-    assert run_plan(parse("plan", [str(MODEL), *within])) == 0
+def test_plan_counts_a_draft_model_beside_the_sliding_group(capsys):
+    """The draft's KV lives in the full group's blocks (as many as the plan's request blocks): the plan
+    takes it past the window as within it, and counts it per token."""
+    draft = {
+        "method": "draft_model",
+        "model": str(MODELS_DIR / "gemma-4-e2b-it"),
+        "num_speculative_tokens": 3,
+    }
+    plain = plan_json(capsys)
+    plan = plan_json(capsys, "--speculative-config", json.dumps(draft))
+    assert [group["sliding_window"] for group in plan["kv_groups"]] == [None, 1024]
+    assert plan["kv_bytes_per_request_token"] > plain["kv_bytes_per_request_token"]

@@ -9,6 +9,7 @@ import pytest
 from fitserve.core.request import Request
 from fitserve.core.sampling_params import SamplingParams
 from fitserve.core.scheduler import ScheduledRequest
+from fitserve.kv_groups import KvCacheGroup
 from fitserve.spec_decode.config import SpeculativeConfig, check_speculative_model, parse_speculative_config
 from fitserve.spec_decode.ngram import propose_ngram
 from fitserve.spec_decode.speculator import MAX_VERIFY_TOKENS, WINDOW_STEPS, Speculator
@@ -46,13 +47,21 @@ def test_bad_configs_name_the_value_and_the_fix(raw, match):
         parse_speculative_config(raw)
 
 
-def test_drafters_with_a_kv_cache_are_refused_on_sliding_window_models():
-    # n-gram drafting has no cache: it runs with several KV cache groups (test_spec_decode_sliding.py)
-    check_speculative_model(SpeculativeConfig("ngram", 3), 2)
+def test_drafters_with_a_kv_cache_need_a_full_attention_first_group():
+    full = KvCacheGroup(None, (0, 2), 64, 16)
+    window = KvCacheGroup(8, (1, 3), 64, 3)
+    other_window = KvCacheGroup(32, (4,), 32, 6)
+    for method in ("ngram", "draft_model", "eagle3", "mtp"):
+        check_speculative_model(SpeculativeConfig(method, 3), ())  # layers alike: one full group
+        check_speculative_model(SpeculativeConfig(method, 3), (full, window))  # Gemma-4 past its window
+        check_speculative_model(SpeculativeConfig(method, 3), (window,))  # one group: nothing is freed
+    # windows only, of two sizes: the first group frees blocks behind its window, a drafter's keys too
+    check_speculative_model(SpeculativeConfig("ngram", 3), (window, other_window))
     for method in ("draft_model", "eagle3", "mtp"):
-        with pytest.raises(ValueError, match=f"method {method} on a model with sliding-window layers.*ngram"):
-            check_speculative_model(SpeculativeConfig(method, 3), 2)
-        check_speculative_model(SpeculativeConfig(method, 3), 1)
+        with pytest.raises(
+            ValueError, match=f"method {method} keeps the drafter's KV cache.*window of 8.*ngram"
+        ):
+            check_speculative_model(SpeculativeConfig(method, 3), (window, other_window))
 
 
 def _reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -8,7 +8,8 @@ so a block freed on a count that still held rejected drafts would be missing aft
 drafts here are n-gram lookups (method ngram, no KV cache of its own) and a drafter that proposes the right
 tokens but for its last draft, so every verify step rejects one: greedy output equals the same engine
 without speculation token for token, with prefix caching on and off, chunked prefill and preemption, and
-every pool is whole at the end.
+every pool is whole at the end. A draft model's KV cache lives in the full layers' group, and it is
+lossless there too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fitserve import LLM, SamplingParams
 from fitserve.core.kv_cache_groups import HybridKVCacheManager
 from tests.model_folders import save_with_tokenizer
 from tests.unit.gemma4_helpers import build_hf, text_config
+from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 
 K = 3
 NEW_TOKENS = 24
@@ -115,9 +117,18 @@ def test_a_rejected_draft_every_step_keeps_the_window(folder):
     assert_pools_whole(llm)
 
 
-def test_a_drafter_with_a_kv_cache_is_refused_before_loading(folder, tmp_path):
-    with pytest.raises(ValueError, match="method draft_model on a model with sliding-window layers.*ngram"):
-        make_llm(
-            folder,
-            speculative_config={"method": "draft_model", "model": str(folder), "num_speculative_tokens": K},
-        )
+def test_a_draft_model_keeps_its_keys_in_the_full_group(folder, tmp_path):
+    """A draft model (a tiny Llama of the same vocabulary, random: its drafts are mostly refused) keeps its
+    KV cache in the first group's blocks, the full layers' (kv_groups.py puts them first), which are never
+    freed behind a window: lossless with the sliding group beside it."""
+    config = tiny_hf_config("LlamaForCausalLM", num_hidden_layers=1)
+    draft = save_with_tokenizer(build_hf_model(config, seed=21), tmp_path)
+    LOGPROBS.clear()
+    expected = greedy(make_llm(folder, **VARIANTS["preemption"]))
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    llm = make_llm(folder, speculative_config=spec, **VARIANTS["preemption"])
+    groups = llm.engine.config.kv_groups
+    assert len(groups) == 2 and not groups[0].is_sliding
+    assert greedy(llm) == expected
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert_pools_whole(llm)
