@@ -93,7 +93,7 @@ class StepFailures:
         block_size = self.config.cache.block_size
         capacity = self.kv_manager.pool.num_usable_blocks * block_size
         override = self.config.cache.num_gpu_blocks_override
-        parent_ids = list(dict.fromkeys(request.parent_id for request in requests))
+        messages: dict[str, str] = {}
         for request in requests:
             message = (
                 f"the KV cache holds {capacity:,} tokens ({capacity // block_size:,} blocks of {block_size}"
@@ -104,11 +104,9 @@ class StepFailures:
                 "--num-gpu-blocks-override or leave it unset)"
             )
             logger.error("Request %s was ended: %s", request.parent_id, message)
-            self.output_processor.fail(request.parent_id, message)
-        for parent_id in parent_ids:
-            self.scheduler.finish_requests(
-                self.output_processor.child_ids(parent_id), RequestStatus.FINISHED_ERROR
-            )
+            messages.setdefault(request.parent_id, message)
+        parent_ids = list(messages)
+        self._end_parents(parent_ids, messages, "")
         return self.output_processor.make_outputs(parent_ids)
 
     def unwritten_blocks(self, items: list) -> set[int]:
@@ -124,8 +122,12 @@ class StepFailures:
     def end_with_error(self, items: list, messages: dict[str, str], default: str) -> list[str]:
         self.unwritten_blocks(items)
         parent_ids = list(dict.fromkeys(item.request.parent_id for item in items))
+        self._end_parents(parent_ids, messages, default)
+        return parent_ids
+
+    def _end_parents(self, parent_ids: list[str], messages: dict[str, str], default: str) -> None:
+        """Every child of these parents finishes with an error; each parent's output carries its message."""
         for parent_id in parent_ids:
             children = self.output_processor.child_ids(parent_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ERROR)
             self.output_processor.fail(parent_id, messages.get(parent_id, default))
-        return parent_ids

@@ -209,9 +209,7 @@ def resolve_split(
     elif rows > SPLIT_MAX_ROWS or tiles > _counter_slots(out_features):
         splits = 1
     elif config.kernel != "dot" or rows <= EVEN_SPLIT_MAX_ROWS:
-        per_sm = {"gemv": GEMV_PROGRAMS_PER_SM, "mma": MMA_PROGRAMS_PER_SM}.get(
-            config.kernel, DOT_PROGRAMS_PER_SM
-        )
+        per_sm = PROGRAMS_PER_SM[config.kernel]
         splits = even_splits(blocks, min(per_sm * sms // tiles, MAX_SPLITS), MIN_BLOCKS_PER_SPLIT)
     else:
         splits = cdiv(DOT_PROGRAMS_PER_SM * sms, tiles)
@@ -336,9 +334,9 @@ def _launch_mma(
 
 def mma_kernel_ok(x: torch.Tensor, packed: PackedInt4) -> bool:
     """True when the register-fed tensor-core kernel (kernels/int4_mma_gemv.py) may take x: compiled for
-    an SM 8.0+ GPU (mma.sync with 16-bit inputs; inline PTX, so not under the interpreter) and zero points
-    that the packed-pair dequantization keeps exact."""
-    if not MMA_DECODE or INTERPRETING or _int4_mma_gemv_kernel is None or not packed.paired_zeros:
+    an SM 8.0+ GPU (mma.sync with 16-bit inputs) where the packed-pair dequantization may run
+    (`paired_dequant_ok`: inline PTX, so not under the interpreter; zero points it keeps exact)."""
+    if not MMA_DECODE or _int4_mma_gemv_kernel is None or not paired_dequant_ok(x, packed):
         return False
     return kernel_capability(x.device) >= (8, 0)
 

@@ -40,25 +40,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.int4_pair_dequant import PAIR_CONSTANTS, pair_ptx
 
-# The pair dequantization (kernels/int4_pair_dequant.py's arithmetic) with pack = 2: $1 / $2 the shifted
-# word (the same for both halves), $3 the two scales, $4 the two -(BASE + z); out $0, the pair.
-_PAIR_ASM = """
-    {{
-    .reg .b32 t, one, negzero;
-    mov.b32 one, {one};
-    mov.b32 negzero, 0x80008000;
-    lop3.b32 t, $1, 0x000F000F, {base}, 0xEA;
-    {fma} t, t, one, $4;
-    {fma} $0, t, $3, negzero;
-    }}
-    """
-
-# for bfloat16 (BASE 128 = 0x4300) and float16 (BASE 1024 = 0x6400) pairs
-_ASM_BY_DTYPE = {
-    "bf16": _PAIR_ASM.format(base="0x43004300", one="0x3F803F80", fma="fma.rn.bf16x2"),
-    "fp16": _PAIR_ASM.format(base="0x64006400", one="0x3C003C00", fma="fma.rn.f16x2"),
-}
+# The pair dequantization (kernels/int4_pair_dequant.py's) with pack = 2: $1 / $2 the shifted word (the
+# same for both halves), $3 the two scales, $4 the two -(BASE + z); out $0, the pair in one register.
+_ASM_BY_DTYPE = {dtype: pair_ptx(dtype, "$1", "mov.b32 $0, t;") for dtype in PAIR_CONSTANTS}
 
 
 @gluon.constexpr_function
@@ -188,14 +174,8 @@ def _int4_mma_gemv_kernel(
     # (up to 128) where a block has several
     GROUP_J: gl.constexpr = 4 if GROUP_CODES < 128 else 1
     GROUP_E: gl.constexpr = 2 if GROUP_CODES < 256 else 1
-    sz_rows = (
-        pid_n * BLOCK_N
-        + 16 * _index(TILES, 0, TILE_RANK, tiles)
-        + 8 * _index(2, 1, TILE_RANK, tiles)
-        + _index(8, 2, TILE_RANK, tiles)
-    )
+    sz_rows = gl.expand_dims(gl.expand_dims(rows, 4), 6)  # the words' rows, in the tile's layout
     sz_codes = 32 * _index(GROUP_J, 4, TILE_RANK, tiles) + 128 * _index(GROUP_E, 6, TILE_RANK, tiles)
-    sz_rows = gl.minimum(sz_rows, N - 1)
     sz_words = sz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
 
     # x: physical code 32 (J + 4 e) + 8 t + S of the block, row m

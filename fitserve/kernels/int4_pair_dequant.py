@@ -33,25 +33,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# (BASE, BASE) and (1.0, 1.0) as bfloat16 pairs (128 = 0x4300) and as float16 pairs (1024 = 0x6400), and
+# the packed FMA of each
+PAIR_CONSTANTS = {
+    "bf16": ("0x43004300", "0x3F803F80", "fma.rn.bf16x2"),
+    "fp16": ("0x64006400", "0x3C003C00", "fma.rn.f16x2"),
+}
 
-def _pair_asm(base_bits: str, one_bits: str, fma: str) -> str:
-    """The PTX of one pair: $2 the shifted word, $3 the scale pair, $4 the -(BASE + z) pair; out $0, $1."""
+
+def pair_ptx(dtype: str, word: str, store: str) -> str:
+    """The PTX of one pair for activations of `dtype` ("bf16" or "fp16"): `word` the shifted word's
+    operand, $3 the scale pair, $4 the -(BASE + z) pair; `store` moves t, the weight pair, to the outputs
+    (kernels/int4_mma_gemv.py takes it as one packed register)."""
+    base_bits, one_bits, fma = PAIR_CONSTANTS[dtype]
     return f"""
         {{
         .reg .b32 t, one, negzero;
         mov.b32 one, {one_bits};
         mov.b32 negzero, 0x80008000;
-        lop3.b32 t, $2, 0x000F000F, {base_bits}, 0xEA;
+        lop3.b32 t, {word}, 0x000F000F, {base_bits}, 0xEA;
         {fma} t, t, one, $4;
         {fma} t, t, $3, negzero;
-        mov.b32 {{$0, $1}}, t;
+        {store}
         }}
         """
 
 
-# (BASE, BASE) and (1.0, 1.0) as bfloat16 pairs (128 = 0x4300) and as float16 pairs (1024 = 0x6400)
-_BF16_PAIR = tl.constexpr(_pair_asm("0x43004300", "0x3F803F80", "fma.rn.bf16x2"))
-_F16_PAIR = tl.constexpr(_pair_asm("0x64006400", "0x3C003C00", "fma.rn.f16x2"))
+# $2 the shifted word; out $0 and $1, one 16-bit weight each
+_BF16_PAIR = tl.constexpr(pair_ptx("bf16", "$2", "mov.b32 {$0, $1}, t;"))
+_F16_PAIR = tl.constexpr(pair_ptx("fp16", "$2", "mov.b32 {$0, $1}, t;"))
 
 
 @triton.jit
