@@ -58,19 +58,12 @@ def random_packed_layer(out_features: int, in_features: int, generator, group_si
     return packed, dequantize_reference(codes, scales, zeros, group_size)
 
 
-def packed_copies(first) -> list:
-    """Copies of a packed weight (same values, own counters) until together they outgrow the L2, so
-    that timed calls cycling through them read their weight from HBM."""
+def packed_copies(first, fields: tuple[str, ...] = ("qweight", "scale_zero", "counters")) -> list:
+    """Copies of a packed weight (same values, its tensor `fields` cloned: own counters) until together
+    they outgrow the L2, so that timed calls cycling through them read their weight from HBM."""
     packs = [first]
     while len(packs) * first.nbytes() < L2_BYTES_TO_BEAT:
-        packs.append(
-            dataclasses.replace(
-                first,
-                qweight=first.qweight.clone(),
-                scale_zero=first.scale_zero.clone(),
-                counters=first.counters.clone(),
-            )
-        )
+        packs.append(dataclasses.replace(first, **{name: getattr(first, name).clone() for name in fields}))
     return packs
 
 

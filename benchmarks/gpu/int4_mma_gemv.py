@@ -31,6 +31,17 @@ def sweep_configs(rows: int) -> list[Int4GemmConfig]:
     ]
 
 
+def summarize(entry: dict, moved: int, copy_bandwidth: float) -> None:
+    """Each timed kernel's share of the copy bandwidth (`moved` bytes a call), and the new kernel's speedups
+    over the previous one and over bf16."""
+    for key in ("mma", "previous", "best"):
+        if f"{key}_us" in entry:
+            rate = moved / (entry[f"{key}_us"] * 1e-6)
+            entry[f"{key}_copy_bw_frac"] = round(rate / copy_bandwidth, 3)
+    entry["mma_speedup_vs_previous"] = round(entry["previous_us"] / entry["mma_us"], 3)
+    entry["mma_speedup_vs_bf16"] = round(entry["bf16_us"] / entry["mma_us"], 3)
+
+
 def timed(call, operands) -> float:
     return round(median_graph_us(call, operands), 2)
 
@@ -84,12 +95,7 @@ def main() -> None:
                         if best is None or us < best[0]:
                             best = (us, candidate)
                     entry["best_us"], entry["best_config"] = best[0], best[1].__dict__
-                for key in ("mma", "previous", "best"):
-                    if f"{key}_us" in entry:
-                        rate = moved / (entry[f"{key}_us"] * 1e-6)
-                        entry[f"{key}_copy_bw_frac"] = round(rate / copy_bandwidth, 3)
-                entry["mma_speedup_vs_previous"] = round(entry["previous_us"] / entry["mma_us"], 3)
-                entry["mma_speedup_vs_bf16"] = round(entry["bf16_us"] / entry["mma_us"], 3)
+                summarize(entry, moved, copy_bandwidth)
                 print(json.dumps(entry), flush=True)
                 results.append(entry)
             del packs, weights, dequantized, first

@@ -2,6 +2,11 @@
 dequantize fused into the GEMM, for decode-sized row counts (layers/quantization/bnb_runtime.py sends more
 rows to kernels/nf4_dequant.py's chunked dequantize + cuBLAS).
 
+Up to MMA_MAX_ROWS rows on SM 8.0+ GPUs (`mma_kernel_ok`: absmax blocks of >= 64 codes, K a multiple of 256)
+the register-fed tensor-core kernel runs (kernels/nf4_mma_gemv.py): on the H100 the four Llama-3.1-8B
+layers at 1 row 70.9 us against 93.8 for the kernels below, at 8 rows 72.8 against 206.0
+(benchmarks/results/h100_nf4_mma_gemv.json). The kernels below take every other case.
+
 A program owns BLOCK_N weight rows and a range of K (split-K); a step covers BLOCK_K codes (BLOCK_K
 divides the block size, so one absmax a weight row a step). It loads the rows' codes as bytes [BLOCK_N,
 BLOCK_K / 2] (a row's bytes are contiguous) and turns each byte into the values of its two codes
@@ -40,10 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import sm_count
+from fitserve.kernels.capability import kernel_capability, sm_count
+from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
+
+try:
+    from fitserve.kernels.nf4_mma_gemv import BLOCK_CODES, GROUP_CODES, _nf4_mma_gemv_kernel
+except ImportError:  # a Triton without Gluon's mma_v2 (before 3.6): the other kernels take every row count
+    _nf4_mma_gemv_kernel = None
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # Nf4Config.lookup's default past PERMUTE_MAX_ROWS rows: tl.gather from the 16 values held in registers.
@@ -60,6 +71,13 @@ LOOKUP = 3
 # Past 16 rows not measured.
 PERMUTE_LOOKUP = 3 if INTERPRETING else 4
 PERMUTE_MAX_ROWS = 16
+# Up to MMA_MAX_ROWS rows on SM 8.0+ GPUs, where `mma_kernel_ok`: the register-fed tensor-core kernel
+# (kernels/nf4_mma_gemv.py), one 256-code block a loop step, split-K into even parts of at least
+# MMA_MIN_BLOCKS_PER_SPLIT blocks with up to MMA_PROGRAMS_PER_SM programs an SM.
+MMA_MAX_ROWS = 8
+MMA_DECODE = True
+MMA_PROGRAMS_PER_SM = 4
+MMA_MIN_BLOCKS_PER_SPLIT = 2
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
 # ... and for one row: as many splits as keep <= GEMV_PROGRAMS_PER_SM programs an SM with at least
 # GEMV_MIN_STEPS steps each, in equal parts (kernels/grid_math.even_splits). From the same sweep: within
@@ -73,7 +91,7 @@ SPLIT_MAX_ROWS = 64
 
 @dataclass(frozen=True)
 class Nf4Config:
-    kernel: str  # "gemv" or "dot"
+    kernel: str  # "gemv", "dot" or "mma" (block_k 256, block_n 16 x num_warps x row tiles per warp)
     block_m: int
     block_n: int
     block_k: int
@@ -327,9 +345,17 @@ def _nf4_dot_kernel(
     )  # fmt: skip
 
 
-def choose_config(rows: int, out_features: int, in_features: int, blocksize: int, sms: int) -> Nf4Config:
+def choose_config(
+    rows: int, out_features: int, in_features: int, blocksize: int, sms: int, mma: bool = False
+) -> Nf4Config:
     """A fixed rule of the shape (no autotuning: fitserve captures CUDA graphs); first guesses for an
-    H100 sweep."""
+    H100 sweep. `mma`: the register-fed tensor-core kernel may run (`mma_kernel_ok`)."""
+    if mma and rows <= MMA_MAX_ROWS:
+        blocks = in_features // BLOCK_CODES
+        tiles = cdiv(out_features, 64)
+        most = min(MMA_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS)
+        splits = even_splits(blocks, most, MMA_MIN_BLOCKS_PER_SPLIT)
+        return Nf4Config("mma", 8, 64, BLOCK_CODES, splits, num_warps=4)
     if rows == 1:
         # the H100 sweep (Llama-3.1-8B shapes, block 64): 64 rows on 2 warps, 3 stages within 5% of the best
         kernel, block_m, block_n, block_k, warps = "gemv", 1, 64, min(blocksize, 128), 2
@@ -362,6 +388,22 @@ def supports(x: torch.Tensor, packed: PackedNf4) -> bool:
     )
 
 
+def mma_kernel_ok(x: torch.Tensor, packed: PackedNf4) -> bool:
+    """True when the register-fed tensor-core kernel (kernels/nf4_mma_gemv.py) may take x (which `supports`
+    took): compiled for an SM 8.0+ GPU (not the interpreter), absmax blocks of at least 64 codes, K a
+    multiple of 256 codes, and x's rows at 4-byte boundaries (it reads x in 16-bit pairs)."""
+    if not MMA_DECODE or _nf4_mma_gemv_kernel is None or INTERPRETING:
+        return False
+    return (
+        packed.blocksize >= GROUP_CODES
+        and packed.in_features % BLOCK_CODES == 0
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
+        and packed.packed.data_ptr() % 4 == 0
+        and kernel_capability(x.device) >= (8, 0)
+    )
+
+
 def nf4_linear(
     x: torch.Tensor, packed: PackedNf4, bias: torch.Tensor | None = None, config: Nf4Config | None = None
 ) -> torch.Tensor:
@@ -376,7 +418,18 @@ def nf4_linear(
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    config = config or choose_config(rows, out_features, in_features, packed.blocksize, sm_count(x.device))
+    mma = mma_kernel_ok(x, packed)
+    if config is None:
+        config = choose_config(rows, out_features, in_features, packed.blocksize, sm_count(x.device), mma)
+    elif config.kernel == "mma" and (
+        not mma or rows > MMA_MAX_ROWS or config.block_n % (16 * config.num_warps)
+    ):
+        raise ValueError(
+            f"nf4 GEMM config {config}: the mma kernel takes up to {MMA_MAX_ROWS} rows (here {rows}) on an "
+            f"SM 8.0+ GPU, absmax blocks of >= {GROUP_CODES} codes (here {packed.blocksize}), K a "
+            f"multiple of {BLOCK_CODES} (here {in_features}) and block_n 16 x num_warps x row tiles; use "
+            "kernel 'gemv' or 'dot'"
+        )
     steps = cdiv(in_features, config.block_k)
     tiles_n = cdiv(out_features, config.block_n)
     tiles = tiles_n * (cdiv(rows, config.block_m) if config.kernel == "dot" else 1)
@@ -393,6 +446,9 @@ def nf4_linear(
         workspace, packed.counters, rows, out_features, in_features, x.stride(0), y.stride(0),
         packed.blocksize, cdiv(steps, splits), splits,
     )  # fmt: skip
+    if config.kernel == "mma":
+        _launch_mma(x, packed, bias, y, workspace, config)
+        return y
     options = {} if INTERPRETING else {"num_warps": config.num_warps}
     if config.lookup == 4 and INTERPRETING:
         raise ValueError("nf4 lookup 4 is inline PTX: it runs compiled for a GPU, not under TRITON_INTERPRET")
@@ -408,3 +464,27 @@ def nf4_linear(
             NUM_STAGES=config.num_stages, **options,
         )  # fmt: skip
     return y
+
+
+def _launch_mma(
+    x: torch.Tensor,
+    packed: PackedNf4,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    workspace: torch.Tensor,
+    config: Nf4Config,
+) -> None:
+    """kernels/nf4_mma_gemv.py (the codes read as int32 words, 8 codes a word)."""
+    rows, in_features = x.shape
+    blocks = in_features // BLOCK_CODES
+    splits = cdiv(blocks, cdiv(blocks, min(config.split_k, blocks)))  # no empty split
+    blocks_per_split = cdiv(blocks, splits)
+    _nf4_mma_gemv_kernel[(cdiv(packed.out_features, config.block_n), splits)](
+        x, packed.packed.view(torch.int32), packed.scales, bias if bias is not None else packed.scales, y,
+        workspace, packed.counters, packed.mma_table, rows, packed.out_features, in_features, x.stride(0),
+        y.stride(0), packed.scales.stride(0), blocks_per_split, splits,
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+        ROW_TILES=config.block_n // (16 * config.num_warps), BLOCKSIZE=packed.blocksize,
+        SPLIT=splits > 1, num_warps=config.num_warps,
+        **pdl_kwargs(x.device),
+    )  # fmt: skip

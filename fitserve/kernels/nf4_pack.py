@@ -35,6 +35,7 @@ class PackedNf4:
     pair_table: torch.Tensor  # int64 [256]
     code: torch.Tensor  # float32 [16]: the code table (kernels whose lookup is not the pair table)
     permute_table: torch.Tensor  # int32 [8]: the code table as float16 bytes (nf4_gemm's LOOKUP 4)
+    mma_table: torch.Tensor  # int32 [8]: the same in the activation dtype (kernels/nf4_mma_gemv.py)
     counters: torch.Tensor  # int32 zeros
     blocksize: int
     in_features: int
@@ -49,6 +50,7 @@ class PackedNf4:
             pair_table=self.pair_table.to(device),
             code=self.code.to(device),
             permute_table=self.permute_table.to(device),
+            mma_table=self.mma_table.to(device),
             counters=self.counters.to(device),
         )
 
@@ -61,10 +63,11 @@ class PackedNf4:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
-def permute_table(code: torch.Tensor) -> torch.Tensor:
-    """int32 [8]: the 16 code values as float16, low bytes of entries 0-3, 4-7, 8-11, 12-15 (byte k of a
-    word = entry first + k), then their high bytes: what nf4_gemm's LOOKUP 4 picks bytes from."""
-    bits = code.detach().float().cpu().half().view(torch.int16).to(torch.int64) & 0xFFFF
+def permute_table(code: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """int32 [8]: the 16 code values rounded to `dtype` (float16 / bfloat16), low bytes of entries 0-3,
+    4-7, 8-11, 12-15 (byte k of a word = entry first + k), then their high bytes: what the byte-permute
+    lookups (nf4_gemm's LOOKUP 4, nf4_mma_gemv) pick bytes from."""
+    bits = code.detach().float().cpu().to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     words = []
     for shift in (0, 8):
         for first in (0, 4, 8, 12):
@@ -117,6 +120,7 @@ def pack_nf4(
         pair_table=pair_table(code).to(device),
         code=code.float().to(device).contiguous(),
         permute_table=permute_table(code).to(device),
+        mma_table=permute_table(code, dtype).to(device),
         counters=torch.zeros(tiles, dtype=torch.int32, device=device),
         blocksize=blocksize,
         in_features=in_features,

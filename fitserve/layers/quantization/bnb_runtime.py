@@ -100,7 +100,7 @@ def make_bnb_runnable(
         from fitserve.kernels.nf4_pack import pack_nf4
 
         packed = pack_nf4(weight.packed, weight.absmax, weight.code, weight.blocksize, dtype)
-        for name in ("packed", "scales", "pair_table", "code", "permute_table", "counters"):
+        for name in ("packed", "scales", "pair_table", "code", "permute_table", "mma_table", "counters"):
             layer.register_buffer(f"nf4_{name}", getattr(packed, name), persistent=False)
         method: Any = BnbGpuLinearMethod(packed)
     else:
