@@ -482,9 +482,9 @@ def _launch_mma(
     _nf4_mma_gemv_kernel[(cdiv(packed.out_features, config.block_n), splits)](
         x, packed.packed.view(torch.int32), packed.scales, bias if bias is not None else packed.scales, y,
         workspace, packed.counters, packed.mma_table, rows, packed.out_features, in_features, x.stride(0),
-        y.stride(0), packed.scales.stride(0), blocks_per_split, splits,
+        y.stride(0), in_features // 8, packed.scales.stride(0), blocks_per_split, splits,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
         ROW_TILES=config.block_n // (16 * config.num_warps), BLOCKSIZE=packed.blocksize,
-        SPLIT=splits > 1, num_warps=config.num_warps,
+        SPLIT=splits > 1,  num_warps=config.num_warps,
         **pdl_kwargs(x.device),
     )  # fmt: skip

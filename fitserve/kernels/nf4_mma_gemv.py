@@ -157,6 +157,7 @@ def _nf4_mma_gemv_kernel(
     K,
     stride_xm,
     stride_ym,
+    stride_wn,  # K / 8 (words a row; an argument: 16-divisible where K is, so 8-byte loads)
     stride_sn,  # K / BLOCKSIZE (an argument, so that its divisibility lets the absmax loads widen)
     blocks_per_split,
     num_splits,
@@ -195,7 +196,7 @@ def _nf4_mma_gemv_kernel(
     )
     # rows past N and x's rows past M read the last real one (no masks); what they compute is not stored
     rows = gl.minimum(rows, N - 1)
-    word_ptrs = w_ptr + rows.to(gl.int64) * (K // 8) + word_in_block
+    word_ptrs = w_ptr + rows.to(gl.int64) * stride_wn + word_in_block
     # the tile's shape (each word's 8 codes: the lookup's pack)
     codes = _index(2, 5, TILE_RANK, tiles) + _index(2, 6, TILE_RANK, tiles) + _index(2, 8, TILE_RANK, tiles)
 
@@ -224,8 +225,10 @@ def _nf4_mma_gemv_kernel(
     # Each block's words and absmax are asked for while the block before it is computed (the last block
     # loads its own again rather than read past the split); the first block's before waiting for the
     # previous kernel (PDL: no kernel of the step writes them). x (a few KB every program reads, from the
-    # L2) is read in its own step: on the H100, one block ahead for x too, or two blocks ahead for the
-    # weights, measured 3-35% slower at 1 and 4 rows (benchmarks/results/h100_nf4_mma_gemv.json).
+    # L2) is read in its own step. Measured slower on the H100 (benchmarks/results/h100_nf4_mma_gemv.json,
+    # "variants"): x one block ahead too (1-10%), the weights two blocks ahead (3-35%), a per-lane copy of
+    # the table (no uniform-register copies, 80 registers: 15-50%); each lane reading 8 consecutive words
+    # (16-byte loads, a different layout) gained 1-6%, not worth a layout of its own.
     words = gl.load(word_ptrs + first * 32)
     scales = _load_scales(scale_ptrs, first, scale_groups, BLOCKSIZE)
     if USE_PDL:

@@ -16,7 +16,7 @@ from fitserve.kernels import nf4_mma_gemv  # noqa: E402
 from tests.unit.sass_helpers import MOVES, main_loop, sass_of  # noqa: E402
 
 POINTERS = ("x_ptr", "w_ptr", "s_ptr", "bias_ptr", "y_ptr", "part_ptr", "counter_ptr", "table_ptr")
-INTS = ("M", "N", "K", "stride_xm", "stride_ym", "stride_sn", "blocks_per_split", "num_splits")
+INTS = ("M", "N", "K", "stride_xm", "stride_ym", "stride_wn", "stride_sn", "blocks_per_split", "num_splits")
 
 
 @pytest.mark.parametrize(("arch", "dtype"), [(90, "bf16"), (90, "fp16"), (80, "bf16")])
@@ -34,7 +34,7 @@ def test_the_loop_moves_no_data_between_threads(arch: int, dtype: str, scales: s
         "USE_PDL": arch >= 90,
         "num_warps": 4,
     }
-    aligned = [*POINTERS, "N", "K", "stride_xm", "stride_ym", "stride_sn"]
+    aligned = [*POINTERS, "N", "K", "stride_xm", "stride_ym", "stride_wn", "stride_sn"]
     loop = main_loop(sass_of(nf4_mma_gemv._nf4_mma_gemv_kernel, arch, signature, constexprs, aligned))
     moved = {opcode: loop[opcode] for opcode in MOVES if loop[opcode]}
     assert not moved, f"the loop moves data between threads: {moved}"
