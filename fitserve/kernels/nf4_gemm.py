@@ -75,6 +75,7 @@ PERMUTE_MAX_ROWS = 16
 # (kernels/nf4_mma_gemv.py), one 256-code block a loop step, split-K into even parts of at least
 # MMA_MIN_BLOCKS_PER_SPLIT blocks with up to MMA_PROGRAMS_PER_SM programs an SM.
 MMA_MAX_ROWS = 8
+MMA_BLOCK_N = 64  # 4 warps of one 16-row tile (the H100 sweep's best or within 5% at 1 and 4 rows)
 MMA_DECODE = True
 MMA_PROGRAMS_PER_SM = 4
 MMA_MIN_BLOCKS_PER_SPLIT = 2
@@ -352,10 +353,10 @@ def choose_config(
     H100 sweep. `mma`: the register-fed tensor-core kernel may run (`mma_kernel_ok`)."""
     if mma and rows <= MMA_MAX_ROWS:
         blocks = in_features // BLOCK_CODES
-        tiles = cdiv(out_features, 64)
+        tiles = cdiv(out_features, MMA_BLOCK_N)
         most = min(MMA_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS)
         splits = even_splits(blocks, most, MMA_MIN_BLOCKS_PER_SPLIT)
-        return Nf4Config("mma", 8, 64, BLOCK_CODES, splits, num_warps=4)
+        return Nf4Config("mma", MMA_MAX_ROWS, MMA_BLOCK_N, BLOCK_CODES, splits, num_warps=MMA_BLOCK_N // 16)
     if rows == 1:
         # the H100 sweep (Llama-3.1-8B shapes, block 64): 64 rows on 2 warps, 3 stages within 5% of the best
         kernel, block_m, block_n, block_k, warps = "gemv", 1, 64, min(blocksize, 128), 2
@@ -422,13 +423,16 @@ def nf4_linear(
     if config is None:
         config = choose_config(rows, out_features, in_features, packed.blocksize, sm_count(x.device), mma)
     elif config.kernel == "mma" and (
-        not mma or rows > MMA_MAX_ROWS or config.block_n % (16 * config.num_warps)
+        not mma
+        or rows > MMA_MAX_ROWS
+        or config.block_m != MMA_MAX_ROWS
+        or config.block_n % (16 * config.num_warps)
     ):
         raise ValueError(
-            f"nf4 GEMM config {config}: the mma kernel takes up to {MMA_MAX_ROWS} rows (here {rows}) on an "
-            f"SM 8.0+ GPU, absmax blocks of >= {GROUP_CODES} codes (here {packed.blocksize}), K a "
-            f"multiple of {BLOCK_CODES} (here {in_features}) and block_n 16 x num_warps x row tiles; use "
-            "kernel 'gemv' or 'dot'"
+            f"nf4 GEMM config {config}: the mma kernel takes up to {MMA_MAX_ROWS} rows (here {rows}) with "
+            f"block_m {MMA_MAX_ROWS} on an SM 8.0+ GPU, absmax blocks of >= {GROUP_CODES} codes (here "
+            f"{packed.blocksize}), K a multiple of {BLOCK_CODES} (here {in_features}) and block_n 16 x "
+            "num_warps x row tiles; use kernel 'gemv' or 'dot'"
         )
     steps = cdiv(in_features, config.block_k)
     tiles_n = cdiv(out_features, config.block_n)
@@ -439,6 +443,9 @@ def nf4_linear(
     workspace = (
         torch.empty((splits, rows, out_features), dtype=torch.float32, device=x.device) if splits > 1 else y
     )
+    if config.kernel == "mma":
+        _launch_mma(x, packed, bias, y, workspace, config)
+        return y
     args = (
         x, packed.packed, packed.scales, packed.permute_table if config.lookup == 4 else packed.pair_table,
         packed.code,
@@ -446,9 +453,6 @@ def nf4_linear(
         workspace, packed.counters, rows, out_features, in_features, x.stride(0), y.stride(0),
         packed.blocksize, cdiv(steps, splits), splits,
     )  # fmt: skip
-    if config.kernel == "mma":
-        _launch_mma(x, packed, bias, y, workspace, config)
-        return y
     options = {} if INTERPRETING else {"num_warps": config.num_warps}
     if config.lookup == 4 and INTERPRETING:
         raise ValueError("nf4 lookup 4 is inline PTX: it runs compiled for a GPU, not under TRITON_INTERPRET")
@@ -485,6 +489,6 @@ def _launch_mma(
         y.stride(0), in_features // 8, packed.scales.stride(0), blocks_per_split, splits,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
         ROW_TILES=config.block_n // (16 * config.num_warps), BLOCKSIZE=packed.blocksize,
-        SPLIT=splits > 1,  num_warps=config.num_warps,
+        SPLIT=splits > 1, num_warps=config.num_warps,
         **pdl_kwargs(x.device),
     )  # fmt: skip

@@ -67,3 +67,20 @@ def test_up_to_16_rows_take_the_permute_lookup() -> None:
         nf4_gemm.choose_config(1, n, k, 64, 132).split_k
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))
     ] == [8, 4, 16]
+
+
+def test_an_mma_config_where_it_cannot_run_is_refused_with_the_fix(monkeypatch) -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
+    from fitserve.kernels import nf4_gemm
+    from fitserve.kernels.nf4_pack import pack_nf4
+    from fitserve.layers.quantization.bnb_weight import random_nf4_weight
+
+    # under the interpreter CPU tensors pass `supports`, and the mma kernel (inline PTX) cannot run
+    monkeypatch.setattr(nf4_gemm, "INTERPRETING", True)
+    weight = random_nf4_weight(64, 512, 64, 0.02, torch.Generator().manual_seed(0), "cpu")
+    packed = pack_nf4(weight.packed, weight.absmax, weight.code, 64, torch.bfloat16)
+    x = torch.randn(2, 512).to(torch.bfloat16)
+    assert not nf4_gemm.mma_kernel_ok(x, packed)
+    refusal = r"up to 8 rows \(here 2\).*SM 8.0\+ GPU.*use kernel 'gemv' or 'dot'"
+    with pytest.raises(ValueError, match=refusal):
+        nf4_gemm.nf4_linear(x, packed, None, nf4_gemm.Nf4Config("mma", 8, 64, 256, 1))
