@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.int4_pair_dequant import PAIR_CONSTANTS, pair_ptx
-from fitserve.kernels.mma_gemv_parts import _finish, _index
+from fitserve.kernels.mma_gemv_parts import _finish, _index, _wait_for_previous_kernel
 
 # The pair dequantization (kernels/int4_pair_dequant.py's) with pack = 2: $1 / $2 the shifted word (the
 # same for both halves), $3 the two scales, $4 the two -(BASE + z); out $0, the pair in one register.
@@ -179,13 +179,7 @@ def _int4_mma_gemv_kernel(
     # before waiting for the previous kernel (PDL: no kernel of the step writes them), x only after it.
     # (Two blocks ahead measured slower: 138 registers a thread, one program less on each SM.)
     words, sz = _load_weights(word_ptrs, sz_ptrs, first, blocks_per_group, sz_codes, N, GROUP_CODES)
-    if USE_PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
+    _wait_for_previous_kernel(USE_PDL)
     xv = _load_x(x_ptrs, first, x_codes, K, EVEN_K)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for kb in range(first, last):

@@ -1,5 +1,6 @@
 """Gluon pieces the register-fed tensor-core GEMMs for a few rows share (kernels/int4_mma_gemv.py,
-kernels/nf4_mma_gemv.py): index tensors of many-dimensional tiles, and the end of every program (y's
+kernels/nf4_mma_gemv.py): index tensors of many-dimensional tiles, the programmatic-dependent-launch wait
+(kernels/dependent_launch.py's, for Gluon), and the end of every program (y's
 tile written, or with split-K the partials summed in split order by the program that arrives last at
 the tile's counter: deterministic, no host sync, the counter left at zero for the next call)."""
 
@@ -60,3 +61,16 @@ def _finish(acc, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, part_ptr, count
             gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
     else:
         _write_out(acc, offs_n, offs_m, M, N, y_ptr, stride_ym, bias_ptr, HAS_BIAS)
+
+
+@gluon.jit
+def _wait_for_previous_kernel(USE_PDL: gl.constexpr):
+    """With PDL: wait until the kernel before has finished (its writes visible), then let the next one
+    launch. Everything before the call may only read what no kernel of the step writes (the weights)."""
+    if USE_PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from fitserve.kernels.fast_launch import fast_launch
-from fitserve.kernels.mma_gemv_parts import _finish, _index
+from fitserve.kernels.mma_gemv_parts import _finish, _index, _wait_for_previous_kernel
 
 BLOCK_CODES = 256  # codes of a row each loop step streams
 GROUP_CODES = 64  # codes under one absmax in the kernel's view (the smallest blocksize it takes)
@@ -231,13 +231,7 @@ def _nf4_mma_gemv_kernel(
     # (16-byte loads, a different layout) gained 1-6%, not worth a layout of its own.
     words = gl.load(word_ptrs + first * 32)
     scales = _load_scales(scale_ptrs, first, scale_groups, BLOCKSIZE)
-    if USE_PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
+    _wait_for_previous_kernel(USE_PDL)
     tp = table_ptr
     t0, t1, t2, t3 = gl.load(tp), gl.load(tp + 1), gl.load(tp + 2), gl.load(tp + 3)
     t4, t5, t6, t7 = gl.load(tp + 4), gl.load(tp + 5), gl.load(tp + 6), gl.load(tp + 7)
