@@ -4,7 +4,7 @@ rows to kernels/nf4_dequant.py's chunked dequantize + cuBLAS).
 
 Up to MMA_MAX_ROWS rows on SM 8.0+ GPUs (`mma_kernel_ok`: absmax blocks of >= 64 codes, K a multiple of 256)
 the register-fed tensor-core kernel runs (kernels/nf4_mma_gemv.py): on the H100 the four Llama-3.1-8B
-layers at 1 row 70.9 us against 93.8 for the kernels below, at 8 rows 72.8 against 206.0
+layers at 1 row 67.6 us against 96.9 for the kernels below, at 8 rows 73.5 against 208.1
 (benchmarks/results/h100_nf4_mma_gemv.json). The kernels below take every other case.
 
 A program owns BLOCK_N weight rows and a range of K (split-K); a step covers BLOCK_K codes (BLOCK_K
@@ -73,11 +73,15 @@ PERMUTE_LOOKUP = 3 if INTERPRETING else 4
 PERMUTE_MAX_ROWS = 16
 # Up to MMA_MAX_ROWS rows on SM 8.0+ GPUs, where `mma_kernel_ok`: the register-fed tensor-core kernel
 # (kernels/nf4_mma_gemv.py), one 256-code block a loop step, split-K into even parts of at least
-# MMA_MIN_BLOCKS_PER_SPLIT blocks with up to MMA_PROGRAMS_PER_SM programs an SM.
+# MMA_MIN_BLOCKS_PER_SPLIT blocks with up to MMA_PROGRAMS_PER_SM programs an SM and at most MMA_MAX_SPLITS
+# splits. The H100 sweep (benchmarks/gpu/nf4_mma_gemv.py --sweep, Llama-3.1-8B, 1 and 4 rows, 132 SMs) found
+# qkv / o / gate_up / down fastest at 8 / 8 / 2 / 8 splits of 64-row tiles (gate_up 31.8 against 35.4 us
+# unsplit, qkv 10.3 against 10.8 at 4 splits): the rule gives those.
 MMA_MAX_ROWS = 8
-MMA_BLOCK_N = 64  # 4 warps of one 16-row tile (the H100 sweep's best or within 5% at 1 and 4 rows)
+MMA_BLOCK_N = 64  # 4 warps of one 16-row tile (the sweep's best or within 2% at 1 and 4 rows)
 MMA_DECODE = True
-MMA_PROGRAMS_PER_SM = 4
+MMA_PROGRAMS_PER_SM = 8
+MMA_MAX_SPLITS = 8
 MMA_MIN_BLOCKS_PER_SPLIT = 2
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
 # ... and for one row: as many splits as keep <= GEMV_PROGRAMS_PER_SM programs an SM with at least
@@ -354,7 +358,7 @@ def choose_config(
     if mma and rows <= MMA_MAX_ROWS:
         blocks = in_features // BLOCK_CODES
         tiles = cdiv(out_features, MMA_BLOCK_N)
-        most = min(MMA_PROGRAMS_PER_SM * sms // tiles, MAX_SPLITS)
+        most = min(MMA_PROGRAMS_PER_SM * sms // tiles, MMA_MAX_SPLITS)
         splits = even_splits(blocks, most, MMA_MIN_BLOCKS_PER_SPLIT)
         return Nf4Config("mma", MMA_MAX_ROWS, MMA_BLOCK_N, BLOCK_CODES, splits, num_warps=MMA_BLOCK_N // 16)
     if rows == 1:

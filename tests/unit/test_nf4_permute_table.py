@@ -46,12 +46,12 @@ def test_up_to_8_rows_take_the_register_fed_kernel_where_it_may() -> None:
         assert (config.kernel, config.block_m, config.block_n, config.block_k) == ("mma", 8, 64, 256)
     assert nf4_gemm.choose_config(9, 6144, 4096, 64, 132, mma=True).kernel == "dot"
     assert nf4_gemm.choose_config(1, 6144, 4096, 64, 132, mma=False).kernel == "gemv"
-    # even splits of >= 2 blocks of 256 codes, at most MMA_PROGRAMS_PER_SM programs an SM: qkv's 96 tiles
-    # take 4 splits of 4 blocks, gate_up's 448 one, down's 64 tiles 8 splits of 7 blocks
+    # even splits of >= 2 blocks of 256 codes, at most MMA_PROGRAMS_PER_SM programs an SM and MMA_MAX_SPLITS:
+    # qkv's 96 tiles take 8 splits of 2 blocks, gate_up's 448 two, down's 64 tiles 8 splits of 7 blocks
     assert [
         nf4_gemm.choose_config(1, n, k, 64, 132, mma=True).split_k
         for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))
-    ] == [4, 1, 8]
+    ] == [8, 2, 8]
 
 
 def test_up_to_16_rows_take_the_permute_lookup() -> None:
