@@ -58,13 +58,29 @@ def random_packed_layer(out_features: int, in_features: int, generator, group_si
     return packed, dequantize_reference(codes, scales, zeros, group_size)
 
 
+def copies_past_l2(first, nbytes: int, clone) -> list:
+    """`first` and clones of it (`clone(first)`) until together they outgrow the L2, so that timed calls
+    cycling through them read their weight from HBM."""
+    copies = [first]
+    while len(copies) * nbytes < L2_BYTES_TO_BEAT:
+        copies.append(clone(first))
+    return copies
+
+
 def packed_copies(first, fields: tuple[str, ...] = ("qweight", "scale_zero", "counters")) -> list:
-    """Copies of a packed weight (same values, its tensor `fields` cloned: own counters) until together
-    they outgrow the L2, so that timed calls cycling through them read their weight from HBM."""
-    packs = [first]
-    while len(packs) * first.nbytes() < L2_BYTES_TO_BEAT:
-        packs.append(dataclasses.replace(first, **{name: getattr(first, name).clone() for name in fields}))
-    return packs
+    """copies_past_l2 of a packed weight (same values, its tensor `fields` cloned: own counters)."""
+    return copies_past_l2(
+        first,
+        first.nbytes(),
+        lambda packed: dataclasses.replace(
+            packed, **{name: getattr(packed, name).clone() for name in fields}
+        ),
+    )
+
+
+def dense_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """copies_past_l2 of a 16-bit weight."""
+    return copies_past_l2(weight, weight.numel() * weight.element_size(), torch.Tensor.clone)
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -202,9 +218,7 @@ def main() -> None:
             int4_bytes = first.nbytes()
             bf16_bytes = out_features * in_features * 2
             packs = packed_copies(first)
-            weights = [dequantized] + [
-                dequantized.clone() for _ in range(max(1, -(-L2_BYTES_TO_BEAT // bf16_bytes)) - 1)
-            ]
+            weights = dense_copies(dequantized)
             for rows in rows_list:
                 x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
                 reference = (x.float() @ dequantized.float().T) if rows <= 1024 else None

@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_bytes_per_s, save  # noqa: I001
-from int4_gemm import L2_BYTES_TO_BEAT, check, median_graph_us, packed_copies, random_packed_layer, shapes
+from int4_gemm import check, dense_copies, median_graph_us, packed_copies, random_packed_layer, shapes
 
 from fitserve.kernels import int4_gemm
 from fitserve.kernels.int4_gemm import Int4GemmConfig, choose_config, int4_linear, mma_kernel_ok, sm_count
@@ -42,6 +42,18 @@ def summarize(entry: dict, moved: int, copy_bandwidth: float) -> None:
     entry["mma_speedup_vs_bf16"] = round(entry["bf16_us"] / entry["mma_us"], 3)
 
 
+def fastest(entry: dict, candidates: list, run, packs: list, reference, what: str) -> None:
+    """Each candidate config checked against the reference (`run(packs[0], config)`) and timed cycling
+    through the packs; the fastest's time and config into `entry` (best_us, best_config)."""
+    best = None
+    for candidate in candidates:
+        check(run(packs[0], candidate), reference, f"{what} {candidate}")
+        us = timed(lambda p, c=candidate: run(p, c), packs)
+        if best is None or us < best[0]:
+            best = (us, candidate)
+    entry["best_us"], entry["best_config"] = best[0], best[1].__dict__
+
+
 def timed(call, operands) -> float:
     return round(median_graph_us(call, operands), 2)
 
@@ -64,10 +76,7 @@ def main() -> None:
             first, dequantized = random_packed_layer(out_features, in_features, generator, args.group_size)
             dequantized = dequantized.to(torch.bfloat16)
             packs = packed_copies(first)
-            bf16_bytes = out_features * in_features * 2
-            weights = [dequantized] + [
-                dequantized.clone() for _ in range(max(1, -(-L2_BYTES_TO_BEAT // bf16_bytes)) - 1)
-            ]
+            weights = dense_copies(dequantized)
             for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
                 assert mma_kernel_ok(x, first)
@@ -86,15 +95,8 @@ def main() -> None:
                 finally:
                     int4_gemm.MMA_DECODE = True
                 if args.sweep:
-                    best = None
-                    for candidate in sweep_configs(rows):
-                        check(
-                            int4_linear(x, first, config=candidate), reference, f"{layer} {rows} {candidate}"
-                        )
-                        us = timed(lambda p, x=x, c=candidate: int4_linear(x, p, config=c), packs)
-                        if best is None or us < best[0]:
-                            best = (us, candidate)
-                    entry["best_us"], entry["best_config"] = best[0], best[1].__dict__
+                    run = lambda p, c, x=x: int4_linear(x, p, config=c)  # noqa: E731
+                    fastest(entry, sweep_configs(rows), run, packs, reference, f"{layer} {rows}")
                 summarize(entry, moved, copy_bandwidth)
                 print(json.dumps(entry), flush=True)
                 results.append(entry)

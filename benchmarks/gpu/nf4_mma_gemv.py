@@ -17,8 +17,8 @@ import json
 import torch
 import torch.nn.functional as F
 from common import copy_bandwidth_bytes_per_s, save  # noqa: I001
-from int4_gemm import L2_BYTES_TO_BEAT, check, packed_copies, random_packed_layer, shapes
-from int4_mma_gemv import summarize, timed
+from int4_gemm import check, dense_copies, packed_copies, random_packed_layer, shapes
+from int4_mma_gemv import fastest, summarize, timed
 
 from fitserve.kernels import nf4_gemm
 from fitserve.kernels.int4_gemm import int4_linear
@@ -57,8 +57,7 @@ def main() -> None:
             int4_first, _ = random_packed_layer(out_features, in_features, generator, 128)
             int4_packs = packed_copies(int4_first)
             dense = dequantized.to(torch.bfloat16)
-            bf16_bytes = out_features * in_features * 2
-            weights = [dense] + [dense.clone() for _ in range(max(1, -(-L2_BYTES_TO_BEAT // bf16_bytes)) - 1)]
+            weights = dense_copies(dense)
             for rows in args.rows:
                 x = torch.randn(rows, in_features, device="cuda", generator=generator).to(torch.bfloat16)
                 assert mma_kernel_ok(x, first)
@@ -79,13 +78,8 @@ def main() -> None:
                 finally:
                     nf4_gemm.MMA_DECODE = True
                 if args.sweep:
-                    best = None
-                    for candidate in sweep_configs():
-                        check(nf4_linear(x, first, None, candidate), reference, f"{layer} {rows} {candidate}")
-                        us = timed(lambda p, x=x, c=candidate: nf4_linear(x, p, None, c), packs)
-                        if best is None or us < best[0]:
-                            best = (us, candidate)
-                    entry["best_us"], entry["best_config"] = best[0], best[1].__dict__
+                    run = lambda p, c, x=x: nf4_linear(x, p, None, c)  # noqa: E731
+                    fastest(entry, sweep_configs(), run, packs, reference, f"{layer} {rows}")
                 summarize(entry, moved, copy_bandwidth)
                 print(json.dumps(entry), flush=True)
                 results.append(entry)

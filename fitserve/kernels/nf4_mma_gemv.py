@@ -43,7 +43,6 @@ from fitserve.kernels.mma_gemv_parts import _finish, _index, _wait_for_previous_
 
 BLOCK_CODES = 256  # codes of a row each loop step streams
 GROUP_CODES = 64  # codes under one absmax in the kernel's view (the smallest blocksize it takes)
-GROUP = gl.constexpr(GROUP_CODES)
 TILE_RANK = gl.constexpr(9)  # [G, row tile, n3, g, W, h, Jl, t, e]
 WORD_RANK = gl.constexpr(6)  # [G, row tile, n3, g, W, t]
 X_RANK = gl.constexpr(4)  # [G, t, pair, x row]
