@@ -173,7 +173,12 @@ class EngineArgs:
         type=int,
     )
     max_seq_len_to_capture: int = _flag(8192, f"{_NO_EFFECT}: use --compilation-config.", type=int)
-    disable_custom_all_reduce: bool = _flag(False, f"{_NO_EFFECT} (single device).", **_BOOL)
+    disable_custom_all_reduce: bool = _flag(
+        False,
+        "Tensor parallel on GPUs: send the decode step's small sums through NCCL instead of fitserve's "
+        "one-shot all-reduce over peer memory.",
+        **_BOOL,
+    )
     compilation_config: str | dict | None = _flag(
         None,
         'JSON object; fitserve reads "cudagraph_capture_sizes": [1, 2, 4, ...] (batch sizes captured as '

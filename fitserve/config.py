@@ -151,6 +151,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # where ranks 1.. run: "mp" (processes of this host) or "ray" (Ray actors, worker/ray_ranks.py)
     distributed_executor_backend: str = "mp"
+    # small GPU sums through NCCL instead of distributed/custom_all_reduce.py
+    disable_custom_all_reduce: bool = False
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,27 @@ def batch1_decode_seconds(llm, rng, runs: int = 3) -> list[float]:
     return times
 
 
+def engine_generate(llm, sampling_params, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """(seconds, output tokens) of one offline generate over token-id prompts, greedy with eos ignored, on
+    either engine (`sampling_params`: fitserve's or vLLM's SamplingParams class; the scripts that compare
+    the two run the same code on each)."""
+    params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    begin = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return time.perf_counter() - begin, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def engine_single_request(llm, sampling_params, rng) -> tuple[float, list[float]]:
+    """(output tok/s of the fastest, seconds of each) of 3 batch-1 requests of 128 random prompt tokens and
+    256 output tokens after an untimed warm-up one, on either engine (engine_generate)."""
+    times = []
+    for i in range(4):
+        seconds, _ = engine_generate(llm, sampling_params, [[rng.randint(0, 10000) for _ in range(128)]], 256)
+        if i:
+            times.append(seconds)
+    return 256 / min(times), times
+
+
 def save(workload: str, figures: dict, out: str | None = None) -> dict:
     result = {
         "workload": workload,

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, save  # noqa: I001
+from common import MODELS, TOKENIZER, engine_generate, engine_single_request, save  # noqa: I001
 
 SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b"}
 SETTINGS = {"load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 16, "gpu_memory_utilization": 0.9}
@@ -63,22 +63,12 @@ def run_one(engine: str, model: str, text_only: bool) -> dict:
     }
     rng = random.Random(0)
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        begin = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-        return time.perf_counter() - begin, sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    times = []
-    for i in range(4):
-        seconds, tokens = generate([[rng.randint(0, 10000) for _ in range(128)]], 256)
-        if i:
-            times.append(seconds)
-    figures["single_tok_per_s"] = round(256 / min(times), 1)
+    tok_per_s, times = engine_single_request(llm, SamplingParams, rng)
+    figures["single_tok_per_s"] = round(tok_per_s, 1)
     figures["single_seconds"] = [round(t, 3) for t in times]
     batch = [[rng.randint(0, 10000) for _ in range(512)] for _ in range(16)]
-    generate(batch[:2], 8)  # warm-up of the prompt shapes
-    seconds, tokens = generate(batch, 256)
+    engine_generate(llm, SamplingParams, batch[:2], 8)  # warm-up of the prompt shapes
+    seconds, tokens = engine_generate(llm, SamplingParams, batch, 256)
     figures["batch16_out_tok_per_s"] = round(tokens / seconds, 1)
     print("FIGURES " + json.dumps(figures), flush=True)
     return figures

@@ -21,6 +21,13 @@ without programmatic dependent launch.
 
   python benchmarks/gpu/skinny_gemm.py --split [--split-configs n32k256 n16k256 n32k128 n64k128x2]
       [--rows 1 4 8 16] [--out benchmarks/results/h100_skinny_split_gemm.json]
+
+With --tp-shapes: one rank's dense decode linears at tensor-parallel sizes --tp-sizes (column-parallel qkv
+and gate_up split N, row-parallel o and down split K) of --models (default Llama-3.1-8B, Llama-3.3-70B,
+Qwen3-8B): cuBLAS, skinny_gemm's two tiles and skinny_split_gemm at its chosen splits and at 2 and 4, with
+`routed`, the kernel layers/linear.py picks today.
+
+  python benchmarks/gpu/skinny_gemm.py --tp-shapes [--tp-sizes 1 2 4] [--rows 1 4 8 16]
 """
 
 from __future__ import annotations
@@ -188,6 +195,89 @@ def split_entries(models: list[str], rows_list: list[int], names: list[str], ban
     return results
 
 
+TP_MODELS = ("llama-3.1-8b", "llama-3.3-70b", "qwen3-8b")
+
+
+def tp_shapes(model: str, tp_size: int) -> dict[str, tuple[int, int]]:
+    """One rank's qkv / o / gate_up / down at tensor-parallel size tp_size (KV heads split, or one a rank
+    when there are fewer than ranks)."""
+    config = json.loads((MODELS / model / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = max(1, config["num_key_value_heads"] // tp_size)
+    inter = config["intermediate_size"] // tp_size
+    return {
+        "qkv": ((heads // tp_size + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads // tp_size * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+
+
+def routed_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The kernel layers/linear.dense_linear gives this call."""
+    from fitserve.kernels import skinny_gemm as skinny_module
+
+    if skinny_module.worth_it(x, weight):
+        return "skinny"
+    if split_module.worth_it(x, weight):
+        return "split"
+    return "cublas"
+
+
+def tp_entries(models: list[str], tp_sizes: list[int], rows_list: list[int], bandwidth: float) -> list[dict]:
+    """Per rank's weight and row count: cuBLAS, skinny_gemm (default and narrow tile), skinny_split_gemm
+    (n32k256 at its chosen splits, at 2 and 4, and n16k256 at its chosen splits)."""
+    from fitserve.kernels.skinny_gemm import NARROW_CONFIG
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seen = set()
+    results = []
+    for model, tp_size in itertools.product(models, tp_sizes):
+        for layer, (out_features, in_features) in tp_shapes(model, tp_size).items():
+            if (out_features, in_features) in seen:
+                continue
+            seen.add((out_features, in_features))
+            weight_bytes = out_features * in_features * 2
+            copies = max(2, -(-L2_BYTES_TO_BEAT // weight_bytes))
+            weights = [
+                torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
+                for _ in range(copies)
+            ]
+            for rows in rows_list:
+                x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+                reference = F.linear(x, weights[0]).float()
+                entry = {"model": model, "tp": tp_size, "layer": layer, "rows": rows}
+                entry |= {"n": out_features, "k": in_features, "routed": routed_kernel(x, weights[0])}
+                entry["cublas_us"] = time_us(lambda w, x=x: F.linear(x, w), weights)
+                for name, config in (("skinny", DEFAULT_CONFIG), ("skinny_narrow", NARROW_CONFIG)):
+                    check(skinny_gemm(x, weights[0], config=config), reference, f"{layer} {rows} {name}")
+                    timed = lambda w, x=x, c=config: skinny_gemm(x, w, config=c)  # noqa: E731
+                    entry[f"{name}_us"] = time_us(timed, weights)
+                for name in ("n32k256", "n16k256"):
+                    config = split_module.CONFIGS[name]
+                    chosen = split_module.choose_splits(out_features, in_features, config, sms)
+                    steps = -(-in_features // config.block_k)
+                    for splits in sorted({chosen, 2, 4} if name == "n32k256" else {chosen}):
+                        if splits > steps:
+                            continue
+                        split = split_module.skinny_split_gemm
+                        result = split(x, weights[0], config=config, splits=splits)
+                        check(result, reference, f"{layer} {name} {splits}")
+                        entry[f"split_{name}_s{splits}_us"] = time_us(
+                            lambda w, x=x, c=config, s=splits: split_module.skinny_split_gemm(
+                                x, w, config=c, splits=s
+                            ),
+                            weights,
+                        )
+                    entry[f"split_{name}_chosen_splits"] = chosen
+                add_fractions(entry, weight_bytes, bandwidth)
+                results.append(entry)
+            del weights
+            torch.cuda.empty_cache()
+    return results
+
+
 def print_side_by_side(results: list[dict], names: list[str]) -> None:
     """One line per weight and row count: cuBLAS and each split config, us and fraction of copy bw."""
     for entry in results:
@@ -223,9 +313,17 @@ def main() -> None:
         help="BLOCK_K steps a row skinny_split_gemm asks the L2 for before its PDL wait (0: off)",
     )
     parser.add_argument("--no-pdl", action="store_true", help="Launch without programmatic dependent launch.")
+    parser.add_argument("--tp-shapes", action="store_true", help="One rank's linears at --tp-sizes.")
+    parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     bandwidth = copy_bandwidth_bytes_per_s()
     dependent_launch.ENABLED = not args.no_pdl
+    if args.tp_shapes:
+        models = args.models if "--models" in sys.argv else list(TP_MODELS)
+        results = tp_entries(models, args.tp_sizes, args.rows, bandwidth)
+        figures = {"copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1), "layers": results}
+        save("skinny_tp_shapes", figures, args.out)
+        return
     if args.split:
         split_module.PREFETCH_STEPS = args.split_prefetch_steps
         models = args.models if "--models" in sys.argv else list(SPLIT_MODELS)

@@ -1,7 +1,8 @@
 """The all-reduce alone at decode sizes across the GPUs of one machine: NCCL against torch's symmetric-
 memory one-shot all-reduce (each rank reads every peer's buffer over NVLink and sums: one kernel, no
-NCCL protocol), microseconds per call, each measured inside a CUDA graph of 64 calls (as a decode step
-replays them) and eagerly.
+NCCL protocol) and fitserve's own (distributed/custom_all_reduce.py: each rank pushes its values to every
+peer and sums what arrived), microseconds per call, each measured inside a CUDA graph of 64 calls (as a
+decode step replays them) and eagerly.
 
   python benchmarks/gpu/tp_allreduce.py [--ranks 2] [--out FILE]
 """
@@ -60,6 +61,9 @@ def _rank(rank: int, size: int, port: int, results) -> None:
         device_id=torch.device("cuda", rank),
     )
     group_name = dist.group.WORLD.group_name
+    from fitserve.distributed.custom_all_reduce import MAX_BYTES, CustomAllReduce
+
+    custom = CustomAllReduce.create(dist.group.WORLD, rank, size, torch.device("cuda", rank), 600.0)
     rows = []
     for nbytes in SIZES_BYTES:
         numel = nbytes // 2
@@ -79,6 +83,10 @@ def _rank(rank: int, size: int, port: int, results) -> None:
             out.copy_(x)
             dist.all_reduce(out)
 
+        def fitserve_custom(x=x, out=out):
+            out.copy_(x)
+            custom(out)
+
         one_shot()
         torch.cuda.synchronize()
         one_shot_error = (out.float() - expected).abs().max().item()
@@ -94,6 +102,12 @@ def _rank(rank: int, size: int, port: int, results) -> None:
             "max_abs_error_nccl": nccl_error,
             "max_abs_error_one_shot": one_shot_error,
         }
+        if custom is not None and nbytes <= MAX_BYTES:
+            fitserve_custom()
+            torch.cuda.synchronize()
+            row["custom_exact"] = bool(torch.equal(out.float(), expected.to(out.dtype).float()))
+            row["custom_graph_us"] = round(_graph_us(fitserve_custom), 2)
+            row["custom_eager_us"] = round(_time_us(fitserve_custom), 2)
         rows.append(row)
     if rank == 0:
         results.put(rows)

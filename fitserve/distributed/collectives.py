@@ -1,7 +1,9 @@
 """The collectives a tensor-parallel forward and step need, as no-ops on one rank.
 
 - all_reduce: the sum of every rank's partial output (row-parallel linears, the vocab-parallel
-  embedding);
+  embedding), through fitserve's own one-shot kernel for small sums in CUDA graphs (custom_all_reduce.py);
+- all_reduce_add_rms_norm: that sum added to the residual stream and normalised, one kernel on GPUs
+  where the custom all-reduce runs;
 - gather_logits: every rank's slice of the vocabulary, joined on the first rank only (the one that
   samples, or with pipeline stages the last stage's first rank, which sends them on); the others get None;
 - broadcast_from_first: the first rank's sampled ids to every rank, so each reads a token still in
@@ -10,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -17,11 +21,41 @@ from fitserve.distributed.parallel_state import tp
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums x over the ranks, in place; returns x."""
+    """Sums x over the ranks, in place; returns x. Small sums on GPUs that run it go through
+    distributed/custom_all_reduce.py, the rest through the group's backend (NCCL, gloo)."""
     state = tp()
     if state.size > 1:
+        custom = _in_graph(state.custom_all_reduce)
+        if custom is not None and custom.takes(x):
+            return custom(x)
         dist.all_reduce(x, group=state.group)
     return x
+
+
+def _in_graph(custom: Any) -> Any:
+    """The custom all-reduce while a CUDA graph is being captured (every rank captures the same graphs at
+    the same point), else None. Its kernels pay in graph replays: eagerly each call's launch on the host
+    costs about what NCCL's does (benchmarks/results/h200x2_tp.json, "allreduce"), and eager steps (prompt
+    chunks past the captured sizes, --enforce-eager) keep NCCL, the path they were measured on."""
+    if custom is None or not torch.cuda.is_current_stream_capturing():
+        return None
+    return custom
+
+
+def all_reduce_add_rms_norm(
+    partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: the sum over the ranks of `partial` (a row-parallel layer's output before its all-reduce) added
+    to `residual`, and that normalised (kernels/norm.py fused_add_rms_norm's semantics); in place like it,
+    returns (normed, residual). One kernel where the custom all-reduce takes the rows (in a CUDA graph
+    being captured: `_in_graph`), else the all-reduce and then the norm."""
+    from fitserve.kernels.norm import fused_add_rms_norm
+
+    state = tp()
+    custom = _in_graph(state.custom_all_reduce)
+    if state.size > 1 and custom is not None and custom.takes_norm(partial, residual, weight):
+        return custom.add_rms_norm(partial, residual, weight, eps)
+    return fused_add_rms_norm(all_reduce(partial), residual, weight, eps)
 
 
 def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

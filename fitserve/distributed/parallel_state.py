@@ -38,6 +38,8 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None for size 1
     first_global_rank: int = 0  # the group's rank 0 as the world numbers it (its stage's first rank)
+    # distributed/custom_all_reduce.CustomAllReduce where the group's GPUs run it, else None (NCCL / gloo)
+    custom_all_reduce: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -120,6 +122,7 @@ def init_model_parallel(
     device_type: str,
     while_waiting: Callable[[], None] | None = None,
     device_index: int | None = None,
+    custom_all_reduce: bool = True,
 ) -> TensorParallel:
     """Joins the world of tensor_parallel_size x pipeline_parallel_size ranks at `address`
     (tcp://host:port) as global `rank`; every rank calls it with the same address. NCCL on CUDA (the
@@ -131,7 +134,10 @@ def init_model_parallel(
     Rank 0 holds the rendezvous store and waits until every other rank has reached it, calling
     `while_waiting` (which raises to give up: a rank died while starting) every 0.1 s; only then do all
     join the group, so a rank that dies early never leaves rank 0 in torch's rendezvous, which cannot be
-    interrupted and blocks every later one in the process."""
+    interrupted and blocks every later one in the process.
+
+    On GPUs, with `custom_all_reduce` (not --disable-custom-all-reduce), each tensor-parallel group then
+    sets up distributed/custom_all_reduce.py for its small sums where all of its GPUs can run it."""
     global _state, _pipeline
     size = tensor_parallel_size * pipeline_parallel_size
     if size == 1:
@@ -156,7 +162,8 @@ def init_model_parallel(
         store.set(f"fitserve/arrived/{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **options)
     if pipeline_parallel_size == 1:
-        _state, _pipeline = TensorParallel(rank, size, dist.group.WORLD), PipelineParallel()
+        custom = _custom_all_reduce(custom_all_reduce, device_type, dist.group.WORLD, rank, size, timeout)
+        _state, _pipeline = TensorParallel(rank, size, dist.group.WORLD, 0, custom), PipelineParallel()
         return _state
     stage, tp_rank = divmod(rank, tensor_parallel_size)
     group = None
@@ -165,9 +172,26 @@ def init_model_parallel(
         made = dist.new_group(members, timeout=timeout) if tensor_parallel_size > 1 else None
         if each == stage:
             group = made
-    _state = TensorParallel(tp_rank, tensor_parallel_size, group, stage * tensor_parallel_size)
+    custom = None
+    if group is not None:
+        wanted = custom_all_reduce
+        custom = _custom_all_reduce(wanted, device_type, group, tp_rank, tensor_parallel_size, timeout)
+    _state = TensorParallel(tp_rank, tensor_parallel_size, group, stage * tensor_parallel_size, custom)
     _pipeline = PipelineParallel(stage, pipeline_parallel_size, tensor_parallel_size)
     return _state
+
+
+def _custom_all_reduce(
+    wanted: bool, device_type: str, group: Any, rank: int, size: int, timeout: datetime.timedelta
+) -> Any:
+    """The group's custom all-reduce (every rank of it calls this at once), or None: not wanted, not
+    CUDA, or not runnable on every one of the group's GPUs."""
+    if not wanted or device_type != "cuda":
+        return None
+    from fitserve.distributed.custom_all_reduce import CustomAllReduce
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return CustomAllReduce.create(group, rank, size, device, timeout.total_seconds())
 
 
 def set_tensor_parallel(state: TensorParallel) -> None:
@@ -217,6 +241,8 @@ def abort_tensor_parallel() -> None:
     timeout. Called from a monitor thread; the group is unusable afterwards. With pipeline stages the
     whole world is aborted (every stage's group with it): a stage may wait in a send or receive."""
     group = _state.group
+    if _state.custom_all_reduce is not None:  # its kernels wait for the dead rank outside NCCL
+        _state.custom_all_reduce.abort()
     if _pipeline.size > 1 and dist.is_initialized():
         group = dist.group.WORLD
     if group is None:

@@ -440,6 +440,28 @@ def _e4m3_kv_cache(target: Target, full: bool) -> None:
     paged_prefill_attention(q, kv_cache, starts, seq_lens, tables, 1, 0.1)
 
 
+def _tp_all_reduce(target: Target, full: bool) -> None:
+    """The custom all-reduce (distributed/custom_all_reduce.py) and its fused RMSNorm at 2, 4 and 8 ranks (the
+    subset: 2), every rank's buffers as the launchers take them, a decode step's rows at hidden 4,096 and
+    8,192 (and float32, which the plain one takes)."""
+    from fitserve.kernels import one_shot_all_reduce as plain
+    from fitserve.kernels import one_shot_all_reduce_norm as fused
+
+    for world in (2, 4, 8) if full else (2,):
+        flags = [torch.zeros(plain.MAX_PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
+        timeout_ns = 600 * 10**9  # the default collective timeout: an int64 argument, as the engine passes it
+        counters = torch.zeros(plain.MAX_PROGRAMS, dtype=torch.int64)
+        sync = (counters, torch.zeros(1, dtype=torch.int32), timeout_ns)
+        for dtype in (*activation_dtypes(target, full), torch.float32):
+            data = [_empty(2 * world * plain.MAX_PROGRAMS * plain.CHUNK, dtype=dtype) for _ in range(world)]
+            plain.one_shot_all_reduce(_empty(4096, dtype=dtype), world - 1, data, flags, *sync)
+        for dtype in activation_dtypes(target, full):
+            data = [_empty(2 * world * fused.MAX_ROWS * fused.ROW_SLOT, dtype=dtype) for _ in range(world)]
+            for hidden in (4096, 8192):
+                rows, weight = _empty(4, hidden, dtype=dtype), _empty(hidden, dtype=dtype)
+                fused.one_shot_all_reduce_norm(rows, rows, weight, 1e-6, 0, data, flags, *sync)
+
+
 LAUNCH_CASES: dict[str, Case] = {
     "decode_attention": _decode_attention,
     "prefill_attention": _prefill_attention,
@@ -455,4 +477,5 @@ LAUNCH_CASES: dict[str, Case] = {
     "gated_delta": _gated_delta,
     "qwen3_5_fused": _qwen3_5_fused,
     "e4m3_kv_cache": _e4m3_kv_cache,
+    "tp_all_reduce": _tp_all_reduce,
 }

@@ -7,7 +7,7 @@ features and every row of x: it streams its BLOCK_N x K slice of W in BLOCK_K ch
 NUM_STAGES loads) and multiplies on the tensor cores with x padded to BLOCK_M rows. W is read exactly
 once; x (at most 16 x K) stays in cache. No split over K, so no second pass and no workspace: the
 N / BLOCK_N programs alone must fill the GPU, which holds for the 7B-class and larger weights this is
-used for (`worth_it`: N >= 4096 gives >= 128 programs); smaller ones stay on cuBLAS.
+used for (`worth_it`: N >= 3072 gives >= 96 programs); smaller ones stay on cuBLAS.
 
 At batch 1 it reads most Llama-3.1-8B weights faster than cuBLAS does (benchmarks/gpu/skinny_gemm.py;
 figures in docs/performance.md, section "The skinny GEMM kernel"). At 32 and 64 rows the two are within
@@ -34,9 +34,14 @@ from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
 
 # Rows of x this kernel takes (one tensor-core tile of x).
 MAX_ROWS = 16
-# Smallest weight worth it: enough programs to fill the GPU, and enough bytes that streaming dominates.
-MIN_OUT_FEATURES = 4096
-MIN_IN_FEATURES = 2048
+# Smallest weight worth it: enough programs to fill most of the GPU, and enough bytes that streaming
+# dominates. One rank's weights at tensor-parallel sizes 2 and 4 set the lower ends (benchmarks/gpu/
+# skinny_gemm.py --tp-shapes, benchmarks/results/h200_skinny_tp_shapes.json, batch 1 to 16 on an H200):
+# Llama-3.1-8B's qkv at TP 2, 3,072 x 4,096 (96 programs), 9.5 us against cuBLAS's 10.8 (and
+# skinny_split_gemm's 10.7); its o_proj at TP 4, 4,096 x 1,024, 4.4 against 5.3. Llama-3.3-70B's qkv at
+# TP 4, 2,560 x 8,192 (80 programs), stays on cuBLAS (14.6 against 16.1).
+MIN_OUT_FEATURES = 3072
+MIN_IN_FEATURES = 1024
 # Bytes at the head of each of a program's weight rows that it asks the L2 to fetch before waiting for
 # the previous kernel (programmatic dependent launch only; 0 turns it off). kernels/l2_prefetch.py.
 PREFETCH_ROW_BYTES = 2048

@@ -25,9 +25,12 @@ from fitserve.kernels.capability import kernel_capability, shared_memory_per_blo
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.l2_prefetch import prefetch_row_heads, row_head_bytes
-from fitserve.kernels.skinny_gemm import MIN_IN_FEATURES, MIN_OUT_FEATURES, streams_rows
+from fitserve.kernels.skinny_gemm import streams_rows
 
 MIN_ROWS = 17  # up to 16 rows skinny_gemm is faster
+# The smallest weights it takes (as skinny_gemm's before tensor-parallel shapes were measured there).
+MIN_OUT_FEATURES = 4096
+MIN_IN_FEATURES = 2048
 MAX_ROWS = 32  # x's rows are padded to this many (one compiled variant)
 # Weight rows a program: the warpgroup MMA's side. 32 (twice the programs for o_proj's 4,096 rows, on
 # Ampere-style MMAs) made the batch-32 decode graph slower: 8.15 against 7.67 ms.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fitserve.distributed.collectives import all_reduce, all_reduce_add_rms_norm
 from fitserve.layers.cpu.c_kernels.library import load_cpu_kernels
 from fitserve.layers.cpu.rms_norm import cpu_rms_norm
 from fitserve.layers.linear import default_weight_loader
@@ -58,6 +59,15 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         summed = x + residual
         return self._norm(summed), summed
+
+    def forward_sum(self, partial: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(sum of `partial` over the tensor-parallel ranks, residual): `partial` is a row-parallel
+        layer's output before its all-reduce (RowParallelLinear.forward(x, reduce=False)). On GPUs the
+        sum, the add and the norm are one kernel where the custom all-reduce takes them
+        (distributed/collectives.py); on one rank the sum is `partial` itself."""
+        if partial.is_cuda and partial.dtype == residual.dtype:
+            return all_reduce_add_rms_norm(partial, residual, self.weight, self.eps)
+        return self.forward(all_reduce(partial), residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -332,8 +332,11 @@ class RowParallelLinear(LinearBase):
         size = self.input_size_per_rank
         return rank_rows(loaded_weight, loaded_weight.dim() - 1, self.tp_rank * size, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.linear_method.apply(self, x))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """This rank's x @ W.T summed over the ranks; reduce=False leaves this rank's partial sum to the
+        layer after it (RMSNorm.forward_sum adds it up with the norm)."""
+        out = self.linear_method.apply(self, x)
+        return all_reduce(out) if reduce else out
 
 
 class PackedColumnLinear(ColumnParallelLinear):

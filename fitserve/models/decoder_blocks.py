@@ -105,9 +105,10 @@ class GatedMLP(nn.Module):
             linear_method=quantized(quant, prefix, "down_proj", ("down_proj",)),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Calls the sublayers' forward directly (see DecoderLayer)."""
-        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """Calls the sublayers' forward directly (see DecoderLayer); reduce=False: down_proj's partial sum
+        (RowParallelLinear.forward)."""
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)), reduce)
 
 
 class DecoderAttention(nn.Module):
@@ -169,8 +170,9 @@ class DecoderAttention(nn.Module):
         q, k, v, qk_norm = self._split(qkv)
         return self.attn.forward(q, k, v, rope, qk_norm)
 
-    def forward(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
-        return self.o_proj.forward(self.attend(self.qkv_proj.forward(hidden), rope))
+    def forward(self, hidden: torch.Tensor, rope: StepRope, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: o_proj's partial sum (RowParallelLinear.forward)."""
+        return self.o_proj.forward(self.attend(self.qkv_proj.forward(hidden), rope), reduce)
 
     def write_kv(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
         """forward up to the attention core: the qkv projection, then k/v into the cache (rotated and
@@ -178,12 +180,12 @@ class DecoderAttention(nn.Module):
         q, k, v, qk_norm = self._split(self.qkv_proj.forward(hidden))
         return self.attn.write_kv(q, k, v, rope, qk_norm)
 
-    def forward_cpu(self, hidden: torch.Tensor, rope: StepRope) -> torch.Tensor:
+    def forward_cpu(self, hidden: torch.Tensor, rope: StepRope, reduce: bool = True) -> torch.Tensor:
         """forward with rope tables (the CPU). Without q/k norms, q and k sit side by side in the qkv
         output, so one rotation covers both sets of heads: the same values as rotating each, in fewer
         ops."""
         if self.q_norm is not None:
-            return self.forward(hidden, rope)
+            return self.forward(hidden, rope, reduce)
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
@@ -191,7 +193,7 @@ class DecoderAttention(nn.Module):
             qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj.forward(self.attn.forward(q, k, qkv[:, qk_size:]))
+        return self.o_proj.forward(self.attn.forward(q, k, qkv[:, qk_size:]), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -217,35 +219,45 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: StepRope, partial: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes the previous layer's (mlp output, residual stream); returns this layer's.
+
+        partial=True: the mlp outputs, taken (unless residual is None: the embeddings) and returned, are
+        this tensor-parallel rank's partial sums, before down_proj's all-reduce; the norm after each
+        row-parallel layer sums them (RMSNorm.forward_sum: on GPUs the all-reduce, the residual add and
+        the norm are one kernel). DecoderModel.forward's main loop runs so and sums the last layer's in
+        its final norm.
 
         The sublayers' forward is called directly, not through nn.Module.__call__: steps that are not
         CUDA graphs (every CPU step, a GPU's prefill chunks) are bound by per-call host overheads, and
         __call__ is one of them (~1 ms of a ~21 ms SmolLM2 CPU step at batch 1). None of the sublayers
         carries hooks: --cpu-offload-gb hooks whole decoder layers, which are still called as modules.
         With rope tables (the CPU path) attention takes DecoderAttention.forward_cpu."""
-        hidden, residual = self.norm_input(hidden, residual)
+        hidden, residual = self.norm_input(hidden, residual, partial)
         attend = self.self_attn.forward_cpu if rope.cos is not None else self.self_attn.forward
-        return self.feed_forward(attend(hidden, rope), residual)
+        return self.feed_forward(attend(hidden, rope, reduce=False), residual, partial)
 
     def norm_input(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, partial: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The input RMSNorm, which adds hidden into the residual stream (the first layer starts that
-        stream from the embeddings). Returns (normalised, residual)."""
+        stream from the embeddings). Returns (normalised, residual). partial: hidden is the previous
+        layer's mlp output before its all-reduce (forward)."""
         if residual is None:
             return self.input_layernorm.forward(hidden), hidden
+        if partial:
+            return self.input_layernorm.forward_sum(hidden, residual)
         return self.input_layernorm.forward(hidden, residual)
 
     def feed_forward(
-        self, attention_output: torch.Tensor, residual: torch.Tensor
+        self, attention_partial: torch.Tensor, residual: torch.Tensor, partial: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj's output -> (mlp output, residual): the post-attention RMSNorm (adding into the
-        residual stream), then the MLP."""
-        hidden, residual = self.post_attention_layernorm.forward(attention_output, residual)
-        return self.mlp.forward(hidden), residual
+        """o_proj's output before its all-reduce -> (mlp output, residual): the post-attention RMSNorm
+        (summing it over the ranks and adding it into the residual stream), then the MLP, whose output is
+        returned before its all-reduce with partial (forward)."""
+        hidden, residual = self.post_attention_layernorm.forward_sum(attention_partial, residual)
+        return self.mlp.forward(hidden, reduce=not partial), residual
 
 
 class MissingLayer(nn.Module):
@@ -335,9 +347,9 @@ class DecoderModel(nn.Module):
             self._keep_aux(len(self.layers), hidden, residual)
             hidden, _ = self.norm(hidden, residual)
             return hidden
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope)
-        hidden, _ = self.norm(hidden, residual)
+        for layer in self.layers:  # each layer's mlp output stays a partial sum until the next norm
+            hidden, residual = layer(hidden, residual, rope, partial=True)
+        hidden, _ = self.norm.forward_sum(hidden, residual)
         return hidden
 
     def _stage_forward(
@@ -376,13 +388,17 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             if self.aux_slots:  # EAGLE-3: copied inside the piece before the core (see keep_aux_hidden)
                 self._keep_aux(index, hidden, residual)
-            hidden, residual = layer.norm_input(hidden, residual)
+            partial = residual is not None and not self.aux_slots  # the mlp outputs' sums wait for the norms
+            hidden, residual = layer.norm_input(hidden, residual, partial)
             q_out.copy_(layer.self_attn.write_kv(hidden, rope))
             yield layer.self_attn.attn
-            hidden, residual = layer.feed_forward(layer.self_attn.o_proj.forward(attn_out_rows), residual)
+            attention_partial = layer.self_attn.o_proj.forward(attn_out_rows, reduce=False)
+            hidden, residual = layer.feed_forward(attention_partial, residual, partial=not self.aux_slots)
         if self.aux_slots:
             self._keep_aux(len(self.layers), hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, _ = self.norm(hidden, residual)
+            return hidden
+        hidden, _ = self.norm.forward_sum(hidden, residual)
         return hidden
 
 

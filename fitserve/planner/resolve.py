@@ -167,6 +167,7 @@ def engine_config_from_fit(args: EngineArgs, fit: FitResult) -> EngineConfig:
             inputs.tensor_parallel_size,
             args.pipeline_parallel_size,
             "ray" if args.distributed_executor_backend == "ray" else "mp",
+            args.disable_custom_all_reduce,
         ),
         device=DeviceConfig(device),
         compilation=CompilationConfig(

@@ -216,6 +216,7 @@ class MultiprocExecutor:
                 device_type,
                 while_waiting=self._check,
                 device_index=first_device,
+                custom_all_reduce=not config.parallel.disable_custom_all_reduce,
             )
             self.runner = ModelRunner(config)
             self.runner.step_sender = self._send_step
@@ -302,7 +303,12 @@ class MultiprocExecutor:
         """work(), with an error caused by a failed rank (a collective aborted) raised as that failure."""
         self._check()
         try:
-            return work()
+            result = work()
+            # a rank failed while this ran: its collectives were aborted and what it returns is garbage
+            self._check()
+            return result
+        except RankFailedError:
+            raise
         except Exception as error:
             if self._failure is None:
                 self._notice_dead_rank()  # the collective may fail before the reply reader sees the exit

@@ -93,6 +93,7 @@ def run_rank(
             address,
             device_type,
             device_index=device_index,
+            custom_all_reduce=not parallel.disable_custom_all_reduce,
         )
         runner = ModelRunner(config)
         drafter = rank_drafter(config, runner)  # the MTP layer's shard, counted in the KV cache sizing

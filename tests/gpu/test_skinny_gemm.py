@@ -85,6 +85,12 @@ def test_linear_layers_use_it_for_large_weights_and_few_rows_only() -> None:
     assert not worth_it(torch.empty(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16), big)
     assert not worth_it(torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16), small)
     assert not worth_it(torch.empty(1, 4096, device="cuda", dtype=torch.float32), big.float())
+    # one rank's weights under tensor parallel (MIN_OUT_FEATURES, MIN_IN_FEATURES)
+    one = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert worth_it(one, torch.empty(3072, 4096, device="cuda", dtype=torch.bfloat16))  # 8B qkv, TP 2
+    assert worth_it(one[:, :1024], torch.empty(4096, 1024, device="cuda", dtype=torch.bfloat16))  # o, TP 4
+    wide = torch.empty(1, 8192, device="cuda", dtype=torch.bfloat16)
+    assert not worth_it(wide, torch.empty(2560, 8192, device="cuda", dtype=torch.bfloat16))  # 70B qkv, TP 4
     x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(dense_linear(x, big.normal_()), F.linear(x, big))
 

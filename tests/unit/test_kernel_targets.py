@@ -57,7 +57,14 @@ def test_every_variant_compiles_and_fits(name: str) -> None:
     assert not failed, f"{len(failed)} of {len(rows)} variants do not launch on {name}:\n" + "\n".join(failed)
     kernels = {row["kernel"] for row in rows}
     # every launch case reached its kernels (a case that stopped early would hide the rest)
-    for kernel in ("_decode_partition_kernel", "_prefill_kernel", "_rms_norm_kernel", "_int4_gemv_kernel"):
+    for kernel in (
+        "_decode_partition_kernel",
+        "_prefill_kernel",
+        "_rms_norm_kernel",
+        "_int4_gemv_kernel",
+        "_one_shot_all_reduce_kernel",
+        "_one_shot_all_reduce_norm_kernel",
+    ):
         assert kernel in kernels, f"{kernel} was not compiled for {name}: {sorted(kernels)}"
     pdl = {row["options"].get("USE_PDL") for row in rows if "USE_PDL" in row["options"]}
     assert pdl == ({True} if name == "sm_90" else {False}), f"USE_PDL on {name}: {pdl}"

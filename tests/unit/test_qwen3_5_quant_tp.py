@@ -164,8 +164,12 @@ def assert_same(got: list[Any], want: list[Any]) -> None:
         for position_ours, position_theirs in zip(
             ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True
         ):
+            lowest_ours = min(e.logprob for e in position_ours.values())
             for token_id, entry in position_theirs.items():
-                assert abs(position_ours[token_id].logprob - entry.logprob) < 1e-3
+                if token_id in position_ours:
+                    assert abs(position_ours[token_id].logprob - entry.logprob) < 1e-3
+                else:  # a near-tie at the edge of the top logprobs, ordered the other way by TP's sums
+                    assert entry.logprob - lowest_ours < 1e-3
 
 
 @pytest.mark.parametrize("kind", ["ct", "awq"])

@@ -22,14 +22,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, size: int, address: str, args: tuple, results: Any) -> None:
+def _rank_main(
+    fn: Callable[..., Any], rank: int, size: int, address: str, args: tuple, results: Any, device_type: str
+) -> None:
     import torch
 
     from fitserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     torch.set_num_threads(1)
     try:
-        init_tensor_parallel(rank, size, address, "cpu")
+        init_tensor_parallel(rank, size, address, device_type)
         # by value: torch would share tensors through file descriptors that die with the process
         results.put((rank, True, pickle.dumps(fn(rank, *args))))
     except BaseException:  # noqa: BLE001 - reported to the test with its traceback
@@ -38,12 +40,17 @@ def _rank_main(fn: Callable[..., Any], rank: int, size: int, address: str, args:
         destroy_tensor_parallel()
 
 
-def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], size: int, *args: Any, timeout_s: float = 240.0, device_type: str = "cpu"
+) -> list[Any]:
+    """`device_type` "cuda": rank r on cuda:r, in an NCCL group (with the custom all-reduce where it runs)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     address = f"tcp://127.0.0.1:{free_port()}"
     processes = [
-        context.Process(target=_rank_main, args=(fn, rank, size, address, args, results), daemon=True)
+        context.Process(
+            target=_rank_main, args=(fn, rank, size, address, args, results, device_type), daemon=True
+        )
         for rank in range(size)
     ]
     for process in processes:
