@@ -255,7 +255,12 @@ def _peer_access_check(gpus: Sequence[DeviceSpec]) -> Check:
     words = {True: "yes", False: "no", None: "unknown"}
     detail = ", ".join(f"GPU {a}<->{b} {words[found]}" for (a, b), found in access.items())
     if all(found for found in access.values()):
-        return Check("PASS", "GPU peer access", f"{detail}: NCCL copies GPU to GPU")
+        return Check(
+            "PASS",
+            "GPU peer access",
+            f"{detail}: NCCL copies GPU to GPU, and the decode steps' small sums take fitserve's own "
+            "all-reduce over peer memory",
+        )
     if any(found is None for found in access.values()):
         return Check(
             "WARN",
@@ -266,8 +271,8 @@ def _peer_access_check(gpus: Sequence[DeviceSpec]) -> Check:
     return Check(
         "WARN",
         "GPU peer access",
-        f"{detail}: NCCL goes through host memory between the pairs without it (slower tensor-parallel "
-        "steps)",
+        f"{detail}: NCCL goes through host memory between the pairs without it, and a group with such a "
+        "pair sums through NCCL alone, without fitserve's own all-reduce (slower tensor-parallel steps)",
         "pick GPUs that reach each other with CUDA_VISIBLE_DEVICES (nvidia-smi topo -m shows the links), "
         "or check that the IOMMU or PCIe ACS settings do not block peer access",
     )

@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel forward and step need, as no-ops on one rank.
 
 - all_reduce: the sum of every rank's partial output (row-parallel linears, the vocab-parallel
-  embedding), through fitserve's own one-shot kernel for small sums in CUDA graphs (custom_all_reduce.py);
+  embedding), through fitserve's own one-shot kernel for small sums in the CUDA graphs' forwards
+  (custom_all_reduce.py, graph_forwards);
 - all_reduce_add_rms_norm: that sum added to the residual stream and normalised, one kernel on GPUs
   where the custom all-reduce runs;
 - gather_logits: every rank's slice of the vocabulary, joined on the first rank only (the one that
@@ -12,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,14 +35,30 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# True while the graph runners warm up and capture their forwards (graph_forwards).
+_graph_forwards = False
+
+
+@contextlib.contextmanager
+def graph_forwards() -> Iterator[None]:
+    """Inside, the custom all-reduce takes the small sums (where the group has one): worker/cuda_graphs.py
+    and piecewise_graphs.py run their warm-up forwards (which compile its kernels before any capture) and
+    their captures in here, so it runs in every graph replay. Every rank warms up and captures the same
+    graphs in the same order, so all ranks take the same path for every call."""
+    global _graph_forwards
+    before = _graph_forwards
+    _graph_forwards = True
+    try:
+        yield
+    finally:
+        _graph_forwards = before
+
+
 def _in_graph(custom: Any) -> Any:
-    """The custom all-reduce while a CUDA graph is being captured (every rank captures the same graphs at
-    the same point), else None. Its kernels pay in graph replays: eagerly each call's launch on the host
-    costs about what NCCL's does (benchmarks/results/h200x2_tp.json, "allreduce"), and eager steps (prompt
-    chunks past the captured sizes, --enforce-eager) keep NCCL, the path they were measured on."""
-    if custom is None or not torch.cuda.is_current_stream_capturing():
-        return None
-    return custom
+    """The custom all-reduce inside graph_forwards, else None. Its kernels pay in graph replays: eagerly
+    each call's launch on the host costs about what NCCL's does (benchmarks/results/h200x2_tp.json,
+    "allreduce"), and eager steps (prompt chunks past the captured sizes, --enforce-eager) keep NCCL."""
+    return custom if _graph_forwards else None
 
 
 def all_reduce_add_rms_norm(
@@ -47,8 +66,8 @@ def all_reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CUDA: the sum over the ranks of `partial` (a row-parallel layer's output before its all-reduce) added
     to `residual`, and that normalised (kernels/norm.py fused_add_rms_norm's semantics); in place like it,
-    returns (normed, residual). One kernel where the custom all-reduce takes the rows (in a CUDA graph
-    being captured: `_in_graph`), else the all-reduce and then the norm."""
+    returns (normed, residual). One kernel where the custom all-reduce takes the rows (in the graph
+    runners' forwards: `graph_forwards`), else the all-reduce and then the norm."""
     from fitserve.kernels.norm import fused_add_rms_norm
 
     state = tp()

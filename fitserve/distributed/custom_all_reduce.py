@@ -2,11 +2,12 @@
 
 `CustomAllReduce.create` sets it up once the tensor-parallel group exists (distributed/parallel_state.py):
 every rank allocates its buffers and flags in torch's symmetric memory (the same allocation mapped into
-every rank's address space, over NVLink or PCIe peer access). In the CUDA graphs the model runner
-captures (decode steps, prompt pieces), distributed/collectives.py then sends a sum of at most MAX_BYTES
-here (kernels/one_shot_all_reduce.py) and anything larger to NCCL, and a sum followed by the residual add
-and an RMSNorm (a decoder's norms after o_proj and down_proj) to kernels/one_shot_all_reduce_norm.py.
-Eager steps keep NCCL (collectives._in_graph says why).
+every rank's address space, over NVLink or PCIe peer access). In the forwards the model runner's graph
+runners warm up and capture (decode steps, prompt pieces: collectives.graph_forwards),
+distributed/collectives.py then sends a sum of at most MAX_BYTES here (kernels/one_shot_all_reduce.py) and
+anything larger to NCCL, and a sum followed by the residual add and an RMSNorm (a decoder's norms after
+o_proj and down_proj) to kernels/one_shot_all_reduce_norm.py. Eager steps keep NCCL (collectives._in_graph
+says why).
 
 Whether it is used is one decision of the whole group: every rank must take the same path for every
 call, so a rank on which it cannot run (no peer access between two of the GPUs, ranks on several
@@ -104,6 +105,13 @@ class CustomAllReduce:
                 f"({type(error).__name__}: {error}): run with --disable-custom-all-reduce"
             ) from error
         dist.barrier(group=group)  # every rank's flags are zero before anyone's first call
+        if rank == 0:
+            logger.info(
+                "Custom all-reduce on: sums of up to %d KB in the CUDA graphs go over peer memory "
+                "between the %d GPUs (--disable-custom-all-reduce: NCCL)",
+                MAX_BYTES >> 10,
+                world,
+            )
         return custom
 
     def takes(self, x: torch.Tensor) -> bool:

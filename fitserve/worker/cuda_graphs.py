@@ -24,6 +24,7 @@ from unittest import mock
 
 import torch
 
+from fitserve.distributed.collectives import graph_forwards
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.layers.gated_delta_rule import DeltaNetStepSlots
 
@@ -135,15 +136,17 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info()[0]
         started = time.perf_counter()
         for batch in reversed(self.capture_sizes):
-            self._forward(batch)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # torch.cuda.graph empties the allocator's cache before every capture: the first time frees
-            # what profiling left, later times only hand the warm-up's blocks back to the driver, to be
-            # allocated again right after.
-            with keep_allocator_cache(first=self.pool is None), torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(batch)
-                self.hidden[:batch].copy_(out)
+            # tensor parallel: the custom all-reduce's kernels in these forwards (graph_forwards)
+            with graph_forwards():
+                self._forward(batch)  # warm-up: Triton compiles and autotunes outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # torch.cuda.graph empties the allocator's cache before every capture: the first time frees
+                # what profiling left, later times only hand the warm-up's blocks back to the driver, to be
+                # allocated again right after.
+                with keep_allocator_cache(first=self.pool is None), torch.cuda.graph(graph, pool=self.pool):
+                    out = self._forward(batch)
+                    self.hidden[:batch].copy_(out)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = graph

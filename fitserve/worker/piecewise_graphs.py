@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fitserve.distributed.collectives import graph_forwards
 from fitserve.layers.attention.layer import Attention
 from fitserve.layers.attention.metadata import AttentionMetadata, forward_context
 from fitserve.worker.cuda_graphs import keep_allocator_cache, smallest_size_holding
@@ -86,7 +87,8 @@ class PiecewiseGraphRunner:
         free_before = torch.cuda.mem_get_info()[0]
         started = time.perf_counter()
         for size in reversed(self.sizes):
-            with forward_context(self._capture_metadata(size), self.kv_caches):
+            # tensor parallel: the custom all-reduce's kernels in these forwards (graph_forwards)
+            with graph_forwards(), forward_context(self._capture_metadata(size), self.kv_caches):
                 for _ in self._pieces(size):  # warm-up: Triton compiles outside the capture
                     pass
                 torch.cuda.synchronize()

@@ -1,8 +1,9 @@
 """The custom all-reduce (distributed/custom_all_reduce.py, kernels/one_shot_all_reduce.py and
 one_shot_all_reduce_norm.py) on two GPUs: bit-exact sums in rank order for every size and dtype it takes,
-called directly and replayed in CUDA graphs (where collectives.all_reduce sends them), in long runs of
-calls of changing sizes beside NCCL's; the fused all-reduce + RMSNorm equals the two kernels; a rank left
-waiting for a peer ends when aborted, and traps at its timeout instead of hanging."""
+called directly and replayed in CUDA graphs (the graph runners' forwards, where collectives.all_reduce
+sends them: collectives.graph_forwards), in long runs of calls of changing sizes beside NCCL's; the fused
+all-reduce + RMSNorm equals the two kernels; a rank left waiting for a peer ends when aborted, and traps at
+its timeout instead of hanging."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_eager_sums_are_bit_exact_in_rank_order():
 def _graph_sums(rank: int) -> list[bool]:
     import torch.distributed as dist
 
-    from fitserve.distributed.collectives import all_reduce, all_reduce_add_rms_norm
+    from fitserve.distributed.collectives import all_reduce, all_reduce_add_rms_norm, graph_forwards
     from fitserve.distributed.parallel_state import tp
     from fitserve.kernels.norm import fused_add_rms_norm
 
@@ -92,14 +93,13 @@ def _graph_sums(rank: int) -> list[bool]:
         new_residual.copy_(residual)
         all_reduce_add_rms_norm(normed, new_residual, weight, 1e-5)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # warm-up, as the model runner's capture does
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # as the graph runners do: a warm-up forward (the kernels compile there), then the capture
+    with graph_forwards():
         body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
     exact = []
     for replay in range(40):
         for i, ((numel, dtype), x) in enumerate(zip(sizes, inputs)):

@@ -58,3 +58,20 @@ def test_the_flag_reaches_the_engine_config(disable: bool):
     config = engine_config_from_fit(args, auto_fit(model, args, parse_assume_gpus("2x16@8.9")))
     assert config.parallel.tensor_parallel_size == 2
     assert config.parallel.disable_custom_all_reduce is disable
+
+
+def test_only_the_graph_runners_forwards_send_sums_to_it():
+    """Eager steps keep NCCL; the graph runners' warm-up and capture forwards (graph_forwards) take the
+    custom all-reduce, nested or not, and leave it when done."""
+    from fitserve.distributed import collectives
+
+    group_custom = object()  # what tp().custom_all_reduce holds on a GPU group that runs it
+    assert collectives._in_graph(group_custom) is None
+    assert collectives._in_graph(None) is None
+    with collectives.graph_forwards():
+        assert collectives._in_graph(group_custom) is group_custom
+        with collectives.graph_forwards():
+            assert collectives._in_graph(group_custom) is group_custom
+        assert collectives._in_graph(group_custom) is group_custom
+        assert collectives._in_graph(None) is None
+    assert collectives._in_graph(group_custom) is None

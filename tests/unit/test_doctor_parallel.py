@@ -46,7 +46,8 @@ def test_gpus_that_reach_each_other_pass(nccl: dict) -> None:
     checks = by_title(parallel_checks(host(), [h100(0), h100(1), h100(2)]))
     assert checks["NCCL"].line() == "PASS NCCL: 2.27.3: tensor-parallel ranks all-reduce through it"
     assert checks["GPU peer access"].line() == (
-        "PASS GPU peer access: GPU 0<->1 yes, GPU 0<->2 yes, GPU 1<->2 yes: NCCL copies GPU to GPU"
+        "PASS GPU peer access: GPU 0<->1 yes, GPU 0<->2 yes, GPU 1<->2 yes: NCCL copies GPU to GPU, and the "
+        "decode steps' small sums take fitserve's own all-reduce over peer memory"
     )
     assert checks["tensor parallel"].line() == (
         "PASS tensor parallel: 3 alike GPUs: auto-fit picks the smallest --tensor-parallel-size that fits "
@@ -59,6 +60,7 @@ def test_a_pair_without_peer_access_warns_with_the_fix(nccl: dict) -> None:
     check = by_title(parallel_checks(host(), [h100(0), h100(1)]))["GPU peer access"]
     assert check.status == "WARN"
     assert check.detail.startswith("GPU 0<->1 no: NCCL goes through host memory")
+    assert "without fitserve's own all-reduce" in check.detail
     assert "CUDA_VISIBLE_DEVICES (nvidia-smi topo -m shows the links)" in check.fix
     nccl[(0, 1)] = None  # the driver would not say
     unknown = by_title(parallel_checks(host(), [h100(0), h100(1)]))["GPU peer access"]
