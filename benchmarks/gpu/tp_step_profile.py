@@ -98,21 +98,29 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+# Calls the profiler runs before the recorded window: its start (slow, and at a different moment on each
+# rank) must not hold up the other ranks inside the window, where they would wait in their all-reduces.
+PROFILER_WARMUP_STEPS = 8
+
+
 def profile_steps(method_owner, method_name: str, rank: int, out_dir: Path) -> None:
-    """Wraps a ModelRunner method so that its calls first .. first + steps (WINDOW_ENV) run under
-    torch.profiler; at the end the rank's summary and trace go to out_dir."""
+    """Wraps a ModelRunner method so that its calls first .. first + steps (WINDOW_ENV) are recorded by
+    torch.profiler (started PROFILER_WARMUP_STEPS calls before); at the end the rank's summary and trace go
+    to out_dir."""
     import torch
 
     first, steps = (int(v) for v in os.environ[WINDOW_ENV].split(","))
+    start_at = max(0, first - PROFILER_WARMUP_STEPS)
     original = getattr(method_owner, method_name)
     state = {"calls": 0, "profiler": None, "host_ms": [], "starts": []}
 
     def wrapped(self, *args, **kwargs):
         calls = state["calls"]
-        if calls == first:
+        if calls == start_at:
             synchronize()
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            state["profiler"] = torch.profiler.profile(activities=activities)
+            schedule = torch.profiler.schedule(wait=0, warmup=first - start_at, active=steps, repeat=1)
+            state["profiler"] = torch.profiler.profile(activities=activities, schedule=schedule)
             state["profiler"].__enter__()
         if calls == first + steps and state["profiler"] is not None:
             synchronize()
@@ -127,6 +135,8 @@ def profile_steps(method_owner, method_name: str, rank: int, out_dir: Path) -> N
             if first <= calls < first + steps:
                 state["host_ms"].append((time.perf_counter() - started) * 1e3)
                 state["starts"].append(started)
+            if state["profiler"] is not None:
+                state["profiler"].step()
 
     setattr(method_owner, method_name, wrapped)
 

@@ -179,7 +179,10 @@ def _why_not(group: Any, rank: int, world: int, device: torch.device) -> str | N
     problem = None
     if len({host for host, _, _ in placement}) > 1:
         problem = "the ranks run on more than one machine"
-    elif any(count != torch.cuda.device_count() for _, _, count in placement):
+    elif (
+        any(count != torch.cuda.device_count() for _, _, count in placement)
+        or len({index for _, index, _ in placement}) < world
+    ):  # Ray gives each rank's actor only its own GPU
         problem = "the ranks see different sets of GPUs"
     else:
         blocked = [

@@ -92,7 +92,12 @@ def test_linear_layers_use_it_for_large_weights_and_few_rows_only() -> None:
     wide = torch.empty(1, 8192, device="cuda", dtype=torch.bfloat16)
     assert not worth_it(wide, torch.empty(2560, 8192, device="cuda", dtype=torch.bfloat16))  # 70B qkv, TP 4
     x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(dense_linear(x, big.normal_()), F.linear(x, big))
+    # 17 rows: swapped_gemm, which sums K in another order than cuBLAS: outputs near zero differ by more
+    # than a relative tolerance allows (the check failed on an H200), so the bound is bf16's step at the
+    # largest output, as this file's other checks
+    expected = F.linear(x, big.normal_())
+    bound = 2**-7 * expected.abs().max().item()
+    torch.testing.assert_close(dense_linear(x, big), expected, rtol=2**-7, atol=bound)
 
 
 def test_refuses_what_it_cannot_take() -> None:

@@ -19,17 +19,20 @@ from tests.unit.planner_helpers import fixture_path
 from tests.unit.tp_helpers import run_ranks
 
 
-def _decide(rank: int, hosts: list[str], blocked: list[tuple[int, int]]) -> str | None:
+def _decide(
+    rank: int, hosts: list[str], blocked: list[tuple[int, int]], own_gpu_only: bool = False
+) -> str | None:
     import socket
 
     from fitserve.distributed.parallel_state import tp
 
-    # this process is rank `rank` of a machine whose GPU `rank` reaches the others but `blocked` pairs
+    # this process is rank `rank` of a machine whose GPU `rank` reaches the others but `blocked` pairs;
+    # own_gpu_only: each rank sees its GPU alone, as cuda:0 (a Ray actor's CUDA_VISIBLE_DEVICES)
     socket.gethostname = lambda: hosts[rank]
-    torch.cuda.device_count = lambda: len(hosts)
+    torch.cuda.device_count = lambda: 1 if own_gpu_only else len(hosts)
     torch.cuda.can_device_access_peer = lambda a, b: (a, b) not in blocked
     assert tp().custom_all_reduce is None  # a gloo group never sets it up
-    return _why_not(tp().group, rank, len(hosts), torch.device("cuda", rank))
+    return _why_not(tp().group, rank, len(hosts), torch.device("cuda", 0 if own_gpu_only else rank))
 
 
 def test_two_peer_gpus_of_one_machine_use_it():
@@ -44,6 +47,11 @@ def test_ranks_on_two_machines_turn_it_off_on_both():
 def test_one_rank_without_peer_access_turns_it_off_for_all_and_is_named():
     reasons = run_ranks(_decide, 2, ["node", "node"], [(1, 0)])
     assert reasons == ["GPU 1 has no peer access to GPU 0 (rank 1)"] * 2
+
+
+def test_ranks_that_each_see_one_gpu_turn_it_off():
+    reasons = run_ranks(_decide, 2, ["node", "node"], [], True)
+    assert reasons == ["the ranks see different sets of GPUs (rank 0)"] * 2
 
 
 def test_off_the_gpu_and_past_eight_ranks_without_a_collective():
