@@ -45,6 +45,11 @@ MAX_BYTES = 512 << 10
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _mapped(size: int) -> int:
+    """Bytes the driver maps for a symmetric-memory allocation of `size` (its 2 MiB granularity)."""
+    return -(-size // (2 << 20)) * (2 << 20)
+
+
 class _Channel:
     """One kernel's buffers: `flags[s]` (int64, programs x world) and `data[dtype][s]` (2 parities x world x
     slot elements) of every rank s as this rank addresses them, in symmetric memory, and this rank's
@@ -70,6 +75,8 @@ class _Channel:
             for dtype in dtypes
         }
         self.counters = torch.zeros(programs, dtype=torch.int64, device=device)
+        # what symmetric memory holds for it on this GPU, outside torch's allocator (mapped in 2 MiB pieces)
+        self.device_bytes = _mapped(self._flags.numel() * 8) + _mapped(self._data.numel())
 
 
 class CustomAllReduce:
@@ -82,6 +89,8 @@ class CustomAllReduce:
         row_bytes = rows * norm_kernel.ROW_SLOT * 2  # 16-bit rows
         norm_dtypes = (torch.bfloat16, torch.float16)
         self._norm = _Channel(group.group_name, world, device, rows, row_bytes, norm_dtypes)
+        # the memory baseline of the engine's platform leaves this out (it is the engine's own)
+        self.device_bytes = self._plain.device_bytes + self._norm.device_bytes
         self._abort = torch.zeros(1, dtype=torch.int32, device=device)
         self._abort_stream = torch.cuda.Stream(device=device)
         torch.cuda.synchronize(device)  # the flags are zero before any peer may raise one

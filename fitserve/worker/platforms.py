@@ -21,6 +21,7 @@ import torch
 
 from fitserve.capture_sizes import decode_capture_sizes, piecewise_capture_sizes
 from fitserve.cpu_kv_cache import available_ram_bytes, check_fits_in_ram
+from fitserve.distributed.parallel_state import tp
 from fitserve.planner.engine_plan import inputs_from_engine_config
 from fitserve.planner.hardware import DeviceSpec, cpu_device, gpu_device_spec, probe_host
 from fitserve.planner.memory import MemoryPlan, MemoryTerms, plan_memory, planned_vs_measured
@@ -115,7 +116,10 @@ class CudaPlatform:
     def __init__(self) -> None:
         self.weights_bytes = 0
         free, total = torch.cuda.mem_get_info()
-        self.baseline_used = total - free
+        # the custom all-reduce's symmetric memory, allocated when the tensor-parallel group formed, is this
+        # engine's: left out of the baseline, it counts as non-torch memory within the budget
+        custom = tp().custom_all_reduce
+        self.baseline_used = total - free - (custom.device_bytes if custom is not None else 0)
         self.baseline_reserved = torch.cuda.memory_reserved()
         # Tensors this process already held (e.g. another engine not yet collected) are not ours either.
         self.baseline_allocated = torch.cuda.memory_allocated()
