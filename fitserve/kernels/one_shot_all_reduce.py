@@ -206,6 +206,13 @@ def _one_shot_all_reduce_kernel(
     tl.store(counters_ptr + pid, epoch)
 
 
+def peer_pointers(data: list[torch.Tensor], flags: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """The kernels' d0..d7 and f0..f7 arguments: every rank's data and flags, then this rank's own in the
+    places of the ranks a smaller world lacks (never read: WORLD bounds every loop)."""
+    spare = MAX_WORLD - len(data)
+    return [*data, *[data[rank]] * spare, *flags, *[flags[rank]] * spare]
+
+
 def one_shot_all_reduce(
     x: torch.Tensor,
     rank: int,
@@ -228,20 +235,16 @@ def one_shot_all_reduce(
         )
     if pieces == 0:
         return x
-    slot = MAX_PROGRAMS * CHUNK
-    padded_data = data + [data[rank]] * (MAX_WORLD - world)
-    padded_flags = flags + [flags[rank]] * (MAX_WORLD - world)
     _one_shot_all_reduce_kernel[(pieces,)](
         x,
         x.numel(),
-        *padded_data,
-        *padded_flags,
+        *peer_pointers(data, flags, rank),
         counters,
         abort,
         timeout_ns,
         RANK=rank,
         WORLD=world,
-        SLOT=slot,
+        SLOT=MAX_PROGRAMS * CHUNK,
         CHUNK=CHUNK,
         WORLD_POW2=next_power_of_2(world),
         POLLS_PER_CHECK=POLLS_PER_CHECK,

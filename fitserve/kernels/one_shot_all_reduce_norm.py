@@ -25,7 +25,8 @@ import triton.language as tl
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import fast_launch
 from fitserve.kernels.grid_math import next_power_of_2
-from fitserve.kernels.one_shot_all_reduce import MAX_WORLD, POLLS_PER_CHECK, _exchange
+from fitserve.kernels.norm import _num_warps
+from fitserve.kernels.one_shot_all_reduce import MAX_WORLD, POLLS_PER_CHECK, _exchange, peer_pointers
 
 # Rows a call may have (one program each) and the longest row (elements).
 MAX_ROWS = 64
@@ -144,8 +145,7 @@ def one_shot_all_reduce_norm(
         x.stride(0),
         residual.stride(0),
         eps,
-        *(data + [data[rank]] * (MAX_WORLD - world)),
-        *(flags + [flags[rank]] * (MAX_WORLD - world)),
+        *peer_pointers(data, flags, rank),
         counters,
         abort,
         timeout_ns,
@@ -156,7 +156,7 @@ def one_shot_all_reduce_norm(
         ROW_SLOT=ROW_SLOT,
         BLOCK=block,
         POLLS_PER_CHECK=POLLS_PER_CHECK,
-        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        num_warps=_num_warps(block),  # kernels/norm.py's: the same sum of squares, the same bits
         **pdl_kwargs(x.device),
     )
     return x, residual
