@@ -44,6 +44,12 @@ logger = logging.getLogger("fitserve")
 MAX_BYTES = 512 << 10
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# Whether this process has set up symmetric memory before (an earlier engine in it). torch numbers its
+# symmetric-memory exchanges per process, so a second setup in the engine's process (rank 0) would wait
+# for keys that the freshly started ranks number from zero: measured on two H200s, the second tensor-
+# parallel engine of a process hung at start. Such an engine uses NCCL instead.
+_set_up_in_this_process = False
+
 
 def _mapped(size: int) -> int:
     """Bytes the driver maps for a symmetric-memory allocation of `size` (its 2 MiB granularity)."""
@@ -81,7 +87,9 @@ class _Channel:
 
 class CustomAllReduce:
     def __init__(self, group: Any, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+        global _set_up_in_this_process
         self.rank, self.world, self.device = rank, world, device
+        _set_up_in_this_process = True  # before the first exchange: one that fails counts too
         self.timeout_ns = int(timeout_s * 1e9)
         pieces = kernel.MAX_PROGRAMS * kernel.CHUNK
         self._plain = _Channel(group.group_name, world, device, kernel.MAX_PROGRAMS, pieces * 4, DTYPES)
@@ -201,6 +209,11 @@ def _why_not(group: Any, rank: int, world: int, device: torch.device) -> str | N
         ]
         if blocked:
             problem = f"GPU {device.index} has no peer access to GPU {blocked[0]}"
+        elif _set_up_in_this_process:
+            problem = (
+                "an earlier engine of this process set up torch's symmetric memory, which a second "
+                "setup here cannot meet (a new process starts with it)"
+            )
     problems: list[Any] = [None] * world
     dist.all_gather_object(problems, problem, group=group)
     found = next(((r, p) for r, p in enumerate(problems) if p is not None), None)

@@ -20,6 +20,7 @@ Reference: torch.nn.functional.linear.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,6 +43,17 @@ MAX_ROWS = 16
 # TP 4, 2,560 x 8,192 (80 programs), stays on cuBLAS (14.6 against 16.1).
 MIN_OUT_FEATURES = 3072
 MIN_IN_FEATURES = 1024
+# GPUs on which cuBLAS streams wide weights faster than this kernel (more bytes in flight for a faster
+# memory): there a weight of more than WIDE_OUT_FEATURES outputs goes to cuBLAS unless its K is at least
+# TALL_K_RATIO times that (down projections, where this kernel still wins). H200 (HBM3e), end to end at
+# batch 1 (benchmarks/results/h200x2_tp.json, gemm_rule_ab): Llama-3.1-8B 221.8 -> 233.1 tok/s at TP 1 and
+# 341.6 -> 360.2 at TP 2, where sending every weight to cuBLAS gave 227.9 and 329.7. Isolated layers
+# (h200_skinny_tp_shapes.json): cuBLAS ahead on qkv / gate_up (8B gate_up 60.9 against 63.1 us, the 70B's
+# qkv at TP 2 25.3 against 30.0), this kernel on o / down at up to 4,096 outputs (8B down 28.8 against 31.1).
+# On an H100 the end-to-end runs chose this kernel for every Llama-3.1-8B weight (docs/performance.md).
+CUBLAS_FOR_WIDE_WEIGHTS_ON = ("H200",)
+WIDE_OUT_FEATURES = 4096
+TALL_K_RATIO = 3
 # Bytes at the head of each of a program's weight rows that it asks the L2 to fetch before waiting for
 # the previous kernel (programmatic dependent launch only; 0 turns it off). kernels/l2_prefetch.py.
 PREFETCH_ROW_BYTES = 2048
@@ -145,7 +157,25 @@ def choose_config(out_features: int, shared_memory: int, sms: int) -> SkinnyGemm
 
 def worth_it(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when skinny_gemm takes this call and beats cuBLAS on it (measured shapes, see above)."""
-    return weight.shape[0] >= MIN_OUT_FEATURES and weight.shape[1] >= MIN_IN_FEATURES and supports(x, weight)
+    out_features, in_features = weight.shape
+    if out_features < MIN_OUT_FEATURES or in_features < MIN_IN_FEATURES or not supports(x, weight):
+        return False
+    return not wide_weight_to_cublas(out_features, in_features, _gpu_name(x.device.index))
+
+
+def wide_weight_to_cublas(out_features: int, in_features: int, gpu_name: str) -> bool:
+    """Whether a weight [out_features, in_features] goes to cuBLAS on the GPU named `gpu_name` because it
+    is wide (CUBLAS_FOR_WIDE_WEIGHTS_ON, above)."""
+    return (
+        any(name in gpu_name for name in CUBLAS_FOR_WIDE_WEIGHTS_ON)
+        and out_features > WIDE_OUT_FEATURES
+        and in_features < TALL_K_RATIO * out_features
+    )
+
+
+@functools.cache
+def _gpu_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -14,7 +14,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from fitserve.kernels import skinny_split_gemm as split_module  # noqa: E402
-from fitserve.kernels.skinny_gemm import MAX_ROWS, SkinnyGemmConfig, skinny_gemm, worth_it  # noqa: E402
+from fitserve.kernels.skinny_gemm import (  # noqa: E402
+    MAX_ROWS,
+    SkinnyGemmConfig,
+    skinny_gemm,
+    wide_weight_to_cublas,
+    worth_it,
+)
 from fitserve.kernels.skinny_split_gemm import CONFIGS, skinny_split_gemm  # noqa: E402
 from fitserve.layers import linear  # noqa: E402
 from fitserve.layers.linear import SKINNY_MAX_ROWS, SWAPPED_MAX_ROWS, dense_linear  # noqa: E402
@@ -91,6 +97,9 @@ def test_linear_layers_use_it_for_large_weights_and_few_rows_only() -> None:
     assert worth_it(one[:, :1024], torch.empty(4096, 1024, device="cuda", dtype=torch.bfloat16))  # o, TP 4
     wide = torch.empty(1, 8192, device="cuda", dtype=torch.bfloat16)
     assert not worth_it(wide, torch.empty(2560, 8192, device="cuda", dtype=torch.bfloat16))  # 70B qkv, TP 4
+    # wide weights: cuBLAS on the GPUs where it was measured faster (the H200), this kernel elsewhere
+    gate_up = torch.empty(28672, 4096, device="cuda", dtype=torch.bfloat16)
+    assert worth_it(one, gate_up) is not wide_weight_to_cublas(28672, 4096, torch.cuda.get_device_name())
     x = torch.randn(MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
     # 17 rows: swapped_gemm, which sums K in another order than cuBLAS: outputs near zero differ by more
     # than a relative tolerance allows (the check failed on an H200), so the bound is bf16's step at the

@@ -20,10 +20,15 @@ from tests.unit.tp_helpers import run_ranks
 
 
 def _decide(
-    rank: int, hosts: list[str], blocked: list[tuple[int, int]], own_gpu_only: bool = False
+    rank: int,
+    hosts: list[str],
+    blocked: list[tuple[int, int]],
+    own_gpu_only: bool = False,
+    set_up_before: tuple[int, ...] = (),
 ) -> str | None:
     import socket
 
+    from fitserve.distributed import custom_all_reduce
     from fitserve.distributed.parallel_state import tp
 
     # this process is rank `rank` of a machine whose GPU `rank` reaches the others but `blocked` pairs;
@@ -31,6 +36,9 @@ def _decide(
     socket.gethostname = lambda: hosts[rank]
     torch.cuda.device_count = lambda: 1 if own_gpu_only else len(hosts)
     torch.cuda.can_device_access_peer = lambda a, b: (a, b) not in blocked
+    # set_up_before: ranks whose process set up symmetric memory for an earlier engine (rank 0 lives in
+    # the engine's process; the others are started afresh for each engine)
+    custom_all_reduce._set_up_in_this_process = rank in set_up_before
     assert tp().custom_all_reduce is None  # a gloo group never sets it up
     return _why_not(tp().group, rank, len(hosts), torch.device("cuda", 0 if own_gpu_only else rank))
 
@@ -52,6 +60,16 @@ def test_one_rank_without_peer_access_turns_it_off_for_all_and_is_named():
 def test_ranks_that_each_see_one_gpu_turn_it_off():
     reasons = run_ranks(_decide, 2, ["node", "node"], [], True)
     assert reasons == ["the ranks see different sets of GPUs (rank 0)"] * 2
+
+
+def test_a_second_engine_in_the_first_ranks_process_turns_it_off_for_all():
+    # torch numbers symmetric-memory exchanges per process: the engine process's second setup would wait
+    # for keys the fresh ranks never write (it hung on two H200s), so that engine uses NCCL
+    reasons = run_ranks(_decide, 2, ["node", "node"], [], False, (0,))
+    assert len(set(reasons)) == 1
+    assert reasons[0].startswith("an earlier engine of this process set up torch's symmetric memory")
+    assert reasons[0].endswith("(rank 0)")
+    assert run_ranks(_decide, 2, ["node", "node"], [], False, ()) == [None, None]
 
 
 def test_off_the_gpu_and_past_eight_ranks_without_a_collective():

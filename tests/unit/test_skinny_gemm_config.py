@@ -43,3 +43,25 @@ def test_narrow_tiles_fit_every_default_stage_budget() -> None:
 
     # three stages keep two buffers: 64 KB, so three programs share an H100 SM (228 KB)
     assert (NARROW_CONFIG.num_stages - 1) * stage_bytes(NARROW_CONFIG) == 64 * 1024
+
+
+@pytest.mark.parametrize(
+    ("shape", "gpu_name", "to_cublas"),
+    [
+        ((6144, 4096), "NVIDIA H200", True),  # Llama-3.1-8B qkv: cuBLAS faster on the H200
+        ((28672, 4096), "NVIDIA H200", True),  # its gate_up
+        ((14336, 4096), "NVIDIA H200", True),  # gate_up at TP 2
+        ((4096, 4096), "NVIDIA H200", False),  # o_proj: at most WIDE_OUT_FEATURES outputs
+        ((4096, 14336), "NVIDIA H200", False),  # down_proj
+        ((3072, 4096), "NVIDIA H200", False),  # qkv at TP 2
+        ((8192, 28672), "NVIDIA H200", False),  # the 70B's down: K >= 3 N keeps the skinny kernel
+        ((8192, 14336), "NVIDIA H200", True),  # its down at TP 2: K < 3 N
+        ((5120, 8192), "NVIDIA GH200 480GB", True),  # the same HBM3e memory
+        ((28672, 4096), "NVIDIA H100 80GB HBM3", False),  # the H100's end-to-end choice stays
+        ((28672, 4096), "NVIDIA A100-SXM4-80GB", False),
+    ],
+)
+def test_wide_weights_go_to_cublas_only_where_measured_faster(shape, gpu_name, to_cublas) -> None:
+    from fitserve.kernels.skinny_gemm import wide_weight_to_cublas
+
+    assert wide_weight_to_cublas(*shape, gpu_name) is to_cublas
