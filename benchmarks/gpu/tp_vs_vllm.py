@@ -7,7 +7,9 @@ defaults), each in its own process (one engine's memory is gone before the next 
   after one warm-up request, output tok/s (max_model_len 4096);
 - equal<model>_tp<N>: 256 requests of 512 random prompt tokens and 512 output tokens at once, output tok/s
   (max_model_len 1024), after a pass that gives every prompt 2 tokens (kernel variants, compile caches).
-Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B (shared/models). Also ready_s (constructor to ready).
+Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B (shared/models), 30ba3b = Qwen3-30B-A3B (the MoE shape
+vLLM 0.26.0 loads on the GPU machine, unlike Gemma-4's and Qwen3.6's; examples/models).
+Also ready_s (constructor to ready).
 
   python benchmarks/gpu/tp_vs_vllm.py --engine vllm|fitserve [--figures single8b_tp2,...] --out FILE
 vLLM 0.26.0 from ../shared/vllm_bundle (PYTHONPATH with its site folder).
@@ -23,6 +25,7 @@ import time
 
 from common import (  # noqa: I001
     MODELS,
+    REPO,
     TOKENIZER,
     engine_generate,
     engine_single_request,
@@ -30,7 +33,11 @@ from common import (  # noqa: I001
     save,
 )
 
-SHAPES = {"8b": "llama-3.1-8b", "70b": "llama-3.3-70b"}
+SHAPES = {
+    "8b": MODELS / "llama-3.1-8b",
+    "70b": MODELS / "llama-3.3-70b",
+    "30ba3b": REPO / "examples" / "models" / "qwen3-30b-a3b",
+}
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -50,7 +57,7 @@ def run_one(engine: str, figure: str) -> dict:
         os.environ.update(VLLM_ENV)
         from vllm import LLM, SamplingParams
     llm = LLM(
-        str(MODELS / SHAPES[model]),
+        str(SHAPES[model]),
         tokenizer=str(TOKENIZER),
         load_format="dummy",
         tensor_parallel_size=tp,

@@ -1,8 +1,8 @@
-"""The pre-norm decoder shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+"""The pre-norm decoder shared by the Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE families.
 
 embed -> N x [RMSNorm -> attention (packed qkv, optional per-head q/k RMSNorm, RoPE) -> residual add ->
 RMSNorm -> gated SiLU MLP -> residual add] -> RMSNorm -> LM head. A family differs only in its
-`DecoderSpec` (which projections carry a bias, whether q/k are normalised).
+`DecoderSpec` (which projections carry a bias, whether q/k are normalised, which layers' MLP is sparse).
 
 Parameter names follow HF checkpoints, except that q/k/v live in one `qkv_proj` and gate/up in one
 `gate_up_proj`; `load_weights` maps the checkpoint's names onto them through `packed_modules_mapping`.
@@ -18,7 +18,7 @@ last returns them instead of normalised hidden states.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,10 @@ class DecoderSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's dims of q and k, before RoPE
+    # MoE families (models/qwen3_moe.py): (config, layer index) -> the layer's sparse MLP, or None where
+    # the layer keeps the dense GatedMLP. Its forward(x, reduce) returns a partial sum with reduce=False,
+    # as GatedMLP's does.
+    sparse_mlp: Callable[[Any, int], nn.Module | None] | None = None
 
 
 def head_dim_of(config: Any) -> int:
@@ -209,7 +213,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, spec, layer_idx, sliding_window, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(
+        sparse = spec.sparse_mlp(config, layer_idx) if spec.sparse_mlp is not None else None
+        self.mlp = sparse or GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             spec.mlp_bias,
@@ -482,12 +487,19 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(self.skipped_weight_suffixes) or not self._held_here(name):
                 continue
+            if self._load_own_form(loads, name, tensor):
+                continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             if self.lm_head is not None and self.lm_head.tied and name.startswith("lm_head."):
                 continue  # tied: the head reads the embedding, loaded under its own name
             target, packed, shard_id = self._map_checkpoint_name(name)
             loads.load(name, target, tensor, shard_id, expected_shards.get(packed, ()))
         return loads.loaded
+
+    def _load_own_form(self, loads: ParameterLoads, name: str, tensor: torch.Tensor) -> bool:
+        """A family's hook for checkpoint tensors it loads its own way (an MoE's per-expert tensors):
+        True when it took `name`. The base family has none."""
+        return False
 
     def _held_here(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to a module this pipeline stage holds (always, without

@@ -32,8 +32,9 @@ from torch import nn
 from fitserve.layers.linear import LinearMethod, ReplicatedLinear
 from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
 from fitserve.layers.quantization.methods import linear_method_for
+from fitserve.models.expert_weights import load_expert
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_5 import _SHARDS, MTP_PREFIXES, _map_name, load_expert
+from fitserve.models.qwen3_5 import _SHARDS, MTP_PREFIXES, _map_name
 from fitserve.models.qwen3_5_config import FULL_ATTENTION
 from fitserve.models.qwen3_5_decoder import Qwen3_5DecoderLayer
 from fitserve.models.qwen3_5_layers import PartialRope, Qwen3_5RMSNorm, rope_inv_freq

@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("fitserve.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("fitserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("fitserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("fitserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma4ForCausalLM": ("fitserve.models.gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("fitserve.models.gemma4", "Gemma4ForConditionalGeneration"),
     "Qwen3_5ForCausalLM": ("fitserve.models.qwen3_5", "Qwen3_5ForCausalLM"),

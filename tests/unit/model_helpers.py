@@ -36,6 +36,7 @@ _CONFIG_CLASSES = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
 }
 
 

@@ -1,0 +1,56 @@
+"""MoE expert tensors of HF checkpoints, one expert at a time, into layers/moe.py's fused parameters.
+
+Qwen-MoE checkpoints (Qwen3-MoE, Qwen3.5/3.6 MoE) store each expert's projections under
+`...mlp.experts.<e>.<gate|up|down>_proj.weight`; transformers 5 saves them fused instead
+(`...mlp.experts.gate_up_proj` [E, 2I, hidden], `...mlp.experts.down_proj` [E, hidden, I]), which load by
+name through FusedExperts' own weight loader. Both forms come to the same parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fitserve.layers.tp_shards import rank_rows
+from fitserve.models.parameter_loads import ParameterLoads
+
+
+def load_expert(
+    root: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    loads: ParameterLoads,
+    experts: dict[str, set[tuple[int, str]]],
+) -> bool:
+    """A per-expert checkpoint tensor (`...mlp.experts.<e>.<gate|up|down>_proj.weight`) of `root` (a
+    model, or Qwen3.5's MTP module: models/qwen3_5_mtp.py) copied into its rows of the fused parameters, this
+    rank's part of it (layers/moe.py: under expert parallel only the rank's experts, whole; else every
+    expert's slice of the intermediate dim); False for the fused form, which loads by name."""
+    prefix, _, rest = name.partition(".mlp.experts.")
+    parts = rest.split(".")
+    if len(parts) != 3 or not parts[0].isdigit():
+        return False
+    expert, projection = int(parts[0]), parts[1]
+    base = f"{prefix}.mlp.experts."
+    gate_up, down = loads.param(name, base + "gate_up_proj"), loads.param(name, base + "down_proj")
+    module = root.get_submodule(base.removesuffix("."))
+    local = expert - module.first_expert
+    width = down.shape[-1]
+    # the intermediate rows this rank holds (all of them under expert parallel or on one rank)
+    start = 0 if module.expert_parallel else module.tp_rank * width
+    if projection not in ("gate_proj", "up_proj", "down_proj"):
+        raise ValueError(f"checkpoint tensor {name!r}: an expert has gate_proj, up_proj and down_proj")
+    with torch.no_grad():
+        if not 0 <= local < module.local_experts:
+            pass  # another rank's expert (expert parallel): counted as loaded, not kept
+        elif projection == "gate_proj":
+            gate_up[local, :width].copy_(rank_rows(tensor, 0, start, width))
+        elif projection == "up_proj":
+            gate_up[local, width:].copy_(rank_rows(tensor, 0, start, width))
+        else:
+            down[local].copy_(rank_rows(tensor, 1, start, width))
+    seen = experts.setdefault(base, set())
+    seen.add((expert, projection))
+    if len(seen) == 3 * module.num_experts:
+        loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
+    return True

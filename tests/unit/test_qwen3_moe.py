@@ -1,0 +1,228 @@
+"""Qwen3-MoE (models/qwen3_moe.py) against transformers' modeling_qwen3_moe on tiny random models (fp32).
+
+Model level (HF's in-memory state dict: the fused expert tensors): logits of prefill, chunked prefill and
+greedy decode with mixed steps within 1e-4 of HF's, with the top-k renormalised and not, a dense first layer
+(`mlp_only_layers`) and every other layer sparse (`decoder_sparse_step` 2). Engine level (a saved folder: the
+per-expert tensors HF writes): greedy tokens equal HF's generate with prefix caching on and off, chunked
+prefill and preemption; logprobs within 1e-4; tensor parallel 2 (gloo) equal to TP 1, with the experts'
+intermediate size split and with --enable-expert-parallel. A quantized checkpoint that would quantize the
+experts is refused before building, naming what runs; the planner counts the 30B-A3B's shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fitserve import LLM, SamplingParams
+from fitserve.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
+from fitserve.planner.model_shape import ModelShape
+from tests.model_folders import save_with_tokenizer
+from tests.unit.model_helpers import (
+    PagedTestRunner,
+    build_fitserve_model,
+    build_hf_model,
+    hf_logits,
+    tiny_hf_config,
+)
+
+TOLERANCE = 1e-4
+MOE = {
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+CASES: dict[str, dict[str, Any]] = {
+    "renormalised": {},
+    "not_renormalised": {"norm_topk_prob": False},
+    "dense_first_layer": {"mlp_only_layers": [0]},
+    "every_other_layer": {"decoder_sparse_step": 2, "num_hidden_layers": 3},
+}
+PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77)), [200, 3, 3, 9, 250, 11, 12, 13, 14, 15, 16, 100, 7]]
+NEW_TOKENS = 12
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def config_of(case: str) -> Any:
+    return tiny_hf_config("Qwen3MoeForCausalLM", **{**MOE, **CASES[case]})
+
+
+@functools.cache
+def models(case: str) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+    config = config_of(case)
+    hf_model = build_hf_model(config)
+    return config, hf_model, build_fitserve_model(config, hf_model.state_dict())
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    error = (got - want).abs().max().item()
+    assert error < TOLERANCE, f"max |logit difference| {error:.3g} >= {TOLERANCE}"
+
+
+def test_the_layers_are_sparse_where_transformers_makes_them_so():
+    _, _, dense_first = models("dense_first_layer")
+    kinds = [type(layer.mlp).__name__ for layer in dense_first.model.layers]
+    assert kinds == ["GatedMLP", "Qwen3MoeSparseBlock"]
+    _, _, every_other = models("every_other_layer")
+    kinds = [type(layer.mlp).__name__ for layer in every_other.model.layers]
+    assert kinds == ["GatedMLP", "Qwen3MoeSparseBlock", "GatedMLP"]
+    assert [is_sparse_layer(config_of("renormalised"), i) for i in range(2)] == [True, True]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_and_chunked_prefill_match_hf(case: str) -> None:
+    config, hf_model, model = models(case)
+    prompt = tokens(37, seed=1)
+    (whole,) = PagedTestRunner(model, config).step([("a", prompt)])
+    assert_matches(whole, hf_logits(hf_model, prompt))
+    runner = PagedTestRunner(model, config, block_size=4)
+    pieces = [runner.step([("b", prompt[a:b])])[0] for a, b in ((0, 21), (21, 26), (26, 37))]
+    assert_matches(torch.cat(pieces), hf_logits(hf_model, prompt))
+
+
+@pytest.mark.parametrize("case", ["renormalised", "dense_first_layer"])
+def test_greedy_decode_with_mixed_steps_matches_hf(case: str) -> None:
+    config, hf_model, model = models(case)
+    runner = PagedTestRunner(model, config, block_size=4)
+    sequences = {"a": tokens(19, seed=5), "b": tokens(33, seed=6), "c": tokens(12, seed=7)}
+    produced: dict[str, list[torch.Tensor]] = {name: [] for name in sequences}
+    pending = {"a": sequences["a"], "b": sequences["b"]}
+    for step in range(5):
+        if step == 2:
+            pending["c"] = sequences["c"]
+        names = list(pending)
+        for name, logits in zip(names, runner.step([(n, pending[n]) for n in names]), strict=True):
+            produced[name].append(logits)
+            sequences[name] = sequences[name] + [int(logits[-1].argmax())]
+            pending[name] = [sequences[name][-1]]
+    for name, pieces in produced.items():
+        computed = torch.cat(pieces)
+        assert_matches(computed, hf_logits(hf_model, sequences[name][: computed.shape[0]]))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A folder as save_pretrained writes it: one tensor per expert and projection."""
+    config = config_of("renormalised")
+    hf_model = build_hf_model(config, seed=3)
+    folder = save_with_tokenizer(hf_model, tmp_path_factory.mktemp("qwen3_moe"))
+    return folder, hf_model
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_llm(folder: Path, **kwargs: Any) -> LLM:
+    kwargs.setdefault("num_gpu_blocks_override", 64)
+    kwargs.setdefault("block_size", 8)
+    return LLM(str(folder), dtype="float32", **kwargs)
+
+
+def generate(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
+    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **params)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+
+
+ENGINE_VARIANTS = {
+    "prefix caching on": {},
+    "prefix caching off": {"enable_prefix_caching": False},
+    "chunked prefill": {"max_num_batched_tokens": 6, "max_num_seqs": 4},
+    "preemption": {"num_gpu_blocks_override": 7},
+}
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_engine_greedy_matches_hf_generate(saved, variant):
+    folder, hf_model = saved
+    expected = [hf_greedy(hf_model, p) for p in PROMPTS]
+    llm = make_llm(folder, **ENGINE_VARIANTS[variant])
+    for _ in range(2):  # the second pass reads the first's prefix blocks where caching is on
+        assert [o.outputs[0].token_ids for o in generate(llm, PROMPTS)] == expected
+    if variant == "preemption":
+        assert llm.engine.scheduler.num_preemptions_total > 0
+    if variant == "prefix caching on":
+        assert llm.engine.kv_manager.prefix_cache_hits > 0
+
+
+def test_engine_logprobs_match_hf(saved):
+    folder, hf_model = saved
+    prompt = PROMPTS[1]
+    out = generate(make_llm(folder), [prompt], logprobs=5)[0]
+    with torch.no_grad():
+        full = torch.tensor([prompt + out.outputs[0].token_ids])
+        reference = torch.log_softmax(hf_model(full).logits[0].float(), dim=-1)
+    for step, position in enumerate(out.outputs[0].logprobs):
+        for token_id, entry in position.items():
+            assert abs(entry.logprob - reference[len(prompt) - 1 + step][token_id].item()) < TOLERANCE
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["intermediate_split", "expert_parallel"])
+def test_tp2_equals_tp1(saved, expert_parallel):
+    folder, _ = saved
+    want = generate(make_llm(folder), PROMPTS, logprobs=3)
+    two = make_llm(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    try:
+        got = generate(two, PROMPTS, logprobs=3)
+    finally:
+        two.engine.shutdown()
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for mine, other in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            for token_id, entry in other.items():
+                assert abs(mine[token_id].logprob - entry.logprob) < TOLERANCE
+
+
+def _awq(config: Any, ignore: list[str] | None = None) -> Any:
+    config.quantization_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": ignore,
+    }
+    return config
+
+
+def test_a_checkpoint_that_quantizes_the_experts_is_refused_before_building():
+    with pytest.raises(
+        ValueError, match=r"awq int4 .*Qwen3-MoE model \(8 experts\).*16-bit weights only.*fitserve plan"
+    ):
+        Qwen3MoeForCausalLM(_awq(config_of("renormalised")))
+
+
+def test_an_ignore_list_naming_the_experts_lets_the_rest_be_quantized():
+    from fitserve.models.qwen3_moe import refuse_quantized_experts
+
+    refuse_quantized_experts(_awq(config_of("renormalised"), ["experts"]))  # no error
+
+
+def test_the_planner_counts_the_30b_a3b():
+    import json
+
+    import transformers
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen3-30b-a3b"
+    config = transformers.Qwen3MoeConfig(**json.loads((folder / "config.json").read_text()))
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (128, 8, 768)
+    total = shape.parameter_counts().total
+    assert 30.4e9 < total < 30.6e9, total  # "30B": 30.53 B parameters
