@@ -24,10 +24,12 @@ pytestmark = [
 GREEDY_TOKENS = 256
 
 
-def _save_random_model(shape: str, tmp: Path, num_layers: int | None = None) -> Path:
+def _save_random_model(
+    shape: str, tmp: Path, num_layers: int | None = None, models_dir: Path = MODELS_DIR
+) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_dict = json.loads((MODELS_DIR / shape / "config.json").read_text())
+    config_dict = json.loads((models_dir / shape / "config.json").read_text())
     if num_layers is not None:
         config_dict["num_hidden_layers"] = num_layers
     folder = tmp / shape

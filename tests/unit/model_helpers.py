@@ -203,3 +203,23 @@ class PagedTestRunner:
         for seq_id, new_ids in chunks:
             self.sequences[seq_id].num_computed += len(new_ids)
         return list(logits.split([len(new_ids) for _, new_ids in chunks]))
+
+
+def greedy_with_mixed_steps(
+    runner: PagedTestRunner, prompts: dict[str, list[int]], late: str, joins_at: int = 2, steps: int = 5
+) -> dict[str, tuple[torch.Tensor, list[int]]]:
+    """Every prompt but `late` prefills in the first step, then all decode greedily; `late` joins at step
+    `joins_at` (its prefill beside the others' decodes). Returns, per prompt, the logits of every token it
+    fed (the last sampled token is not fed) and its whole token sequence."""
+    tokens = dict(prompts)
+    produced: dict[str, list[torch.Tensor]] = {name: [] for name in tokens}
+    pending = {name: ids for name, ids in tokens.items() if name != late}
+    for step in range(steps):
+        if step == joins_at:
+            pending[late] = tokens[late]
+        names = list(pending)
+        for name, logits in zip(names, runner.step([(n, pending[n]) for n in names]), strict=True):
+            produced[name].append(logits)
+            tokens[name] = tokens[name] + [int(logits[-1].argmax())]
+            pending[name] = [tokens[name][-1]]
+    return {name: (torch.cat(pieces), tokens[name]) for name, pieces in produced.items()}

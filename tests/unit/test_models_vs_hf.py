@@ -25,6 +25,7 @@ from tests.unit.model_helpers import (
     PagedTestRunner,
     build_fitserve_model,
     build_hf_model,
+    greedy_with_mixed_steps,
     hf_logits,
     tiny_hf_config,
 )
@@ -103,22 +104,9 @@ def test_greedy_decode_with_mixed_steps_matches_hf(case: str) -> None:
     """Two prompts prefill, then decode greedily; a third prompt joins mid-way (prefill beside decodes)."""
     config, hf_model, model = models(case)
     runner = PagedTestRunner(model, config, block_size=4)
-    tokens = {"a": random_tokens(19, seed=5), "b": random_tokens(33, seed=6), "c": random_tokens(12, seed=7)}
-    produced: dict[str, list[torch.Tensor]] = {name: [] for name in tokens}
-    pending = {"a": tokens["a"], "b": tokens["b"]}
-    for step in range(5):
-        if step == 2:
-            pending["c"] = tokens["c"]
-        names = list(pending)
-        outputs = runner.step([(name, pending[name]) for name in names])
-        for name, logits in zip(names, outputs, strict=True):
-            produced[name].append(logits)
-            next_token = int(logits[-1].argmax())
-            tokens[name] = tokens[name] + [next_token]
-            pending[name] = [next_token]
-    for name, pieces in produced.items():
-        computed = torch.cat(pieces)  # logits for every token fed so far (the last sampled one not fed)
-        assert_matches(computed, hf_logits(hf_model, tokens[name][: computed.shape[0]]))
+    prompts = {"a": random_tokens(19, seed=5), "b": random_tokens(33, seed=6), "c": random_tokens(12, seed=7)}
+    for computed, tokens in greedy_with_mixed_steps(runner, prompts, late="c").values():
+        assert_matches(computed, hf_logits(hf_model, tokens[: computed.shape[0]]))
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3"])

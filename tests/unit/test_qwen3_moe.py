@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from fitserve import LLM, SamplingParams
 from fitserve.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 from fitserve.planner.model_shape import ModelShape
 from tests.model_folders import save_with_tokenizer
@@ -26,9 +25,11 @@ from tests.unit.model_helpers import (
     PagedTestRunner,
     build_fitserve_model,
     build_hf_model,
+    greedy_with_mixed_steps,
     hf_logits,
     tiny_hf_config,
 )
+from tests.unit.test_engine_vs_hf import ENGINE_VARIANTS, PROMPTS, greedy_outputs, hf_greedy, make_llm
 
 TOLERANCE = 1e-4
 MOE = {
@@ -44,8 +45,6 @@ CASES: dict[str, dict[str, Any]] = {
     "dense_first_layer": {"mlp_only_layers": [0]},
     "every_other_layer": {"decoder_sparse_step": 2, "num_hidden_layers": 3},
 }
-PROMPTS = [[5, 17, 33, 2, 90], list(range(40, 77)), [200, 3, 3, 9, 250, 11, 12, 13, 14, 15, 16, 100, 7]]
-NEW_TOKENS = 12
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -93,20 +92,9 @@ def test_prefill_and_chunked_prefill_match_hf(case: str) -> None:
 def test_greedy_decode_with_mixed_steps_matches_hf(case: str) -> None:
     config, hf_model, model = models(case)
     runner = PagedTestRunner(model, config, block_size=4)
-    sequences = {"a": tokens(19, seed=5), "b": tokens(33, seed=6), "c": tokens(12, seed=7)}
-    produced: dict[str, list[torch.Tensor]] = {name: [] for name in sequences}
-    pending = {"a": sequences["a"], "b": sequences["b"]}
-    for step in range(5):
-        if step == 2:
-            pending["c"] = sequences["c"]
-        names = list(pending)
-        for name, logits in zip(names, runner.step([(n, pending[n]) for n in names]), strict=True):
-            produced[name].append(logits)
-            sequences[name] = sequences[name] + [int(logits[-1].argmax())]
-            pending[name] = [sequences[name][-1]]
-    for name, pieces in produced.items():
-        computed = torch.cat(pieces)
-        assert_matches(computed, hf_logits(hf_model, sequences[name][: computed.shape[0]]))
+    prompts = {"a": tokens(19, seed=5), "b": tokens(33, seed=6), "c": tokens(12, seed=7)}
+    for computed, sequence in greedy_with_mixed_steps(runner, prompts, late="c").values():
+        assert_matches(computed, hf_logits(hf_model, sequence[: computed.shape[0]]))
 
 
 @pytest.fixture(scope="module")
@@ -118,44 +106,13 @@ def saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return folder, hf_model
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def make_llm(folder: Path, **kwargs: Any) -> LLM:
-    kwargs.setdefault("num_gpu_blocks_override", 64)
-    kwargs.setdefault("block_size", 8)
-    return LLM(str(folder), dtype="float32", **kwargs)
-
-
-def generate(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
-    sampling = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **params)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-
-
-ENGINE_VARIANTS = {
-    "prefix caching on": {},
-    "prefix caching off": {"enable_prefix_caching": False},
-    "chunked prefill": {"max_num_batched_tokens": 6, "max_num_seqs": 4},
-    "preemption": {"num_gpu_blocks_override": 7},
-}
-
-
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_engine_greedy_matches_hf_generate(saved, variant):
     folder, hf_model = saved
     expected = [hf_greedy(hf_model, p) for p in PROMPTS]
     llm = make_llm(folder, **ENGINE_VARIANTS[variant])
     for _ in range(2):  # the second pass reads the first's prefix blocks where caching is on
-        assert [o.outputs[0].token_ids for o in generate(llm, PROMPTS)] == expected
+        assert [o.outputs[0].token_ids for o in greedy_outputs(llm, PROMPTS)] == expected
     if variant == "preemption":
         assert llm.engine.scheduler.num_preemptions_total > 0
     if variant == "prefix caching on":
@@ -165,7 +122,7 @@ def test_engine_greedy_matches_hf_generate(saved, variant):
 def test_engine_logprobs_match_hf(saved):
     folder, hf_model = saved
     prompt = PROMPTS[1]
-    out = generate(make_llm(folder), [prompt], logprobs=5)[0]
+    out = greedy_outputs(make_llm(folder), [prompt], logprobs=5)[0]
     with torch.no_grad():
         full = torch.tensor([prompt + out.outputs[0].token_ids])
         reference = torch.log_softmax(hf_model(full).logits[0].float(), dim=-1)
@@ -177,10 +134,10 @@ def test_engine_logprobs_match_hf(saved):
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["intermediate_split", "expert_parallel"])
 def test_tp2_equals_tp1(saved, expert_parallel):
     folder, _ = saved
-    want = generate(make_llm(folder), PROMPTS, logprobs=3)
+    want = greedy_outputs(make_llm(folder), PROMPTS, logprobs=3)
     two = make_llm(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
-        got = generate(two, PROMPTS, logprobs=3)
+        got = greedy_outputs(two, PROMPTS, logprobs=3)
     finally:
         two.engine.shutdown()
     for ours, theirs in zip(got, want, strict=True):
@@ -202,7 +159,14 @@ def _awq(config: Any, ignore: list[str] | None = None) -> Any:
     return config
 
 
-def test_a_checkpoint_that_quantizes_the_experts_is_refused_before_building():
+@pytest.mark.parametrize("flag", [None, "fp8"], ids=["awq_checkpoint", "quantization_fp8"])
+def test_quantized_experts_are_refused_before_building(flag):
+    from fitserve.layers.quantization.quant_config import with_quantization_flag
+
+    if flag is not None:  # --quantization fp8 on the 16-bit checkpoint
+        with pytest.raises(ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit weights only"):
+            Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), flag))
+        return
     with pytest.raises(
         ValueError, match=r"awq int4 .*Qwen3-MoE model \(8 experts\).*16-bit weights only.*fitserve plan"
     ):
