@@ -2,13 +2,16 @@
 
 Families: the pre-norm decoders (Llama, Mistral, Qwen2, Qwen3 and the like), with mixture-of-experts
 MLPs as Mixtral (`num_local_experts`, experts of `intermediate_size`) and Qwen-MoE (`num_experts`,
-experts of `moe_intermediate_size`, an optional shared expert) name them; every layer of a MoE model
-is taken as sparse. Gemma-4 (mixed layer geometries, per-layer inputs, KV-shared layers, experts beside a
-dense MLP) is counted by gemma4_shape.py; its `kv_layers` hold each layer's cache geometry (kv_layers.py).
+experts of `moe_intermediate_size`, an optional shared expert) name them; a Qwen-MoE layer in
+`mlp_only_layers`, or off its `decoder_sparse_step`, keeps a dense MLP of `intermediate_size` (as
+transformers builds it), every other layer of a MoE model is sparse. Gemma-4 (mixed layer geometries,
+per-layer inputs, KV-shared layers, experts beside a dense MLP) is counted by gemma4_shape.py; its
+`kv_layers` hold each layer's cache geometry (kv_layers.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,8 @@ class ModelShape:
     recurrent_state_elements: int = 0
     # and their key and value head counts, which tensor parallel splits too ((): none)
     linear_head_counts: tuple[int, ...] = ()
+    # MoE layers of the generic decoders (None: every layer when the model has experts)
+    sparse_layers: int | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelShape:
@@ -75,6 +80,7 @@ class ModelShape:
         num_experts = _first_int(config, "num_local_experts", "num_experts", default=0)
         moe_width = _first_int(config, "moe_intermediate_size", default=0)
         dense_width = _first_int(config, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+        num_layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
         archs = getattr(hf_config, "architectures", None) or []
         if is_gemma4(config):
             return cls._gemma4(config, archs[0] if archs else "")
@@ -85,7 +91,7 @@ class ModelShape:
             model_type=model_type,
             hidden_size=hidden,
             intermediate_size=dense_width,
-            num_layers=_first_int(config, "num_hidden_layers", "n_layer", "num_layers"),
+            num_layers=num_layers,
             num_attention_heads=heads,
             num_kv_heads=_first_int(config, "num_key_value_heads", default=heads),
             head_dim=_first_int(config, "head_dim", default=hidden // heads),
@@ -99,7 +105,8 @@ class ModelShape:
             moe_intermediate_size=(moe_width or dense_width) if num_experts else 0,
             shared_expert_intermediate_size=_first_int(config, "shared_expert_intermediate_size", default=0),
             torch_dtype=_dtype_name(config),
-        )
+            sparse_layers=_sparse_layers(config, num_layers) if num_experts else None,
+        ).with_active_params()
 
     @classmethod
     def _gemma4(cls, config: Any, architecture: str) -> ModelShape:
@@ -184,12 +191,28 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def mlp_linear_params_per_layer(self) -> int:
-        hidden = self.hidden_size
+    @property
+    def num_sparse_layers(self) -> int:
         if not self.is_moe:
-            return 3 * hidden * self.intermediate_size
+            return 0
+        return self.num_layers if self.sparse_layers is None else self.sparse_layers
+
+    def mlp_linear_params(self) -> int:
+        """The MLP projections of all layers: the sparse layers' experts (and shared expert), the dense
+        layers' gated MLP."""
+        hidden, sparse = self.hidden_size, self.num_sparse_layers
+        dense = 3 * hidden * self.intermediate_size * (self.num_layers - sparse)
         experts = self.num_experts * 3 * hidden * self.moe_intermediate_size
-        return experts + 3 * hidden * self.shared_expert_intermediate_size
+        return dense + sparse * (experts + 3 * hidden * self.shared_expert_intermediate_size)
+
+    def with_active_params(self) -> ModelShape:
+        """This shape with `active_params` set for a generic MoE: the total less the experts a token does
+        not run (num_experts - num_experts_per_tok of each sparse layer)."""
+        if not self.is_moe or self.counts is not None:
+            return self
+        idle = self.num_sparse_layers * (self.num_experts - self.num_experts_per_tok)
+        unused = idle * 3 * self.hidden_size * self.moe_intermediate_size
+        return dataclasses.replace(self, active_params=self.parameter_counts().total - unused)
 
     def parameter_counts(self) -> ParamCounts:
         """Counted from the shapes alone: what a checkpoint of this config holds."""
@@ -197,14 +220,13 @@ class ModelShape:
             return self.counts
         hidden, q, kv = self.hidden_size, self.q_size, self.kv_size
         attention = hidden * (q + 2 * kv) + q * hidden
-        linear_per_layer = attention + self.mlp_linear_params_per_layer()
         biases = (q + 2 * kv if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
         norms = 2 * hidden + (2 * self.head_dim if self.qk_norm else 0)
         router = hidden * self.num_experts + (hidden if self.shared_expert_intermediate_size else 0)
         embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
-        replicated = self.num_layers * (norms + router) + hidden
+        replicated = self.num_layers * norms + self.num_sparse_layers * router + hidden
         return ParamCounts(
-            linear=self.num_layers * linear_per_layer,
+            linear=self.num_layers * attention + self.mlp_linear_params(),
             other=embeddings + self.num_layers * biases + replicated,
             replicated=replicated,
         )
@@ -225,6 +247,14 @@ def _first_int(config: Any, *names: str, default: int | None = None) -> int:
             "(pass a model folder whose config.json is a decoder-only language model)"
         )
     return default
+
+
+def _sparse_layers(config: Any, num_layers: int) -> int:
+    """How many layers transformers gives a sparse MLP: Qwen-MoE's `mlp_only_layers` and
+    `decoder_sparse_step` (Mixtral has neither: every layer)."""
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _dtype_name(config: Any) -> str | None:

@@ -190,3 +190,15 @@ def test_the_planner_counts_the_30b_a3b():
     assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (128, 8, 768)
     total = shape.parameter_counts().total
     assert 30.4e9 < total < 30.6e9, total  # "30B": 30.53 B parameters
+    assert 3.3e9 < shape.active_params < 3.4e9, shape.active_params  # "A3B": 3.35 B a token
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_planner_counts_what_transformers_builds(case):
+    config, hf_model, _ = models(case)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.parameter_counts().total == sum(p.numel() for p in hf_model.parameters())
+    sparse = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+    assert shape.num_sparse_layers == sparse
+    idle = sparse * (config.num_experts - config.num_experts_per_tok) * 3 * 64 * config.moe_intermediate_size
+    assert shape.active_params == shape.parameter_counts().total - idle
