@@ -20,6 +20,10 @@ TOKENIZER = SHARED / "tokenizers" / "smollm2"
 PROCESS_START = time.perf_counter()  # the scripts import this module first
 
 
+# vLLM's environment in the comparison scripts: its own sampler (not FlashInfer's), no usage reports, no hub
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+
+
 def machine() -> dict:
     import torch
 

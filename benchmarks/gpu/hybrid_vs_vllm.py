@@ -27,11 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, engine_generate, engine_single_request, save  # noqa: I001
+from common import MODELS, TOKENIZER, VLLM_ENV, engine_generate, engine_single_request, save  # noqa: I001
 
 SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b"}
 SETTINGS = {"load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 16, "gpu_memory_utilization": 0.9}
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def text_only_folder(model: str) -> str:

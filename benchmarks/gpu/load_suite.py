@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, machine  # noqa: I001
+from common import MODELS, TOKENIZER, VLLM_ENV, machine  # noqa: I001
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -42,7 +42,6 @@ MODEL = MODELS / "llama-3.1-8b"
 CONCURRENCIES = (64, 128, 256)
 WAVES = 4
 INPUT_MEAN, OUTPUT_MEAN, RANGE_RATIO = 640, 320, 0.6
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 

@@ -18,12 +18,20 @@ Figures:
 Formats: bf16 (the checkpoint as it is), int4 (a GPTQ group-128 symmetric quantization_config added to the
 config, dummy int4 weights through the same kernels a real checkpoint runs), fp8 (`--quantization fp8`),
 bnb4 (`--quantization bitsandbytes`: nf4, block 64).
+
+`--engine vllm` runs the same figures on vLLM (0.26.0 from ../shared/vllm_bundle, PYTHONPATH with its site
+folder) with the same folder and flags: its GPTQ kernel for int4 (Marlin on these GPUs), its own fp8 and
+bitsandbytes paths; single gives tok/s only (the roofline bytes are fitserve's model's). A speed claim is
+the ratio of both engines' figures from one lease:
+
+  python benchmarks/gpu/quant_suite.py all --engine vllm --formats bf16,int4,fp8 --out FILE
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -35,8 +43,10 @@ from pathlib import Path
 from common import (  # noqa: I001
     MODELS,
     TOKENIZER,
+    VLLM_ENV,
     batch1_decode_seconds,
     copy_bandwidth_bytes_per_s,
+    engine_single_request,
     machine,
     save,
     timed_offline_run,
@@ -75,11 +85,20 @@ def step_bytes(model) -> int:
     return total
 
 
-def run_one(fmt: str, figure: str, model: str) -> dict:
-    from fitserve import LLM, SamplingParams
+def engine_classes(engine: str) -> tuple[type, type]:
+    """(LLM, SamplingParams) of fitserve or vLLM."""
+    if engine == "fitserve":
+        from fitserve import LLM, SamplingParams
+    else:
+        os.environ.update(VLLM_ENV)
+        from vllm import LLM, SamplingParams
+    return LLM, SamplingParams
 
+
+def run_one(fmt: str, figure: str, model: str, engine: str = "fitserve") -> dict:
+    LLM, SamplingParams = engine_classes(engine)
     if figure == "equal":
-        return run_equal(fmt)
+        return run_equal(fmt, engine)
     with tempfile.TemporaryDirectory() as scratch:
         path = model_dir(model, fmt, Path(scratch))
         llm = LLM(
@@ -89,9 +108,12 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
             max_model_len=4096,
             quantization=FLAGS[fmt],
         )
-    runner = llm.engine.executor.runner
     rng = random.Random(0)
+    if figure == "single" and engine == "vllm":
+        tok_per_s, times = engine_single_request(llm, SamplingParams, rng)  # the same requests
+        return {"tok_per_s": round(tok_per_s, 1), "seconds_per_request": [round(t, 4) for t in times]}
     if figure == "single":
+        runner = llm.engine.executor.runner
         times = batch1_decode_seconds(llm, rng)
         tok_per_s = 256 / min(times)
         nbytes = step_bytes(runner.model)
@@ -121,13 +143,13 @@ def run_one(fmt: str, figure: str, model: str) -> dict:
     raise ValueError(f"figure {figure!r}: use single, b<batch> (b64, b4, ...) or equal")
 
 
-def run_equal(fmt: str) -> dict:
+def run_equal(fmt: str, engine: str = "fitserve") -> dict:
     """The equal workload (issue 4: 256 requests of 512 prompt tokens and 512 output tokens, Qwen3-0.6B
     shape), offline, output tok/s after an untimed pass that compiles every shape class (as
     throughput_workload.py does)."""
-    from fitserve import LLM
     from fitserve.bench.workloads import named_workload
 
+    LLM, SamplingParams = engine_classes(engine)
     workload = named_workload("equal")
     with tempfile.TemporaryDirectory() as scratch:
         llm = LLM(
@@ -137,7 +159,20 @@ def run_equal(fmt: str) -> dict:
             max_model_len=workload.max_model_len or 4096,
             quantization=FLAGS[fmt],
         )
-    output_tokens, elapsed = timed_offline_run(llm, workload)
+    if engine == "fitserve":
+        output_tokens, elapsed = timed_offline_run(llm, workload)
+    else:  # the same passes on vLLM: 2 tokens each (compiles, caches), the prefix cache reset, then timed
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.reset_prefix_cache()
+        params = [
+            SamplingParams(temperature=workload.temperature, max_tokens=r.max_tokens, ignore_eos=True)
+            for r in workload.requests
+        ]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "out_tok_per_s": round(output_tokens / elapsed, 1),
         "seconds": round(elapsed, 3),
@@ -152,20 +187,24 @@ def main() -> None:
     one.add_argument("--format", choices=sorted(FLAGS), required=True)
     one.add_argument("--figure", required=True, help="single, b<batch> (b64, b4, ...) or equal")
     one.add_argument("--model", default="llama-3.1-8b")
+    one.add_argument("--engine", choices=["fitserve", "vllm"], default="fitserve")
     one.add_argument("--json-out", required=True)
     every = sub.add_parser("all")
     every.add_argument("--formats", default="bf16,int4,fp8,bnb4")
     every.add_argument("--figures", default="single,b64")
+    every.add_argument("--engine", choices=["fitserve", "vllm"], default="fitserve")
     every.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.command == "one":
-        Path(args.json_out).write_text(json.dumps(run_one(args.format, args.figure, args.model)))
+        result = run_one(args.format, args.figure, args.model, args.engine)
+        Path(args.json_out).write_text(json.dumps(result))
         return
-    figures: dict = {"machine_extra": machine()}
+    figures: dict = {"machine_extra": machine(), "engine": args.engine}
     for figure in args.figures.split(","):
         for fmt in args.formats.split(","):
             with tempfile.NamedTemporaryFile(suffix=".json") as result:
                 command = [sys.executable, __file__, "one", "--format", fmt, "--figure", figure]
+                command += ["--engine", args.engine]
                 done = subprocess.run(command + ["--json-out", result.name], check=False)
                 text = Path(result.name).read_text() if done.returncode == 0 else ""
             figures[f"{fmt}_{figure}"] = json.loads(text) if text else {"error": f"rc {done.returncode}"}
@@ -184,7 +223,7 @@ def main() -> None:
         if "out_tok_per_s" in equal:
             keys[f"{key}_equal_out_tok_per_s"] = equal["out_tok_per_s"]
     figures["keys"] = keys
-    save("quant", figures, args.out)
+    save("quant" if args.engine == "fitserve" else "quant_vllm", figures, args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from common import (  # noqa: I001
     MODELS,
     REPO,
     TOKENIZER,
+    VLLM_ENV,
     engine_generate,
     engine_single_request,
     run_figure_process,
@@ -39,7 +40,6 @@ SHAPES = {
     "30ba3b": REPO / "examples" / "models" / "qwen3-30b-a3b",
 }
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def parse(figure: str) -> tuple[str, str, int]:
