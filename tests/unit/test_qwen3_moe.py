@@ -5,8 +5,9 @@ greedy decode with mixed steps within 1e-4 of HF's, with the top-k renormalised 
 (`mlp_only_layers`) and every other layer sparse (`decoder_sparse_step` 2). Engine level (a saved folder: the
 per-expert tensors HF writes): greedy tokens equal HF's generate with prefix caching on and off, chunked
 prefill and preemption; logprobs within 1e-4; tensor parallel 2 (gloo) equal to TP 1, with the experts'
-intermediate size split and with --enable-expert-parallel. A quantized checkpoint that would quantize the
-experts is refused before building, naming what runs; the planner counts the 30B-A3B's shape.
+intermediate size split, with --enable-expert-parallel and over two pipeline stages. A quantized checkpoint
+that would quantize the experts is refused before building, naming what runs; the planner counts what
+transformers builds, and the 30B-A3B's shape.
 """
 
 from __future__ import annotations
@@ -131,11 +132,18 @@ def test_engine_logprobs_match_hf(saved):
             assert abs(entry.logprob - reference[len(prompt) - 1 + step][token_id].item()) < TOLERANCE
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["intermediate_split", "expert_parallel"])
-def test_tp2_equals_tp1(saved, expert_parallel):
+LAYOUTS = {
+    "tp2_intermediate_split": {"tensor_parallel_size": 2},
+    "tp2_expert_parallel": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "pp2": {"pipeline_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts_equal_one_rank(saved, layout):
     folder, _ = saved
     want = greedy_outputs(make_llm(folder), PROMPTS, logprobs=3)
-    two = make_llm(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    two = make_llm(folder, **LAYOUTS[layout])
     try:
         got = greedy_outputs(two, PROMPTS, logprobs=3)
     finally:
