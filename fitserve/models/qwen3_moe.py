@@ -29,16 +29,7 @@ from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
 from fitserve.models.expert_weights import load_expert
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.parameter_loads import ParameterLoads
-
-
-def is_sparse_layer(config: Any, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` has the sparse MLP (transformers' Qwen3MoeDecoderLayer rule)."""
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    return (
-        int(getattr(config, "num_experts", 0) or 0) > 0
-        and layer_idx not in (getattr(config, "mlp_only_layers", None) or ())
-        and (layer_idx + 1) % step == 0
-    )
+from fitserve.models.qwen3_moe_config import is_sparse_layer, refuse_quantized_experts
 
 
 class Qwen3MoeSparseBlock(nn.Module):
@@ -84,29 +75,9 @@ def _sparse_block(config: Any, layer_idx: int) -> nn.Module | None:
     return Qwen3MoeSparseBlock(config) if is_sparse_layer(config, layer_idx) else None
 
 
-def refuse_quantized_experts(config: Any) -> None:
-    """ValueError when the checkpoint's format (or --quantization) would quantize the experts: they run
-    16-bit weights only (layers/moe.py). A format whose ignore list names them leaves them 16-bit."""
-    fmt = quant_format(config)
-    if fmt is None:
-        return
-    sparse = [i for i in range(int(config.num_hidden_layers)) if is_sparse_layer(config, i)]
-    names = ("gate_up_proj", "down_proj", "0.gate_proj", "0.up_proj", "0.down_proj")
-    if not any(all(fmt.quantizes(f"model.layers.{i}.mlp.experts.{n}") for n in names) for i in sparse):
-        return
-    raise ValueError(
-        f"{fmt.describe()} for a Qwen3-MoE model ({int(config.num_experts)} experts): fitserve's fused MoE "
-        "experts run 16-bit weights only, and this format quantizes them (a quantized checkpoint whose "
-        "ignore list does not name the experts, or --quantization on a 16-bit MoE checkpoint). What runs: "
-        "the 16-bit checkpoint without --quantization (`fitserve plan MODEL` says what it needs and how it "
-        "fits: --tensor-parallel-size, --cpu-offload-gb), or a quantized dense Qwen3 (AWQ / GPTQ / "
-        "compressed-tensors int4, fp8, bitsandbytes)"
-    )
-
-
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def __init__(self, config: Any) -> None:
-        refuse_quantized_experts(config)
+        refuse_quantized_experts(config, quant_format(config))
         super().__init__(config)
 
     @classmethod

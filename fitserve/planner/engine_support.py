@@ -15,6 +15,9 @@ from __future__ import annotations
 NOT_RUN_BY_FITSERVE: dict[str, str] = {
     "quantization": "fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does",
 }
+# Why a MoE model quantized by any method needs vLLM: fitserve's engine refuses it before loading (the
+# fused experts of layers/moe.py hold 16-bit weights only; models/*_config.py refuse_quantized_*).
+MOE_QUANTIZATION = "fitserve's MoE experts run 16-bit weights only, not quantized yet; vLLM runs them"
 
 
 def vllm_only(suggestion: str, setting: str) -> str:

@@ -521,7 +521,7 @@ def _notes(plan: MemoryPlan, model: ModelInfo, args: EngineArgs, devices: Sequen
     from fitserve.planner.fit_errors import planned_only_notes
 
     inputs = plan.inputs
-    notes = list(plan.notes) + planned_only_notes(args)
+    notes = list(plan.notes) + planned_only_notes(args, model)
     weights = model.weights
     if weights.source.startswith("GGUF") and weights.file_bytes is not None:
         int4 = cpu_kept_forms(inputs).int4_params

@@ -11,7 +11,7 @@ import torch
 from fitserve.args import EngineArgs
 from fitserve.args_support import CHECKPOINT_QUANTIZATIONS
 from fitserve.config import FP8_KV_CACHE_DTYPES
-from fitserve.planner.engine_support import NOT_RUN_BY_FITSERVE
+from fitserve.planner.engine_support import MOE_QUANTIZATION, NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.fit_parallel import mismatch_refusal, pipeline_refusal, size_refusal, working_sizes
 from fitserve.planner.formats import format_capability, quant_method
@@ -357,10 +357,11 @@ def _kv_tokens(inputs: MemoryInputs, kv_gib: float) -> int:
     return max(0, plan.num_kv_blocks - 1) * inputs.block_size
 
 
-def planned_only_notes(args: EngineArgs) -> list[str]:
+def planned_only_notes(args: EngineArgs, model: ModelInfo | None = None) -> list[str]:
     """Settings asked for that the planner sizes but fitserve's engine does not run yet (EngineArgs
     refuses them): `planned only: --quantization fp8 (fitserve runs int4 AWQ / GPTQ checkpoints, not
-    this yet; vLLM does)`."""
+    this yet; vLLM does)`; and a MoE model's experts quantized (by --quantization or its checkpoint),
+    which fitserve's engine refuses before loading."""
     asked = [
         (
             "quantization",
@@ -368,6 +369,27 @@ def planned_only_notes(args: EngineArgs) -> list[str]:
             f"--quantization {args.quantization}",
         ),
     ]
-    return [
+    notes = [
         f"planned only: {flag} ({NOT_RUN_BY_FITSERVE[setting]})" for setting, wanted, flag in asked if wanted
     ]
+    quantized_experts = _quantized_experts(args, model) if model is not None and not notes else None
+    if quantized_experts:
+        notes.append(f"planned only: {quantized_experts} ({MOE_QUANTIZATION})")
+    return notes
+
+
+def _quantized_experts(args: EngineArgs, model: ModelInfo) -> str | None:
+    """What would quantize this MoE model's experts (--quantization, or the checkpoint's format), where
+    fitserve's engine refuses it; None otherwise."""
+    from fitserve.layers.quantization.quant_config import int4_format
+    from fitserve.planner.quantized_checkpoint import refuse_quantized_moe_experts
+
+    try:
+        fmt = int4_format(model.hf_config, args.quantization)
+    except ValueError:  # a format or flag fitserve does not run at all: check_quantization says so
+        return None
+    try:
+        refuse_quantized_moe_experts(model.hf_config, fmt)
+    except ValueError:
+        return f"--quantization {args.quantization}" if args.quantization else "the checkpoint's quantization"
+    return None

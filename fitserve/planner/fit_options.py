@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fitserve.planner.engine_support import vllm_only
+from fitserve.planner.engine_support import MOE_QUANTIZATION, vllm_only
 from fitserve.planner.fit_parallel import size_problem
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
@@ -67,10 +67,15 @@ def fitting_options(
     if offload:
         options.append(offload)
     quantization = _quantization_options(inputs, needed_tokens)
-    runs = [text for group, text in quantization if group in RUN_BY_FITSERVE]
-    needs_vllm = [text for group, text in quantization if group not in RUN_BY_FITSERVE]
+    moe = inputs.shape.is_moe  # every method would quantize the experts, which fitserve keeps 16-bit
+    runs = [text for group, text in quantization if group in RUN_BY_FITSERVE and not moe]
+    needs_vllm = [
+        f"{text} ({MOE_QUANTIZATION})" if moe else vllm_only(text, "quantization")
+        for group, text in quantization
+        if group not in RUN_BY_FITSERVE or moe
+    ]
     options += runs
-    if not quantization and _can_quantize(inputs):
+    if not quantization and _can_quantize(inputs) and not moe:
         for group in (("fp8",), ("awq", "gptq"), ("bitsandbytes",)):
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
             if combined:
@@ -79,7 +84,7 @@ def fitting_options(
     tensor_parallel = _tensor_parallel_option(inputs, needed_tokens, headroom)
     if tensor_parallel:
         options.append(tensor_parallel)
-    return options + [vllm_only(text, "quantization") for text in needs_vllm]
+    return options + needs_vllm
 
 
 def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> list[str]:

@@ -5,15 +5,29 @@ holds the rules and the messages)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fitserve.layers.quantization.layer_projections import is_gemma4
 from fitserve.layers.quantization.quant_config import Int4Format, check_layer_shapes, int4_format
 from fitserve.models.gemma4_config import refuse_quantized_experts
 from fitserve.models.qwen3_5_config import refuse_quantized_moe
+from fitserve.models.qwen3_moe_config import is_qwen3_moe
+from fitserve.models.qwen3_moe_config import refuse_quantized_experts as refuse_qwen3_moe_experts
 from fitserve.planner.bnb_headers import check_bnb_checkpoint
 from fitserve.planner.model_info import ModelInfo
 
 logger = logging.getLogger("fitserve")
+
+
+def refuse_quantized_moe_experts(hf_config: Any, fmt: Any) -> None:
+    """ValueError (naming the format, the model and what runs) when `fmt` would quantize a MoE model's
+    experts, which hold 16-bit weights only (layers/moe.py); nothing for a dense model or 16-bit experts."""
+    if is_gemma4(hf_config):  # its MoE runs when the ignore list keeps the experts 16-bit
+        refuse_quantized_experts(hf_config, fmt)
+    elif is_qwen3_moe(hf_config):  # likewise
+        refuse_qwen3_moe_experts(hf_config, fmt)
+    else:
+        refuse_quantized_moe(hf_config, fmt)  # a Qwen3.5 MoE's experts hold 16-bit weights only
 
 
 def check_quantized_checkpoint(model: ModelInfo, quantization: str | None) -> Int4Format | None:
@@ -22,10 +36,7 @@ def check_quantized_checkpoint(model: ModelInfo, quantization: str | None) -> In
     fmt = int4_format(model.hf_config, quantization)
     if fmt is None:
         return None
-    if is_gemma4(model.hf_config):  # its MoE runs when the ignore list keeps the experts 16-bit
-        refuse_quantized_experts(model.hf_config, fmt)
-    else:
-        refuse_quantized_moe(model.hf_config, fmt)  # a Qwen3.5 MoE's experts hold 16-bit weights only
+    refuse_quantized_moe_experts(model.hf_config, fmt)
     check_layer_shapes(fmt, model.hf_config)
     if getattr(fmt, "prequantized", False) and model.resolved is not None and model.weights.file_bytes:
         check_bnb_checkpoint(fmt, model.resolved.model_path, model.hf_config)  # bitsandbytes: its headers

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from fitserve.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
+from fitserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from fitserve.models.qwen3_moe_config import is_sparse_layer
 from fitserve.planner.model_shape import ModelShape
 from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import (
@@ -182,9 +183,11 @@ def test_quantized_experts_are_refused_before_building(flag):
 
 
 def test_an_ignore_list_naming_the_experts_lets_the_rest_be_quantized():
-    from fitserve.models.qwen3_moe import refuse_quantized_experts
+    from fitserve.layers.quantization.quant_config import quant_format
+    from fitserve.models.qwen3_moe_config import refuse_quantized_experts
 
-    refuse_quantized_experts(_awq(config_of("renormalised"), ["experts"]))  # no error
+    config = _awq(config_of("renormalised"), ["experts"])
+    refuse_quantized_experts(config, quant_format(config))  # no error
 
 
 def test_the_planner_counts_the_30b_a3b():
@@ -210,3 +213,57 @@ def test_the_planner_counts_what_transformers_builds(case):
     assert shape.num_sparse_layers == sparse
     idle = sparse * (config.num_experts - config.num_experts_per_tok) * 3 * 64 * config.moe_intermediate_size
     assert shape.active_params == shape.parameter_counts().total - idle
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gemma-4-26b-a4b-it"])
+def test_the_plans_advice_for_a_moe_offers_quantization_only_as_vllms(model):
+    """A MoE too big for a 24 GB GPU: the advice that fitserve runs comes first (offload, tensor parallel);
+    the 4-bit methods that would fit follow, each saying that fitserve keeps MoE experts 16-bit (its engine
+    refuses a quantized MoE) and that vLLM runs them; a dense model's advice keeps them as fitserve's."""
+    from fitserve.cli.plan import run_plan
+    from fitserve.planner.fit_errors import PlanError
+    from tests.unit.test_planner_cli import parse
+
+    with pytest.raises(PlanError) as error:
+        run_plan(parse("plan", [str(EXAMPLES / model), "--assume-gpus", "1x24"]))
+    options = str(error.value).split("What would fit (any one line):\n", 1)[1].splitlines()
+    assert options[0].lstrip().startswith("--cpu-offload-gb")
+    quantized = [line for line in options if "--quantization" in line]
+    assert quantized, "a 4-bit method fits this GPU: the advice should still name it, as vLLM's"
+    reason = "(fitserve's MoE experts run 16-bit weights only, not quantized yet; vLLM runs them)"
+    assert all(line.endswith(reason) for line in quantized)
+    assert options.index(quantized[0]) > max(
+        i for i, line in enumerate(options) if "--quantization" not in line
+    )
+
+
+def test_a_plan_with_quantized_moe_experts_says_fitserve_does_not_run_it(capsys):
+    from fitserve.cli.plan import run_plan
+    from tests.unit.test_planner_cli import parse
+
+    argv = [str(EXAMPLES / "qwen3-30b-a3b"), "--assume-gpus", "1x80@9.0"]
+    assert run_plan(parse("plan", [*argv, "--quantization", "fp8"])) == 0
+    assert (
+        "planned only: --quantization fp8 (fitserve's MoE experts run 16-bit weights only"
+        in capsys.readouterr().out
+    )
+    assert run_plan(parse("plan", argv)) == 0
+    assert "planned only" not in capsys.readouterr().out
+
+
+def test_serving_a_quantized_qwen3_moe_checkpoint_is_refused_by_the_plan_naming_qwen3_moe(tmp_path):
+    import json
+
+    from fitserve.planner.model_info import inspect_model
+    from fitserve.planner.quantized_checkpoint import check_quantized_checkpoint
+
+    config = _awq(config_of("renormalised")).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"for a Qwen3-MoE model \(8 experts\)"):
+        check_quantized_checkpoint(inspect_model(str(tmp_path)), None)
+    config["quantization_config"]["modules_to_not_convert"] = ["experts", "gate"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert check_quantized_checkpoint(inspect_model(str(tmp_path)), None) is not None  # experts stay 16-bit
