@@ -5,8 +5,8 @@ engine refuses some of them ("not supported yet" in fitserve/args.py). Every sug
 names such a setting says so, in these words, and the planner lists the settings fitserve runs first.
 CPU offload (--cpu-offload-gb), fp8 KV cache (--kv-cache-dtype fp8), int4 AWQ / GPTQ checkpoints
 (without offload), tensor parallel (--tensor-parallel-size: ranks on GPUs with NCCL, or CPU ranks with
-gloo) and pipeline parallel (--pipeline-parallel-size, the Llama, Mistral, Qwen2 and Qwen3 families)
-count as run.
+gloo) and pipeline parallel (--pipeline-parallel-size, the Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE
+families) count as run.
 """
 
 from __future__ import annotations
