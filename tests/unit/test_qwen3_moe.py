@@ -32,8 +32,8 @@ from tests.unit.model_helpers import (
     tiny_hf_config,
 )
 from tests.unit.test_engine_vs_hf import ENGINE_VARIANTS, PROMPTS, greedy_outputs, hf_greedy, make_llm
+from tests.unit.test_models_vs_hf import TOLERANCE, assert_matches, random_tokens
 
-TOLERANCE = 1e-4
 MOE = {
     "head_dim": 32,
     "num_experts": 8,
@@ -49,10 +49,6 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def config_of(case: str) -> Any:
     return tiny_hf_config("Qwen3MoeForCausalLM", **{**MOE, **CASES[case]})
 
@@ -62,11 +58,6 @@ def models(case: str) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
     config = config_of(case)
     hf_model = build_hf_model(config)
     return config, hf_model, build_fitserve_model(config, hf_model.state_dict())
-
-
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    error = (got - want).abs().max().item()
-    assert error < TOLERANCE, f"max |logit difference| {error:.3g} >= {TOLERANCE}"
 
 
 def test_the_layers_are_sparse_where_transformers_makes_them_so():
@@ -82,7 +73,7 @@ def test_the_layers_are_sparse_where_transformers_makes_them_so():
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_and_chunked_prefill_match_hf(case: str) -> None:
     config, hf_model, model = models(case)
-    prompt = tokens(37, seed=1)
+    prompt = random_tokens(37, seed=1)
     (whole,) = PagedTestRunner(model, config).step([("a", prompt)])
     assert_matches(whole, hf_logits(hf_model, prompt))
     runner = PagedTestRunner(model, config, block_size=4)
@@ -94,7 +85,7 @@ def test_prefill_and_chunked_prefill_match_hf(case: str) -> None:
 def test_greedy_decode_with_mixed_steps_matches_hf(case: str) -> None:
     config, hf_model, model = models(case)
     runner = PagedTestRunner(model, config, block_size=4)
-    prompts = {"a": tokens(19, seed=5), "b": tokens(33, seed=6), "c": tokens(12, seed=7)}
+    prompts = {"a": random_tokens(19, seed=5), "b": random_tokens(33, seed=6), "c": random_tokens(12, seed=7)}
     for computed, sequence in greedy_with_mixed_steps(runner, prompts, late="c").values():
         assert_matches(computed, hf_logits(hf_model, sequence[: computed.shape[0]]))
 
