@@ -8,7 +8,8 @@ defaults), each in its own process (one engine's memory is gone before the next 
 - equal<model>_tp<N>: 256 requests of 512 random prompt tokens and 512 output tokens at once, output tok/s
   (max_model_len 1024), after a pass that gives every prompt 2 tokens (kernel variants, compile caches).
 Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B (shared/models), 30ba3b = Qwen3-30B-A3B (the MoE shape
-vLLM 0.26.0 loads on the GPU machine, unlike Gemma-4's and Qwen3.6's; examples/models).
+vLLM 0.26.0 loads on the GPU machine, unlike Gemma-4's and Qwen3.6's; examples/models), 30ba3bawq = the same
+as an AWQ int4 checkpoint (its int4 experts: fitserve's kernels/fused_moe_int4.py, vLLM's Marlin MoE).
 Also ready_s (constructor to ready).
 
   python benchmarks/gpu/tp_vs_vllm.py --engine vllm|fitserve [--figures single8b_tp2,...] --out FILE
@@ -38,6 +39,7 @@ SHAPES = {
     "8b": MODELS / "llama-3.1-8b",
     "70b": MODELS / "llama-3.3-70b",
     "30ba3b": REPO / "examples" / "models" / "qwen3-30b-a3b",
+    "30ba3bawq": REPO / "examples" / "models" / "qwen3-30b-a3b-awq",
 }
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
 

@@ -61,6 +61,7 @@ from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
 from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
+from fitserve.kernels.moe_parts import pair_block as _pair_block
 
 # Pairs per program of the scatter kernel, pairs (and padding rows) per step of the routing kernel, blocks
 # per step of its block -> expert pass.
@@ -230,10 +231,7 @@ def _moe_gate_up_kernel(
     wait_for_previous_kernel(USE_PDL)
     if block_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.load(block_expert_ptr + block_m).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + rows)
-    row_ok = pair < num_pairs
+    expert, rows, pair, row_ok = _pair_block(sorted_pairs_ptr, block_expert_ptr, block_m, num_pairs, BLOCK_M)
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = (pid % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < intermediate
@@ -286,10 +284,7 @@ def _moe_down_kernel(
     wait_for_previous_kernel(USE_PDL)
     if block_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.load(block_expert_ptr + block_m).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + rows)
-    row_ok = pair < num_pairs
+    expert, rows, pair, row_ok = _pair_block(sorted_pairs_ptr, block_expert_ptr, block_m, num_pairs, BLOCK_M)
     offs_n = (pid % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

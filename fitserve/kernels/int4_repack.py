@@ -151,22 +151,8 @@ def repack_int4(
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"codes must be 4-bit (0..15); found {int(codes.max())}")
     device = codes.device
-    padded = -(-in_features // BLOCK_K) * BLOCK_K
-    blocks = padded // BLOCK_K
-    if padded != in_features:
-        codes = torch.nn.functional.pad(codes, (0, padded - in_features))
-    # [N, blocks, j, i] -> word [N, blocks, i] = sum_j code << 4j
-    nibbles = codes.view(out_features, blocks, 8, WORDS_PER_BLOCK).to(torch.int64)
-    shifts = (4 * torch.arange(8, device=device, dtype=torch.int64)).view(1, 1, 8, 1)
-    words = (nibbles << shifts).sum(dim=2)  # < 2**32
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    qweight = words.reshape(out_features, blocks * WORDS_PER_BLOCK).contiguous()
-
-    padded_groups = -(-padded // group_size)
-
-    scale_zero = torch.zeros(padded_groups, out_features, 2, dtype=dtype, device=device)
-    scale_zero[:groups, :, 0] = scales.to(device=device, dtype=torch.float32).t().to(dtype)
-    scale_zero[:groups, :, 1] = zeros.to(device=device, dtype=torch.float32).t().to(dtype)
+    qweight = pack_words(codes)
+    scale_zero = scale_zero_pairs(scales, zeros, qweight.shape[1] * 8, group_size, dtype, device)
     counters = torch.zeros(
         -(-out_features // MIN_BLOCK_N) * MAX_SPLIT_ROW_TILES, dtype=torch.int32, device=device
     )
@@ -187,15 +173,54 @@ def repack_int4(
     )
 
 
-def unpack_codes(packed: PackedInt4) -> torch.Tensor:
-    """PackedInt4 -> the uint8 codes [N, K] it was packed from (the layout's inverse, for tests)."""
-    words = packed.qweight.to(torch.int64) & 0xFFFFFFFF
-    n = packed.out_features
-    blocks = packed.padded_in_features // BLOCK_K
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15) -> qweight int32 [N, Kp // 8] in the layout (codes past K are 0)."""
+    out_features, in_features = codes.shape
+    padded = -(-in_features // BLOCK_K) * BLOCK_K
+    blocks = padded // BLOCK_K
+    if padded != in_features:
+        codes = torch.nn.functional.pad(codes, (0, padded - in_features))
+    # [N, blocks, j, i] -> word [N, blocks, i] = sum_j code << 4j
+    nibbles = codes.view(out_features, blocks, 8, WORDS_PER_BLOCK).to(torch.int64)
+    shifts = (4 * torch.arange(8, device=codes.device, dtype=torch.int64)).view(1, 1, 8, 1)
+    words = (nibbles << shifts).sum(dim=2)  # < 2**32
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words.reshape(out_features, blocks * WORDS_PER_BLOCK).contiguous()
+
+
+def scale_zero_pairs(
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    padded_in_features: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """scales and zero points [N, K // group_size] -> the layout's [G, N, 2] pairs in `dtype` on `device`
+    (default: the scales'), G counting the groups of the padded K (those past K are 0)."""
+    out_features, groups = scales.shape
+    device = scales.device if device is None else device
+    padded_groups = -(-padded_in_features // group_size)
+    scale_zero = torch.zeros(padded_groups, out_features, 2, dtype=dtype, device=device)
+    scale_zero[:groups, :, 0] = scales.to(device=device, dtype=torch.float32).t().to(dtype)
+    scale_zero[:groups, :, 1] = zeros.to(device=device, dtype=torch.float32).t().to(dtype)
+    return scale_zero
+
+
+def unpack_words(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """qweight int32 [N, Kp // 8] -> the uint8 codes [N, in_features] it was packed from (pack_words'
+    inverse)."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    n, blocks = qweight.shape[0], qweight.shape[1] // WORDS_PER_BLOCK
     words = words.view(n, blocks, 1, WORDS_PER_BLOCK)
     shifts = (4 * torch.arange(8, device=words.device, dtype=torch.int64)).view(1, 1, 8, 1)
     codes = ((words >> shifts) & 0xF).to(torch.uint8).reshape(n, blocks * BLOCK_K)
-    return codes[:, : packed.in_features].contiguous()
+    return codes[:, :in_features].contiguous()
+
+
+def unpack_codes(packed: PackedInt4) -> torch.Tensor:
+    """PackedInt4 -> the uint8 codes [N, K] it was packed from (the layout's inverse, for tests)."""
+    return unpack_words(packed.qweight, packed.in_features)
 
 
 def dequantize_packed(packed: PackedInt4) -> torch.Tensor:

@@ -289,6 +289,32 @@ def _fused_moe(target: Target, full: bool) -> None:
                 fused_moe(x, gate_up, down, topk_ids, weights, activation, shared=shared)
 
 
+def _fused_moe_int4(target: Target, full: bool) -> None:
+    from fitserve.kernels.fused_moe_int4 import PackedExperts, fused_moe_int4
+
+    def packed(experts: int, n: int, k: int, group: int, dtype: torch.dtype) -> PackedExperts:
+        padded = -(-k // 256) * 256
+        qweight = torch.empty(experts, n, padded // 8, dtype=torch.int32)
+        return PackedExperts(qweight, _empty(experts, -(-padded // group), n, 2, dtype=dtype), group, k, n)
+
+    # Qwen3-30B-A3B int4 (128 experts, top 8, 2048 / 768, group 128; 384 a rank at TP 2), Gemma-4 26B-A4B's
+    # experts (2816 / 704, group 64)
+    models = (
+        (128, 8, 2048, 768, 128, "silu"),
+        (128, 8, 2048, 384, 128, "silu"),
+        (128, 8, 2816, 704, 64, "gelu_tanh"),
+    )
+    for experts, top_k, hidden, intermediate, group, activation in models if full else models[:1]:
+        for dtype in activation_dtypes(target, full):
+            gate_up = packed(experts, 2 * intermediate, hidden, group, dtype)
+            down = packed(experts, hidden, intermediate, group, dtype)
+            for tokens in (1, 256):
+                topk_ids = torch.zeros(tokens, top_k, dtype=torch.int32)
+                weights = torch.ones(tokens, top_k, dtype=torch.float32)
+                x = _empty(tokens, hidden, dtype=dtype)
+                fused_moe_int4(x, gate_up, down, topk_ids, weights, activation)
+
+
 def _gemma_moe(target: Target, full: bool) -> None:
     from fitserve.kernels.gemma_moe_norms import gemma_moe_head, gemma_moe_tail
     from fitserve.kernels.moe_router import router_topk
@@ -473,6 +499,7 @@ LAUNCH_CASES: dict[str, Case] = {
     "nf4": _nf4,
     "fp8_linear": _fp8_linear,
     "fused_moe": _fused_moe,
+    "fused_moe_int4": _fused_moe_int4,
     "gemma_moe": _gemma_moe,
     "gated_delta": _gated_delta,
     "qwen3_5_fused": _qwen3_5_fused,

@@ -1,6 +1,7 @@
-"""What the grouped MoE kernels (kernels/fused_moe.py) and the decode-sized ones (kernels/moe_decode.py)
-share: the tile type, the activation constexprs and their Triton code, the dot that keeps float32 exact,
-and the launch (the interpreter's, or a compiled kernel's with programmatic dependent launch)."""
+"""What the grouped MoE kernels (kernels/fused_moe.py, kernels/fused_moe_int4.py) and the decode-sized ones
+(kernels/moe_decode.py) share: the tile type, the activation constexprs and their Triton code, a block of
+the sorted pairs, the dot that keeps float32 exact, and the launch (the interpreter's, or a compiled
+kernel's with programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def activation(x, ACTIVATION: tl.constexpr):
         return x / (1.0 + tl.exp(-2.0 * z))
     else:  # gelu
         return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def pair_block(sorted_pairs_ptr, block_expert_ptr, block_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Block `block_m` of the grouped kernels' sorted pairs (kernels/fused_moe.py moe_route): its expert,
+    its rows, each row's (token, slot) pair and which rows hold one (the others are padding)."""
+    expert = tl.load(block_expert_ptr + block_m).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + rows)
+    return expert, rows, pair, pair < num_pairs
 
 
 @triton.jit

@@ -29,6 +29,7 @@ output first (the dense MLP beside it) passes reduce=False and reduces once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,6 +75,32 @@ def experts_per_rank(num_experts: int, size: int) -> int:
     return num_experts // size
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """This tensor-parallel rank's share of a MoE layer's experts."""
+
+    rank: int
+    size: int
+    expert_parallel: bool  # whole experts per rank (--enable-expert-parallel, more than one rank)
+    local_experts: int
+    first_expert: int
+    width: int  # each local expert's intermediate columns (all of them under expert parallel)
+
+
+def expert_split(num_experts: int, intermediate_size: int, expert_parallel: bool) -> ExpertSplit:
+    """Under expert parallel E / n whole experts a rank, else every expert's I / n intermediate columns;
+    ValueError naming the sizes and the fix when n does not divide them."""
+    state = tp()
+    parallel = expert_parallel and state.size > 1
+    if parallel:
+        local, width = experts_per_rank(num_experts, state.size), intermediate_size
+    else:
+        what = "the MoE experts' intermediate size (moe_intermediate_size)"
+        local, width = num_experts, split_evenly(intermediate_size, state.size, what)
+    first = state.rank * local if parallel else 0
+    return ExpertSplit(state.rank, state.size, parallel, local, first, width)
+
+
 class FusedExperts(nn.Module):
     def __init__(
         self,
@@ -85,23 +112,16 @@ class FusedExperts(nn.Module):
     ) -> None:
         """Sizes are the whole model's; the parameters hold this rank's experts or intermediate slice."""
         super().__init__()
-        state = tp()
-        self.tp_rank, self.tp_size = state.rank, state.size
+        split = expert_split(num_experts, intermediate_size, expert_parallel)
+        self.tp_rank, self.tp_size = split.rank, split.size
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.kernel_activation = kernel_activation(activation)
-        self.expert_parallel = expert_parallel and state.size > 1
-        if self.expert_parallel:
-            self.local_experts = experts_per_rank(num_experts, state.size)
-            self.intermediate_per_rank = intermediate_size
-        else:
-            self.local_experts = num_experts
-            self.intermediate_per_rank = split_evenly(
-                intermediate_size, state.size, "the MoE experts' intermediate size (moe_intermediate_size)"
-            )
-        self.first_expert = self.tp_rank * self.local_experts if self.expert_parallel else 0
+        self.expert_parallel = split.expert_parallel
+        self.local_experts, self.intermediate_per_rank = split.local_experts, split.width
+        self.first_expert = split.first_expert
         local, width = self.local_experts, self.intermediate_per_rank
         self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * width, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(local, hidden_size, width), requires_grad=False)

@@ -10,8 +10,10 @@ decode step's few tokens through kernels/moe_decode.py), so decode steps are cap
 
 Tensor parallel splits each expert's intermediate size, or with --enable-expert-parallel the experts
 (layers/moe.py); the router runs whole on every rank. Experts load from the per-expert checkpoint form or
-transformers 5's fused one (models/expert_weights.py). The experts hold 16-bit weights only: a quantized
-checkpoint (or --quantization) that would quantize them is refused before anything is built.
+transformers 5's fused one (models/expert_weights.py). An int4 checkpoint's experts (AWQ, GPTQ without act
+order, compressed-tensors W4A16, AutoRound) run as int4 (layers/moe_int4.py, kernels/fused_moe_int4.py);
+a format that would quantize them otherwise (fp8, bitsandbytes, --quantization) is refused before anything
+is built (models/qwen3_moe_config.py).
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from torch import nn
 
 from fitserve.layers.linear import ReplicatedLinear
 from fitserve.layers.moe import FusedExperts
+from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
 from fitserve.models.expert_weights import load_expert
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_moe_config import is_sparse_layer, refuse_quantized_experts
+from fitserve.models.qwen3_moe_config import int4_experts, is_sparse_layer, refuse_quantized_experts
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
@@ -43,13 +46,13 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.renormalize = bool(getattr(config, "norm_topk_prob", True))
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False)
-        self.experts = FusedExperts(
-            num_experts,
-            hidden,
-            int(config.moe_intermediate_size),
-            F.silu,
-            expert_parallel=expert_parallel_of(config),
-        )
+        width, parallel = int(config.moe_intermediate_size), expert_parallel_of(config)
+        prefix = f"model.layers.{layer_idx}.mlp.experts"
+        fmt = quant_format(config)
+        if int4_experts(config, fmt, layer_idx):  # an int4 checkpoint's experts (layers/moe_int4.py)
+            self.experts = Int4FusedExperts(num_experts, hidden, width, F.silu, fmt, prefix, parallel)
+        else:
+            self.experts = FusedExperts(num_experts, hidden, width, F.silu, expert_parallel=parallel)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids [T, k]): the top k of the router's softmax,
@@ -72,7 +75,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 def _sparse_block(config: Any, layer_idx: int) -> nn.Module | None:
-    return Qwen3MoeSparseBlock(config) if is_sparse_layer(config, layer_idx) else None
+    return Qwen3MoeSparseBlock(config, layer_idx) if is_sparse_layer(config, layer_idx) else None
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
@@ -89,9 +92,26 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Any) -> set[str]:
         self._experts_seen: dict[str, set[tuple[int, str]]] = {}
-        return super().load_weights(weights)
+        loaded = super().load_weights(weights)
+        for module in self.modules():
+            missing = module.missing() if isinstance(module, Int4FusedExperts) else []
+            if missing:
+                raise ValueError(
+                    f"the checkpoint has no int4 tensors for {len(missing)} expert projection(s), e.g. "
+                    f"{', '.join(missing[:3])}: it does not match the model's config.json"
+                )
+        return loaded
 
     def _load_own_form(self, loads: ParameterLoads, name: str, tensor: torch.Tensor) -> bool:
-        """The per-expert tensors (`...mlp.experts.<e>.gate_proj.weight` ...) into the fused parameters;
-        transformers 5's fused form loads by name."""
-        return ".mlp.experts." in name and load_expert(self, name, tensor, loads, self._experts_seen)
+        """The per-expert tensors (`...mlp.experts.<e>.gate_proj.weight` ...) into the fused parameters, or
+        an int4 checkpoint's (`....gate_proj.qweight` ...) into Int4FusedExperts; transformers 5's fused
+        16-bit form loads by name."""
+        if ".mlp.experts." not in name:
+            return False
+        prefix, _, rest = name.partition(".mlp.experts.")
+        experts = self.get_submodule(prefix + ".mlp.experts")
+        if isinstance(experts, Int4FusedExperts):
+            expert, projection, param = rest.split(".", 2)
+            experts.load_tensor(int(expert), projection, param, tensor)
+            return True
+        return load_expert(self, name, tensor, loads, self._experts_seen)

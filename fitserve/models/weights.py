@@ -134,7 +134,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int, device: torch.device |
     copy, so the layers --cpu-offload-gb keeps in CPU memory get the values they would have on the GPU.
 
     A layer whose linear method has `initialize_dummy` (an int4 checkpoint's layers,
-    layers/quantization/int4_method.py) gets a random weight in its own form first, one layer at a time,
+    layers/quantization/int4_method.py), or a module that has one itself (int4 MoE experts,
+    layers/moe_int4.py), gets a random weight in its own form first, one layer at a time,
     made runnable as a loaded one is; its remaining floating-point parameters (a bias) follow the rules above.
     """
     draw_device = None if device is None else _indexed(torch.device(device))
@@ -142,6 +143,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int, device: torch.device |
         initialize = getattr(getattr(module, "linear_method", None), "initialize_dummy", None)
         if initialize is not None:
             initialize(module, seed, DUMMY_STD, draw_device)
+        elif hasattr(module, "initialize_dummy"):  # int4 MoE experts (layers/moe_int4.py)
+            module.initialize_dummy(seed, DUMMY_STD, draw_device)
     drawn: set[int] = set()  # ids of the parameters whole tensors filled
     on_cuda = False
     with torch.no_grad():

@@ -15,9 +15,14 @@ from __future__ import annotations
 NOT_RUN_BY_FITSERVE: dict[str, str] = {
     "quantization": "fitserve runs int4, fp8 and bitsandbytes, not this method yet; vLLM does",
 }
-# Why a MoE model quantized by any method needs vLLM: fitserve's engine refuses it before loading (the
-# fused experts of layers/moe.py hold 16-bit weights only; models/*_config.py refuse_quantized_*).
-MOE_QUANTIZATION = "fitserve's MoE experts run 16-bit weights only, not quantized yet; vLLM runs them"
+# Why a MoE model quantized this way needs vLLM: fitserve's engine refuses it before loading (the fused
+# experts of layers/moe.py hold 16-bit weights, layers/moe_int4.py's int4 ones for the model types below;
+# models/*_config.py refuse_quantized_*).
+MOE_QUANTIZATION = (
+    "fitserve runs MoE experts 16-bit, and int4 on Qwen3-MoE only, not this method yet; vLLM runs them"
+)
+# MoE model types whose experts run an int4 checkpoint (AWQ, GPTQ, compressed-tensors W4A16, AutoRound)
+INT4_EXPERT_MODEL_TYPES = ("qwen3_moe",)
 
 
 def vllm_only(suggestion: str, setting: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fitserve.planner.engine_support import MOE_QUANTIZATION, vllm_only
+from fitserve.planner.engine_support import INT4_EXPERT_MODEL_TYPES, MOE_QUANTIZATION, vllm_only
 from fitserve.planner.fit_parallel import size_problem
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
@@ -67,16 +67,18 @@ def fitting_options(
     if offload:
         options.append(offload)
     quantization = _quantization_options(inputs, needed_tokens)
-    moe = inputs.shape.is_moe  # every method would quantize the experts, which fitserve keeps 16-bit
-    runs = [text for group, text in quantization if group in RUN_BY_FITSERVE and not moe]
+    moe = inputs.shape.is_moe
+    runs = [text for group, text in quantization if _runs(inputs, group)]
     needs_vllm = [
         f"{text} ({MOE_QUANTIZATION})" if moe else vllm_only(text, "quantization")
         for group, text in quantization
-        if group not in RUN_BY_FITSERVE or moe
+        if not _runs(inputs, group)
     ]
     options += runs
-    if not quantization and _can_quantize(inputs) and not moe:
+    if not quantization and _can_quantize(inputs):
         for group in (("fp8",), ("awq", "gptq"), ("bitsandbytes",)):
+            if not _runs(inputs, group):
+                continue
             combined = _offload_option(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
             if combined:
                 checkpoint = " (an AWQ or GPTQ checkpoint of the model)" if group == ("awq", "gptq") else ""
@@ -101,6 +103,16 @@ def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Hea
                 f"{plan.kv_cache_tokens:,} KV tokens"
             ]
     return []
+
+
+def _runs(inputs: MemoryInputs, group: tuple[str, ...]) -> bool:
+    """Whether fitserve's engine runs the model quantized by `group`: a MoE's experts would be quantized
+    too, which only int4 checkpoints of the model types in INT4_EXPERT_MODEL_TYPES run."""
+    if group not in RUN_BY_FITSERVE:
+        return False
+    if not inputs.shape.is_moe:
+        return True
+    return group == ("awq", "gptq") and inputs.shape.model_type in INT4_EXPERT_MODEL_TYPES
 
 
 def _can_quantize(inputs: MemoryInputs) -> bool:

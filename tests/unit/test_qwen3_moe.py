@@ -134,12 +134,18 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_layouts_equal_one_rank(saved, layout):
     folder, _ = saved
+    assert_layout_equals_one_rank(folder, LAYOUTS[layout])
+
+
+def assert_layout_equals_one_rank(folder: Path, layout: dict[str, Any]) -> None:
+    """Greedy tokens and top-3 logprobs (within TOLERANCE) of the engine with `layout` (TP, PP) equal one
+    rank's on PROMPTS."""
     want = greedy_outputs(make_llm(folder), PROMPTS, logprobs=3)
-    two = make_llm(folder, **LAYOUTS[layout])
+    parallel = make_llm(folder, **layout)
     try:
-        got = greedy_outputs(two, PROMPTS, logprobs=3)
+        got = greedy_outputs(parallel, PROMPTS, logprobs=3)
     finally:
-        two.engine.shutdown()
+        parallel.engine.shutdown()
     for ours, theirs in zip(got, want, strict=True):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
         for mine, other in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
@@ -159,18 +165,23 @@ def _awq(config: Any, ignore: list[str] | None = None) -> Any:
     return config
 
 
-@pytest.mark.parametrize("flag", [None, "fp8"], ids=["awq_checkpoint", "quantization_fp8"])
-def test_quantized_experts_are_refused_before_building(flag):
+def test_experts_quantized_in_a_form_they_do_not_run_are_refused_before_building():
+    """fp8 (--quantization on the 16-bit checkpoint) and int4 with act order; an int4 checkpoint builds
+    (tests/unit/test_qwen3_moe_int4.py runs them)."""
+    from fitserve.layers.moe_int4 import Int4FusedExperts
     from fitserve.layers.quantization.quant_config import with_quantization_flag
 
-    if flag is not None:  # --quantization fp8 on the 16-bit checkpoint
-        with pytest.raises(ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit weights only"):
-            Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), flag))
-        return
     with pytest.raises(
-        ValueError, match=r"awq int4 .*Qwen3-MoE model \(8 experts\).*16-bit weights only.*fitserve plan"
+        ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit or int4 weights .*not this format"
     ):
-        Qwen3MoeForCausalLM(_awq(config_of("renormalised")))
+        Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), "fp8"))
+    act_order = _awq(config_of("renormalised"))
+    act_order.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
+    with pytest.raises(ValueError, match=r"gptq int4 .*not int4 with act order \(g_idx\).*desc_act false"):
+        Qwen3MoeForCausalLM(act_order)
+    assert isinstance(
+        Qwen3MoeForCausalLM(_awq(config_of("renormalised"))).model.layers[0].mlp.experts, Int4FusedExperts
+    )
 
 
 def test_an_ignore_list_naming_the_experts_lets_the_rest_be_quantized():
@@ -209,12 +220,15 @@ def test_the_planner_counts_what_transformers_builds(case):
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 
 
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gemma-4-26b-a4b-it"])
-def test_the_plans_advice_for_a_moe_offers_quantization_only_as_vllms(model):
-    """A MoE too big for a 24 GB GPU: the advice that fitserve runs comes first (offload, tensor parallel);
-    the 4-bit methods that would fit follow, each saying that fitserve keeps MoE experts 16-bit (its engine
-    refuses a quantized MoE) and that vLLM runs them; a dense model's advice keeps them as fitserve's."""
+@pytest.mark.parametrize(
+    ("model", "fitserves"), [("qwen3-30b-a3b", {"awq or gptq"}), ("gemma-4-26b-a4b-it", set())]
+)
+def test_the_plans_advice_for_a_moe_offers_only_the_quantization_its_experts_run(model, fitserves):
+    """A MoE too big for a 24 GB GPU: the advice that fitserve runs comes first (offload, an int4 checkpoint
+    where its experts run int4, tensor parallel); the 4-bit methods fitserve's engine would refuse for this
+    MoE follow, each saying so and that vLLM runs them."""
     from fitserve.cli.plan import run_plan
+    from fitserve.planner.engine_support import MOE_QUANTIZATION
     from fitserve.planner.fit_errors import PlanError
     from tests.unit.test_planner_cli import parse
 
@@ -222,13 +236,16 @@ def test_the_plans_advice_for_a_moe_offers_quantization_only_as_vllms(model):
         run_plan(parse("plan", [str(EXAMPLES / model), "--assume-gpus", "1x24"]))
     options = str(error.value).split("What would fit (any one line):\n", 1)[1].splitlines()
     assert options[0].lstrip().startswith("--cpu-offload-gb")
-    quantized = [line for line in options if "--quantization" in line]
-    assert quantized, "a 4-bit method fits this GPU: the advice should still name it, as vLLM's"
-    reason = "(fitserve's MoE experts run 16-bit weights only, not quantized yet; vLLM runs them)"
-    assert all(line.endswith(reason) for line in quantized)
-    assert options.index(quantized[0]) > max(
-        i for i, line in enumerate(options) if "--quantization" not in line
-    )
+    methods = {
+        line.split("--quantization ", 1)[1].split(" (")[0]: line
+        for line in options
+        if "--quantization" in line
+    }
+    assert "bitsandbytes" in methods, "a 4-bit method fits this GPU: the advice should still name it"
+    for method, line in methods.items():
+        assert line.endswith(f"({MOE_QUANTIZATION})") is (method not in fitserves), line
+    last_run = max(i for i, line in enumerate(options) if not line.endswith(f"({MOE_QUANTIZATION})"))
+    assert all(line.endswith(f"({MOE_QUANTIZATION})") for line in options[last_run + 1 :])
 
 
 def test_a_plan_with_quantized_moe_experts_says_fitserve_does_not_run_it(capsys):
@@ -238,23 +255,27 @@ def test_a_plan_with_quantized_moe_experts_says_fitserve_does_not_run_it(capsys)
     argv = [str(EXAMPLES / "qwen3-30b-a3b"), "--assume-gpus", "1x80@9.0"]
     assert run_plan(parse("plan", [*argv, "--quantization", "fp8"])) == 0
     assert (
-        "planned only: --quantization fp8 (fitserve's MoE experts run 16-bit weights only"
+        "planned only: --quantization fp8 (fitserve runs MoE experts 16-bit, and int4 on Qwen3-MoE"
         in capsys.readouterr().out
     )
     assert run_plan(parse("plan", argv)) == 0
     assert "planned only" not in capsys.readouterr().out
 
 
-def test_serving_a_quantized_qwen3_moe_checkpoint_is_refused_by_the_plan_naming_qwen3_moe(tmp_path):
+def test_the_serve_paths_check_refuses_act_order_experts_naming_qwen3_moe(tmp_path):
     import json
 
     from fitserve.planner.model_info import inspect_model
     from fitserve.planner.quantized_checkpoint import check_quantized_checkpoint
 
     config = _awq(config_of("renormalised")).to_dict()
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"for a Qwen3-MoE model \(8 experts\)"):
+    with pytest.raises(ValueError, match=r"for a Qwen3-MoE model \(8 experts\)"):  # act order: refused
         check_quantized_checkpoint(inspect_model(str(tmp_path)), None)
-    config["quantization_config"]["modules_to_not_convert"] = ["experts", "gate"]
+    config["quantization_config"]["modules_to_not_convert"] = ["experts"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert check_quantized_checkpoint(inspect_model(str(tmp_path)), None) is not None  # experts stay 16-bit
+    config["quantization_config"] = _awq(config_of("renormalised")).quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert check_quantized_checkpoint(inspect_model(str(tmp_path)), None) is not None  # int4 experts run

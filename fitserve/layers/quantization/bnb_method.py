@@ -237,13 +237,13 @@ class BnbLinearMethod(QuantizedLinearMethod):
         """--load-format dummy: random codes and absmax (bnb_weight.random_nf4_weight, std about `std`)
         drawn on `device` (default: the layer's) from a generator seeded by `seed` and the layer's name,
         made runnable as a loaded weight is; a bias becomes 0."""
-        from fitserve.layers.quantization.int4_method import _layer_seed
+        from fitserve.layers.quantization.int4_method import layer_seed
 
         if self.runnable is not None:
             raise ValueError(f"{self.prefix}: dummy weights for a layer that was already loaded")
         home = layer.nf4_loading.device
         on = home if device is None else torch.device(device)
-        generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
+        generator = torch.Generator(device=on).manual_seed(layer_seed(seed, self.prefix))
         rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
         weight = random_nf4_weight(rows, columns, self.fmt.blocksize, std, generator, on, self.fmt.quant_type)
         if layer.bias is not None:

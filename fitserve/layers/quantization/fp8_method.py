@@ -220,13 +220,13 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         """--load-format dummy: a random fp8 weight (N(0, std) quantized per channel, or per block for a
         block-scaled format) drawn on `device` (default: the layer's) from a generator seeded by `seed`
         and the layer's name; static activation scales get 1/448 of a unit activation. A bias becomes 0."""
-        from fitserve.layers.quantization.int4_method import _layer_seed
+        from fitserve.layers.quantization.int4_method import layer_seed
 
         if self.runnable is not None:
             raise ValueError(f"{self.prefix}: dummy weights for a layer that was already loaded")
         home = layer.weight.device
         on = home if device is None else torch.device(device)
-        generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, self.prefix))
+        generator = torch.Generator(device=on).manual_seed(layer_seed(seed, self.prefix))
         rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
         group = self.group_k(columns) if self.fmt.strategy == "block" else None
         weight = random_fp8_weight(rows, columns, group, std, generator, on)

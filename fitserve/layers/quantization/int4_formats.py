@@ -144,6 +144,9 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
     gemma4 = _gemma4_quantized(fmt, hf_config)
     if gemma4 is not None:  # its experts stay 16-bit (a format quantizing them is refused)
         return _stored_int4(fmt, gemma4.values())
+    qwen3_moe = _qwen3_moe_quantized(fmt, hf_config)
+    if qwen3_moe is not None:  # its experts one by one (layers/moe_int4.py)
+        return _stored_int4(fmt, qwen3_moe.values())
     if is_moe(hf_config):
         return None
     qwen3_5 = _qwen3_5_quantized(fmt, hf_config)
@@ -175,6 +178,8 @@ def gpu_extra_from_config(fmt: Int4Format, hf_config: Any, dtype_bytes: int = 2)
     own = _qwen3_5_quantized(fmt, hf_config, fused=True)  # families with per-layer projections of their own
     if own is None:
         own = _gemma4_quantized(fmt, hf_config, fused=True)
+    if own is None:
+        own = _qwen3_moe_quantized(fmt, hf_config, fused=True)
     if own is not None:
         kept = sum(
             packed_int4_bytes(k, n, fmt.group_for(k), dtype_bytes) + (8 * k if fmt.act_order else 0)
@@ -209,6 +214,16 @@ def _gemma4_quantized(
     from fitserve.layers.quantization.layer_projections import gemma4_quantized, is_gemma4
 
     return gemma4_quantized(fmt, hf_config, fused) if is_gemma4(hf_config) else None
+
+
+def _qwen3_moe_quantized(
+    fmt: Int4Format, hf_config: Any, fused: bool = False
+) -> dict[str, tuple[int, int]] | None:
+    """A Qwen3-MoE config's quantized projections, experts included (layer_projections.qwen3_moe_quantized);
+    None for any other config."""
+    from fitserve.layers.quantization.layer_projections import is_qwen3_moe, qwen3_moe_quantized
+
+    return qwen3_moe_quantized(fmt, hf_config, fused) if is_qwen3_moe(hf_config) else None
 
 
 def _stored_int4(fmt: Int4Format, shapes: Any) -> tuple[int, int]:

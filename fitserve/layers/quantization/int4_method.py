@@ -211,7 +211,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         for shard_id in tuple(getattr(layer, "shard_ids", ())) or (None,):
             name = self.prefix if shard_id is None else f"{self.prefix}.{shard_id}"
             part = rank_slice(layer, shard_id, name)
-            generator = torch.Generator(device=on).manual_seed(_layer_seed(seed, name))
+            generator = torch.Generator(device=on).manual_seed(layer_seed(seed, name))
             group = self.fmt.group_for(part.whole_columns)
             whole = random_int4_weight(
                 part.whole_rows, part.whole_columns, group, self.fmt.symmetric, std, generator, on
@@ -262,7 +262,7 @@ def _rank_cut(whole: Int4Weight, part: RankSlice) -> Int4Weight:
     return weight
 
 
-def _layer_seed(seed: int, name: str) -> int:
+def layer_seed(seed: int, name: str) -> int:
     """A generator seed from the model's seed and a layer's name: each layer's dummy weight is the same
     whatever order the layers are initialized in."""
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitserve.kv_layers import FULL, kv_layer_specs
+from fitserve.layers.quantization.projection_shapes import fused_projection_shapes, projection_shapes
 
 
 def is_gemma4(config: Any) -> bool:
@@ -142,3 +143,45 @@ def qwen3_5_quantized(fmt: Any, config: Any, fused: bool = False) -> dict[str, t
         for name, shape in shapes.items()
         if fmt.quantizes(name) and fmt.quantizes("model." + name.removeprefix(prefix))
     }
+
+
+def is_qwen3_moe(config: Any) -> bool:
+    return str(getattr(config, "model_type", "")) == "qwen3_moe"
+
+
+def qwen3_moe_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether decoder layer `layer_idx` of a Qwen3-MoE has the sparse MLP (transformers' rule:
+    `mlp_only_layers` and `decoder_sparse_step` keep the others dense)."""
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return (
+        int(getattr(config, "num_experts", 0) or 0) > 0
+        and layer_idx not in (getattr(config, "mlp_only_layers", None) or ())
+        and (layer_idx + 1) % step == 0
+    )
+
+
+def qwen3_moe_quantized(fmt: Any, config: Any, fused: bool = False) -> dict[str, tuple[int, int]]:
+    """A Qwen3-MoE's projections that `fmt` holds quantized, name -> (in_features, out_features): each
+    layer's attention, a dense layer's MLP, a sparse layer's experts one by one (gate and up as one
+    `gate_up_proj` of 2 I rows when `fused`, as layers/moe_int4.py packs them)."""
+    shapes = fused_projection_shapes(config) if fused else projection_shapes(config)
+    hidden, width = config.hidden_size, int(config.moe_intermediate_size)
+    experts = (
+        {"gate_up_proj": (hidden, 2 * width)}
+        if fused
+        else {"gate_proj": (hidden, width), "up_proj": (hidden, width)}
+    )
+    experts["down_proj"] = (width, hidden)
+    quantized: dict[str, tuple[int, int]] = {}
+    for layer in range(int(config.num_hidden_layers)):
+        sparse = qwen3_moe_sparse_layer(config, layer)
+        for suffix, shape in shapes.items():
+            name = f"model.layers.{layer}.{suffix}"
+            if not (sparse and suffix.startswith("mlp.")) and fmt.quantizes(name):
+                quantized[name] = shape
+        if not sparse or not fmt.quantizes(f"model.layers.{layer}.mlp.experts.0.gate_proj"):
+            continue
+        for expert in range(int(config.num_experts)):
+            for projection, shape in experts.items():
+                quantized[f"model.layers.{layer}.mlp.experts.{expert}.{projection}"] = shape
+    return quantized

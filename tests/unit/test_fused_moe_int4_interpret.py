@@ -1,0 +1,134 @@
+"""The int4 fused MoE (fitserve/kernels/fused_moe_int4.py) under Triton's interpreter on the CPU, tiny shapes,
+against the dequantized experts (rounded to the activation dtype) through fused_moe's arithmetic in torch
+(skipped where triton is not installed; CI installs only torch). The kernels run in a child process (this
+file as a script, TRITON_INTERPRET=1; tests/unit/triton_interpreter.py).
+
+Shapes: K of one partial 256-code block and of two (the second padded), groups of 32 and 64, the
+decode-sized tiles (up to 64 tokens) and the larger ones, expert parallel (pairs routed to another rank's
+experts add nothing), experts no token chose holding NaN scales (reading one would spoil the output).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.triton_interpreter import answer_cases, random_int4, run_in_interpreter
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+TOLERANCE = {"bfloat16": 2**-7, "float16": 2**-9}  # |out - ref| <= TOLERANCE * max|ref|
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def case(
+    tokens: int, dtype: str = "bfloat16", hidden: int = 64, inter: int = 64, group: int = 32, **extra
+) -> dict:
+    return {"tokens": tokens, "dtype": dtype, "hidden": hidden, "inter": inter, "group": group, "top_k": 2,
+            "act": "silu", "ep": None, **extra}  # fmt: skip
+
+
+CASES = [
+    case(1),
+    case(5, "float16", group=64),
+    case(3, hidden=320, inter=64, top_k=3),  # two 256-code blocks of hidden, the second padded
+    case(70, hidden=64, inter=96, act="gelu_tanh"),  # the larger tiles; I of one partial block
+    case(9, ep=[1, 2]),
+]
+
+
+def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    intermediate = w13.shape[1] // 2
+    for token in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = int(ids[token, slot]) - first_expert
+            if not 0 <= expert < local_experts:
+                continue
+            gate_up = x[token].float() @ w13[expert].float().t()
+            mid = (ACTIVATIONS[act](gate_up[:intermediate]) * gate_up[intermediate:]).to(x.dtype)
+            row = (mid.float() @ w2[expert].float().t()) * weights[token, slot]
+            out[token] += row.to(x.dtype).float()
+    return out.to(x.dtype)
+
+
+def run_case(spec: dict) -> dict:
+    from fitserve.kernels.fused_moe_int4 import dequantize_expert, fused_moe_int4, stack_experts
+    from fitserve.kernels.int4_repack import repack_int4
+
+    dtype = getattr(torch, spec["dtype"])
+    experts, hidden, inter, group, top_k = 8, spec["hidden"], spec["inter"], spec["group"], spec["top_k"]
+    rank, size = spec["ep"] or (0, 1)
+    local = experts // size
+    first = rank * local
+    gate_up = [
+        repack_int4(*random_int4(2 * inter, hidden, group, seed=e), group, dtype) for e in range(local)
+    ]
+    down = [repack_int4(*random_int4(hidden, inter, group, seed=100 + e), group, dtype) for e in range(local)]
+    w13, w2 = stack_experts(gate_up), stack_experts(down)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(spec["tokens"], hidden, generator=generator).to(dtype)
+    chosen = [0, 2, 3, 5, 6]  # experts 1, 4 and 7 are never chosen: their scales become NaN
+    picks = torch.stack([torch.randperm(len(chosen), generator=generator)[:top_k] for _ in range(x.shape[0])])
+    ids = torch.tensor(chosen)[picks]
+    weights = torch.rand(x.shape[0], top_k, generator=generator)
+    dense13 = torch.stack([dequantize_expert(w13, e) for e in range(local)]).to(dtype)
+    dense2 = torch.stack([dequantize_expert(w2, e) for e in range(local)]).to(dtype)
+    for expert in range(local):
+        if first + expert not in chosen:
+            w13.scale_zero[expert] = float("nan")
+            w2.scale_zero[expert] = float("nan")
+    out = fused_moe_int4(x, w13, w2, ids, weights, spec["act"], first_expert=first)
+    ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
+    scale = ref.float().abs().max().item() or 1.0
+    return {
+        "case": spec,
+        "error": (out.float() - ref.float()).abs().max().item() / scale,
+        "finite": bool(torch.isfinite(out.float()).all()),
+        "max_abs": out.float().abs().max().item(),
+        "shape_dtype_ok": out.shape == x.shape and out.dtype == dtype,
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    return run_in_interpreter(__file__, CASES)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[json.dumps(c, separators=(",", ":")) for c in CASES]
+)
+def test_kernel_matches_the_dequantized_experts(results: list[dict], index: int) -> None:
+    result = results[index]
+    assert result["case"] == CASES[index]
+    assert result["finite"] and result["shape_dtype_ok"], result
+    assert result["max_abs"] > 0.0, result
+    assert result["error"] <= TOLERANCE[CASES[index]["dtype"]], result
+
+
+@needs_triton
+def test_bad_inputs_are_refused() -> None:
+    from fitserve.kernels.fused_moe_int4 import fused_moe_int4, stack_experts
+    from fitserve.kernels.int4_repack import repack_int4
+
+    w13 = stack_experts([repack_int4(*random_int4(64, 64, 32), 32, torch.bfloat16)] * 2)
+    w2 = stack_experts([repack_int4(*random_int4(64, 32, 32), 32, torch.bfloat16)] * 2)
+    ids, weights = torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2)
+    with pytest.raises(ValueError, match=r"x must be \[T, hidden\] bfloat16/float16"):
+        fused_moe_int4(torch.zeros(2, 64), w13, w2, ids, weights, "silu")
+    with pytest.raises(ValueError, match="scales must be in x's dtype"):
+        fused_moe_int4(torch.zeros(2, 64, dtype=torch.float16), w13, w2, ids, weights, "silu")
+    with pytest.raises(ValueError, match=r"down must be \[E, hidden=64, I=32\]"):
+        fused_moe_int4(torch.zeros(2, 64, dtype=torch.bfloat16), w13, w13, ids, weights, "silu")
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        fused_moe_int4(torch.zeros(2, 64, dtype=torch.bfloat16), w13, w2, ids, weights, "relu")
+
+
+if __name__ == "__main__":
+    answer_cases(run_case)
