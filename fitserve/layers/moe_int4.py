@@ -99,7 +99,7 @@ class Int4FusedExperts(nn.Module):
         self.register_buffer("w2_scale_zero", torch.zeros(local, groups, hidden_size, 2, dtype=dtype))
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._converted: dict[tuple[int, str], Int4Weight] = {}
-        self._done: set[tuple[int, str]] = set()  # (expert, "w13" / "w2") stored
+        self._done: set[tuple[int, str]] = set()  # (expert, "w13.gate_proj" / "w13.up_proj" / "w2") given
 
     # --- loading -----------------------------------------------------------------------------------------
 
