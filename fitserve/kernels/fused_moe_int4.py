@@ -10,11 +10,10 @@ block of K it loads its [BLOCK_N, 32] words of the gate rows and of the up rows,
 gathered x rows on the tensor cores (a depth-32 dot); act(gate) * up goes to `mid`. GEMM 2 does the same
 over the down rows (K = this rank's intermediate size), weights each pair's row and writes it to
 `per_pair`; fused_moe's sum kernel adds each token's k rows. No host sync: a decode step is captured in
-a CUDA graph as fused_moe's is. Rounding: each weight is rounded once to the activation dtype, as
-`dequantize_experts(...).to(dtype)` followed by fused_moe's arithmetic gives (the reference).
+a CUDA graph as fused_moe's is. Rounding: each weight is rounded once to the activation dtype.
 
-Reference: the experts dequantized (`dequantize_expert`), rounded to x's dtype, through fused_moe's
-arithmetic (layers/moe_int4.py's torch path).
+Reference: each expert dequantized (`dequantize_expert`), rounded to x's dtype, through fused_moe's
+arithmetic (layers/moe_int4.py's torch path; tests/unit/test_fused_moe_int4_interpret.py).
 """
 
 from __future__ import annotations
