@@ -7,6 +7,7 @@ Each script prints one JSON object and saves it as benchmarks/results/h100_<work
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -22,6 +23,16 @@ PROCESS_START = time.perf_counter()  # the scripts import this module first
 
 # vLLM's environment in the comparison scripts: its own sampler (not FlashInfer's), no usage reports, no hub
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def engine_classes(engine: str) -> tuple[type, type]:
+    """(LLM, SamplingParams) of "fitserve" or "vllm" (with VLLM_ENV set), for the scripts that run either."""
+    if engine == "fitserve":
+        from fitserve import LLM, SamplingParams
+    else:
+        os.environ.update(VLLM_ENV)
+        from vllm import LLM, SamplingParams
+    return LLM, SamplingParams
 
 
 def machine() -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, VLLM_ENV, engine_generate, engine_single_request, save  # noqa: I001
+from common import MODELS, TOKENIZER, engine_classes, engine_generate, engine_single_request, save  # noqa: I001
 
 SHAPES = {"27b": "qwen3.6-27b", "35b": "qwen3.6-35b-a3b"}
 SETTINGS = {"load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 16, "gpu_memory_utilization": 0.9}
@@ -48,11 +47,7 @@ def text_only_folder(model: str) -> str:
 
 def run_one(engine: str, model: str, text_only: bool) -> dict:
     started = time.monotonic()
-    if engine == "fitserve":
-        from fitserve import LLM, SamplingParams
-    else:
-        os.environ.update(VLLM_ENV)
-        from vllm import LLM, SamplingParams
+    LLM, SamplingParams = engine_classes(engine)
     folder = text_only_folder(model) if text_only else str(MODELS / SHAPES[model])
     llm = LLM(folder, tokenizer=str(TOKENIZER), **SETTINGS)
     figures: dict = {

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import MODELS, TOKENIZER, VLLM_ENV, machine  # noqa: I001
+from common import MODELS, TOKENIZER, VLLM_ENV, engine_classes, machine  # noqa: I001
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -127,11 +127,7 @@ def run_offline(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=0.9,
     )  # fmt: skip
     started = time.monotonic()
-    if args.engine == "fitserve":
-        from fitserve import LLM, SamplingParams
-    else:
-        os.environ.update(VLLM_ENV)
-        from vllm import LLM, SamplingParams
+    LLM, SamplingParams = engine_classes(args.engine)
     llm = LLM(args.model, **settings)
     figures: dict = {"settings": settings, "ready_s": round(time.monotonic() - started, 1)}
 

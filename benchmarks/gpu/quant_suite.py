@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -43,9 +42,9 @@ from pathlib import Path
 from common import (  # noqa: I001
     MODELS,
     TOKENIZER,
-    VLLM_ENV,
     batch1_decode_seconds,
     copy_bandwidth_bytes_per_s,
+    engine_classes,
     engine_single_request,
     machine,
     save,
@@ -83,16 +82,6 @@ def step_bytes(model) -> int:
             continue
         total += tensor.numel() * tensor.element_size()
     return total
-
-
-def engine_classes(engine: str) -> tuple[type, type]:
-    """(LLM, SamplingParams) of fitserve or vLLM."""
-    if engine == "fitserve":
-        from fitserve import LLM, SamplingParams
-    else:
-        os.environ.update(VLLM_ENV)
-        from vllm import LLM, SamplingParams
-    return LLM, SamplingParams
 
 
 def run_one(fmt: str, figure: str, model: str, engine: str = "fitserve") -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import time
 
@@ -28,7 +27,7 @@ from common import (  # noqa: I001
     MODELS,
     REPO,
     TOKENIZER,
-    VLLM_ENV,
+    engine_classes,
     engine_generate,
     engine_single_request,
     run_figure_process,
@@ -53,11 +52,7 @@ def parse(figure: str) -> tuple[str, str, int]:
 def run_one(engine: str, figure: str) -> dict:
     kind, model, tp = parse(figure)
     started = time.monotonic()
-    if engine == "fitserve":
-        from fitserve import LLM, SamplingParams
-    else:
-        os.environ.update(VLLM_ENV)
-        from vllm import LLM, SamplingParams
+    LLM, SamplingParams = engine_classes(engine)
     llm = LLM(
         str(SHAPES[model]),
         tokenizer=str(TOKENIZER),

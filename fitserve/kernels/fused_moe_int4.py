@@ -12,7 +12,7 @@ over the down rows (K = this rank's intermediate size), weights each pair's row 
 `per_pair`; fused_moe's sum kernel adds each token's k rows. No host sync: a decode step is captured in
 a CUDA graph as fused_moe's is. Rounding: each weight is rounded once to the activation dtype.
 
-Reference: each expert dequantized (`dequantize_expert`), rounded to x's dtype, through fused_moe's
+Reference: each expert dequantized (int4_repack.dequantize_words), rounded to x's dtype, through fused_moe's
 arithmetic (layers/moe_int4.py's torch path; tests/unit/test_fused_moe_int4_interpret.py).
 """
 
@@ -28,7 +28,7 @@ from fitserve.kernels.capability import kernel_capability
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.fused_moe import SMALL_BATCH_TOKENS, SUM_BLOCK, _moe_sum_kernel, moe_route
 from fitserve.kernels.grid_math import cdiv
-from fitserve.kernels.int4_repack import BLOCK_K, WORDS_PER_BLOCK, PackedInt4, dequantize_packed
+from fitserve.kernels.int4_repack import BLOCK_K, WORDS_PER_BLOCK
 from fitserve.kernels.moe_parts import ACTIVATIONS
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
@@ -50,39 +50,6 @@ class PackedExperts:
     @property
     def num_experts(self) -> int:
         return self.qweight.shape[0]
-
-
-def stack_experts(packed: list[PackedInt4]) -> PackedExperts:
-    """The experts' PackedInt4 (one projection each, alike in shape and group size) stacked."""
-    first = packed[0]
-    for other in packed[1:]:
-        if (other.out_features, other.in_features, other.group_size) != (
-            first.out_features,
-            first.in_features,
-            first.group_size,
-        ):
-            raise ValueError("stack_experts: every expert's projection needs the same shape and group size")
-    return PackedExperts(
-        qweight=torch.stack([p.qweight for p in packed]).contiguous(),
-        scale_zero=torch.stack([p.scale_zero for p in packed]).contiguous(),
-        group_size=first.group_size,
-        in_features=first.in_features,
-        out_features=first.out_features,
-    )
-
-
-def dequantize_expert(experts: PackedExperts, index: int) -> torch.Tensor:
-    """float32 [N, K] of expert `index` (local), as the kernels read it."""
-    one = PackedInt4(
-        qweight=experts.qweight[index],
-        scale_zero=experts.scale_zero[index],
-        counters=experts.qweight.new_zeros(0),
-        group_size=experts.group_size,
-        in_features=experts.in_features,
-        out_features=experts.out_features,
-        integer_zeros=False,
-    )
-    return dequantize_packed(one)
 
 
 @triton.jit

@@ -226,10 +226,17 @@ def unpack_codes(packed: PackedInt4) -> torch.Tensor:
 def dequantize_packed(packed: PackedInt4) -> torch.Tensor:
     """float32 [N, K] from the packed layout, with scales and zeros as the kernels read them (rounded to
     the activation dtype)."""
-    groups = packed.in_features // packed.group_size
-    return dequantize_reference(
-        unpack_codes(packed), packed.scales[:groups].t(), packed.zeros[:groups].t(), packed.group_size
-    )
+    return dequantize_words(packed.qweight, packed.scale_zero, packed.in_features, packed.group_size)
+
+
+def dequantize_words(
+    qweight: torch.Tensor, scale_zero: torch.Tensor, in_features: int, group_size: int
+) -> torch.Tensor:
+    """float32 [N, in_features] of a weight in the layout (qweight [N, Kp // 8], scale_zero [G, N, 2]), as
+    the kernels read it."""
+    groups = in_features // group_size
+    scales, zeros = scale_zero[:groups, :, 0].t(), scale_zero[:groups, :, 1].t()
+    return dequantize_reference(unpack_words(qweight, in_features), scales, zeros, group_size)
 
 
 def dequantize_reference(

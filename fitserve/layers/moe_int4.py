@@ -21,13 +21,7 @@ import torch
 from torch import nn
 
 from fitserve.distributed.collectives import all_reduce
-from fitserve.kernels.int4_repack import (
-    BLOCK_K,
-    dequantize_reference,
-    pack_words,
-    scale_zero_pairs,
-    unpack_words,
-)
+from fitserve.kernels.int4_repack import BLOCK_K, dequantize_words, pack_words, scale_zero_pairs
 from fitserve.layers.moe import expert_split, kernel_activation
 from fitserve.layers.quantization.int4_formats import optional_params, param_specs, to_int4_weight
 from fitserve.layers.quantization.int4_method import layer_seed
@@ -35,13 +29,6 @@ from fitserve.layers.quantization.int4_weight import Int4Weight, random_int4_wei
 from fitserve.layers.quantization.quant_config import Int4Format
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def dequantized(qweight: torch.Tensor, scale_zero: torch.Tensor, columns: int, group: int) -> torch.Tensor:
-    """float32 [N, columns] of one expert's packed projection, as the kernels read it."""
-    groups = columns // group
-    scales, zeros = scale_zero[:groups, :, 0].t(), scale_zero[:groups, :, 1].t()
-    return dequantize_reference(unpack_words(qweight, columns), scales, zeros, group)
 
 
 class Int4FusedExperts(nn.Module):
@@ -99,7 +86,7 @@ class Int4FusedExperts(nn.Module):
         self.register_buffer("w2_scale_zero", torch.zeros(local, groups, hidden_size, 2, dtype=dtype))
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._converted: dict[tuple[int, str], Int4Weight] = {}
-        self._done: set[tuple[int, str]] = set()  # (expert, "w13.gate_proj" / "w13.up_proj" / "w2") given
+        self._done: set[tuple[int, str]] = set()  # (expert, projection) the checkpoint has given
 
     # --- loading -----------------------------------------------------------------------------------------
 
@@ -125,7 +112,7 @@ class Int4FusedExperts(nn.Module):
             )
         local = expert - self.first_expert
         if not 0 <= local < self.local_experts:
-            self._done.add((expert, "w2" if projection == "down_proj" else f"w13.{projection}"))
+            self._done.add((expert, projection))
             return  # another rank's expert (expert parallel): counted, not kept
         pending = self._pending.setdefault((expert, projection), {})
         pending[name] = tensor
@@ -150,13 +137,13 @@ class Int4FusedExperts(nn.Module):
             columns = weight.codes[:, start : start + width]
             cut = Int4Weight(columns, weight.scales[:, groups], weight.zeros[:, groups], group)
             self._pack_into(self.w2_qweight[local], self.w2_scale_zero[local], cut)
-            self._done.add((expert, "w2"))
+            self._done.add((expert, projection))
             return
         rows = slice(start, start + width)
         self._converted[(local, projection)] = Int4Weight(
             weight.codes[rows], weight.scales[rows], weight.zeros[rows], weight.group_size
         )
-        self._done.add((expert, f"w13.{projection}"))
+        self._done.add((expert, projection))
         gate, up = self._converted.get((local, "gate_proj")), self._converted.get((local, "up_proj"))
         if gate is None or up is None:
             return
@@ -178,13 +165,11 @@ class Int4FusedExperts(nn.Module):
 
     def missing(self) -> list[str]:
         """What the checkpoint has not given yet (`experts.<e>.<projection>`), empty once all loaded."""
-        parts = ("w13.gate_proj", "w13.up_proj", "w2")
-        names = {"w13.gate_proj": "gate_proj", "w13.up_proj": "up_proj", "w2": "down_proj"}
         return [
-            f"{self.prefix}.{expert}.{names[part]}"
+            f"{self.prefix}.{expert}.{projection}"
             for expert in range(self.num_experts)
-            for part in parts
-            if (expert, part) not in self._done
+            for projection in PROJECTIONS
+            if (expert, projection) not in self._done
         ]
 
     def initialize_dummy(self, seed: int, std: float, device: torch.device | str | None = None) -> None:
@@ -238,8 +223,8 @@ class Int4FusedExperts(nn.Module):
             if not 0 <= local < self.local_experts:
                 continue
             pairs = (flat == local).nonzero().squeeze(1)
-            w13 = dequantized(self.w13_qweight[local], self.w13_scale_zero[local], hidden, self.group_up)
-            w2 = dequantized(self.w2_qweight[local], self.w2_scale_zero[local], width, self.group_down)
+            w13 = dequantize_words(self.w13_qweight[local], self.w13_scale_zero[local], hidden, self.group_up)
+            w2 = dequantize_words(self.w2_qweight[local], self.w2_scale_zero[local], width, self.group_down)
             block = x.index_select(0, pairs // top_k)
             gate, up = torch.nn.functional.linear(block, w13.to(x.dtype)).chunk(2, dim=-1)
             result = torch.nn.functional.linear(self.activation(gate) * up, w2.to(x.dtype))

@@ -27,12 +27,13 @@ from torch import nn
 from fitserve.layers.linear import ReplicatedLinear
 from fitserve.layers.moe import FusedExperts
 from fitserve.layers.moe_int4 import Int4FusedExperts
+from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
 from fitserve.models.expert_weights import load_expert
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_moe_config import int4_experts, is_sparse_layer, refuse_quantized_experts
+from fitserve.models.qwen3_moe_config import int4_experts, refuse_quantized_experts
 
 
 class Qwen3MoeSparseBlock(nn.Module):
@@ -75,7 +76,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 def _sparse_block(config: Any, layer_idx: int) -> nn.Module | None:
-    return Qwen3MoeSparseBlock(config, layer_idx) if is_sparse_layer(config, layer_idx) else None
+    return Qwen3MoeSparseBlock(config, layer_idx) if moe_sparse_layer(config, layer_idx) else None
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

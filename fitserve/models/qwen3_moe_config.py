@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fitserve.layers.quantization.layer_projections import qwen3_moe_sparse_layer
+from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.layers.quantization.quant_config import Int4Format
 
 QWEN3_MOE_MODEL_TYPES = ("qwen3_moe",)
@@ -14,11 +14,6 @@ QWEN3_MOE_MODEL_TYPES = ("qwen3_moe",)
 
 def is_qwen3_moe(config: Any) -> bool:
     return str(getattr(config, "model_type", "")) in QWEN3_MOE_MODEL_TYPES
-
-
-def is_sparse_layer(config: Any, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` has the sparse MLP (transformers' Qwen3MoeDecoderLayer rule)."""
-    return qwen3_moe_sparse_layer(config, layer_idx)
 
 
 def experts_quantized(config: Any, fmt: Any, layer_idx: int) -> bool:
@@ -38,7 +33,7 @@ def refuse_quantized_experts(config: Any, fmt: Any) -> None:
     experts hold 16-bit or int4 weights). A format whose ignore list names them leaves them 16-bit."""
     if fmt is None:
         return
-    sparse = [i for i in range(int(config.num_hidden_layers)) if is_sparse_layer(config, i)]
+    sparse = [i for i in range(int(config.num_hidden_layers)) if moe_sparse_layer(config, i)]
     if not any(experts_quantized(config, fmt, i) for i in sparse):
         return
     if isinstance(fmt, Int4Format) and not fmt.act_order:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitserve.kv_layers import KvLayerSpec, is_gemma4, is_qwen3_5, kv_elements_per_token, kv_layer_specs
+from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.planner.gemma4_shape import gemma4_counts
 from fitserve.planner.qwen3_5_shape import qwen3_5_counts
 
@@ -105,7 +106,9 @@ class ModelShape:
             moe_intermediate_size=(moe_width or dense_width) if num_experts else 0,
             shared_expert_intermediate_size=_first_int(config, "shared_expert_intermediate_size", default=0),
             torch_dtype=_dtype_name(config),
-            sparse_layers=_sparse_layers(config, num_layers) if num_experts else None,
+            sparse_layers=sum(moe_sparse_layer(config, i) for i in range(num_layers))
+            if num_experts
+            else None,
         ).with_active_params()
 
     @classmethod
@@ -247,14 +250,6 @@ def _first_int(config: Any, *names: str, default: int | None = None) -> int:
             "(pass a model folder whose config.json is a decoder-only language model)"
         )
     return default
-
-
-def _sparse_layers(config: Any, num_layers: int) -> int:
-    """How many layers transformers gives a sparse MLP: Qwen-MoE's `mlp_only_layers` and
-    `decoder_sparse_step` (Mixtral has neither: every layer)."""
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(config, "mlp_only_layers", None) or ())
-    return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _dtype_name(config: Any) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,16 @@ CASES = [
 ]
 
 
+def stack_experts(packed: list) -> Any:
+    """The experts' PackedInt4 (one projection each) stacked as the kernels take them."""
+    from fitserve.kernels.fused_moe_int4 import PackedExperts
+
+    first = packed[0]
+    qweight = torch.stack([p.qweight for p in packed])
+    scale_zero = torch.stack([p.scale_zero for p in packed])
+    return PackedExperts(qweight, scale_zero, first.group_size, first.in_features, first.out_features)
+
+
 def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32)
     intermediate = w13.shape[1] // 2
@@ -56,8 +67,8 @@ def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> to
 
 
 def run_case(spec: dict) -> dict:
-    from fitserve.kernels.fused_moe_int4 import dequantize_expert, fused_moe_int4, stack_experts
-    from fitserve.kernels.int4_repack import repack_int4
+    from fitserve.kernels.fused_moe_int4 import fused_moe_int4
+    from fitserve.kernels.int4_repack import dequantize_words, repack_int4
 
     dtype = getattr(torch, spec["dtype"])
     experts, hidden, inter, group, top_k = 8, spec["hidden"], spec["inter"], spec["group"], spec["top_k"]
@@ -75,8 +86,10 @@ def run_case(spec: dict) -> dict:
     picks = torch.stack([torch.randperm(len(chosen), generator=generator)[:top_k] for _ in range(x.shape[0])])
     ids = torch.tensor(chosen)[picks]
     weights = torch.rand(x.shape[0], top_k, generator=generator)
-    dense13 = torch.stack([dequantize_expert(w13, e) for e in range(local)]).to(dtype)
-    dense2 = torch.stack([dequantize_expert(w2, e) for e in range(local)]).to(dtype)
+    dense13 = torch.stack([dequantize_words(p.qweight, p.scale_zero, hidden, group) for p in gate_up]).to(
+        dtype
+    )
+    dense2 = torch.stack([dequantize_words(p.qweight, p.scale_zero, inter, group) for p in down]).to(dtype)
     for expert in range(local):
         if first + expert not in chosen:
             w13.scale_zero[expert] = float("nan")
@@ -114,7 +127,7 @@ def test_kernel_matches_the_dequantized_experts(results: list[dict], index: int)
 
 @needs_triton
 def test_bad_inputs_are_refused() -> None:
-    from fitserve.kernels.fused_moe_int4 import fused_moe_int4, stack_experts
+    from fitserve.kernels.fused_moe_int4 import fused_moe_int4
     from fitserve.kernels.int4_repack import repack_int4
 
     w13 = stack_experts([repack_int4(*random_int4(64, 64, 32), 32, torch.bfloat16)] * 2)

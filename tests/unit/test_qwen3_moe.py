@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from fitserve.models.qwen3_moe_config import is_sparse_layer
 from fitserve.planner.model_shape import ModelShape
 from tests.model_folders import save_with_tokenizer
 from tests.unit.model_helpers import (
@@ -67,7 +67,7 @@ def test_the_layers_are_sparse_where_transformers_makes_them_so():
     _, _, every_other = models("every_other_layer")
     kinds = [type(layer.mlp).__name__ for layer in every_other.model.layers]
     assert kinds == ["GatedMLP", "Qwen3MoeSparseBlock", "GatedMLP"]
-    assert [is_sparse_layer(config_of("renormalised"), i) for i in range(2)] == [True, True]
+    assert [moe_sparse_layer(config_of("renormalised"), i) for i in range(2)] == [True, True]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -211,7 +211,7 @@ def test_the_planner_counts_what_transformers_builds(case):
     config, hf_model, _ = models(case)
     shape = ModelShape.from_hf_config(config)
     assert shape.parameter_counts().total == sum(p.numel() for p in hf_model.parameters())
-    sparse = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+    sparse = sum(moe_sparse_layer(config, i) for i in range(config.num_hidden_layers))
     assert shape.num_sparse_layers == sparse
     idle = sparse * (config.num_experts - config.num_experts_per_tok) * 3 * 64 * config.moe_intermediate_size
     assert shape.active_params == shape.parameter_counts().total - idle

@@ -114,16 +114,18 @@ def test_greedy_and_logprobs_follow_the_dequantized_model(root, fmt):
 
 
 def test_the_int4_experts_compute_what_their_dequantized_weights_do(root):
+    from fitserve.kernels.int4_repack import dequantize_words
     from fitserve.layers.moe import FusedExperts
-    from fitserve.layers.moe_int4 import dequantized
 
     folder, _ = checkpoint("ct", root)
     experts = make_llm(folder).engine.executor.runner.model.model.layers[1].mlp.experts
     dense = FusedExperts(8, 64, 64, torch.nn.functional.silu)
     with torch.no_grad():
         for e in range(8):
-            dense.gate_up_proj[e] = dequantized(experts.w13_qweight[e], experts.w13_scale_zero[e], 64, 32)
-            dense.down_proj[e] = dequantized(experts.w2_qweight[e], experts.w2_scale_zero[e], 64, 32)
+            dense.gate_up_proj[e] = dequantize_words(
+                experts.w13_qweight[e], experts.w13_scale_zero[e], 64, 32
+            )
+            dense.down_proj[e] = dequantize_words(experts.w2_qweight[e], experts.w2_scale_zero[e], 64, 32)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(5, 64, generator=generator)
     ids = torch.randint(0, 8, (5, 2), generator=generator)
@@ -148,8 +150,11 @@ def test_tp2_equals_tp1(root, expert_parallel):
     )
 
 
-def _config_only(root: str, fmt: str, name: str, quant: dict[str, Any] | None = None) -> Path:
-    """A copy of the checkpoint's folder without its weights, its quantization_config updated by `quant`."""
+def _config_only(
+    root: str, fmt: str, name: str, quant: dict[str, Any] | None = None, quantized: bool = True
+) -> Path:
+    """A copy of the checkpoint's folder without its weights, its quantization_config updated by `quant`
+    (quantized=False: dropped, the config of a 16-bit checkpoint)."""
     source, _ = checkpoint(fmt, root)
     folder = Path(root) / name
     folder.mkdir(exist_ok=True)
@@ -157,7 +162,10 @@ def _config_only(root: str, fmt: str, name: str, quant: dict[str, Any] | None = 
         if path.suffix != ".safetensors":
             (folder / path.name).write_bytes(path.read_bytes())
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"].update(quant or {})
+    if not quantized:
+        del config["quantization_config"]
+    else:
+        config["quantization_config"].update(quant or {})
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -188,26 +196,14 @@ def test_a_tp_split_of_a_group_is_refused_naming_expert_parallel(root):
 
 
 def test_fp8_on_the_moe_is_refused_before_loading(root):
-    folder, _ = checkpoint("awq", root)
-    base = Path(root) / "bf16"
-    base.mkdir(exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
-    del config["quantization_config"]
-    for path in folder.iterdir():
-        if path.name != "model.safetensors":
-            (base / path.name).write_bytes(path.read_bytes())
-    (base / "config.json").write_text(json.dumps(config))
+    base = _config_only(root, "awq", "bf16", quantized=False)
     with pytest.raises(ValueError, match=r"Qwen3-MoE model \(8 experts\).*not this format"):
         make_llm(base, load_format="dummy", quantization="fp8")
 
 
 def test_a_missing_expert_is_named(root):
     source, _ = checkpoint("awq", root)
-    folder = Path(root) / "awq-missing"
-    folder.mkdir(exist_ok=True)
-    for path in source.iterdir():
-        if path.suffix != ".safetensors":
-            (folder / path.name).write_bytes(path.read_bytes())
+    folder = _config_only(root, "awq", "awq-missing")
     tensors = load_file(str(source / "model.safetensors"))
     dropped = {k: v for k, v in tensors.items() if ".experts.5.down_proj." not in k or ".layers.1." not in k}
     save_file(dropped, str(folder / "model.safetensors"))

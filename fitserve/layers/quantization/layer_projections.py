@@ -149,12 +149,14 @@ def is_qwen3_moe(config: Any) -> bool:
     return str(getattr(config, "model_type", "")) == "qwen3_moe"
 
 
-def qwen3_moe_sparse_layer(config: Any, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` of a Qwen3-MoE has the sparse MLP (transformers' rule:
-    `mlp_only_layers` and `decoder_sparse_step` keep the others dense)."""
+def moe_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether decoder layer `layer_idx` of a MoE config has the sparse MLP, as transformers builds it: a
+    Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step` keep the layers they name dense (Mixtral has
+    neither: every layer is sparse)."""
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
     return (
-        int(getattr(config, "num_experts", 0) or 0) > 0
+        experts > 0
         and layer_idx not in (getattr(config, "mlp_only_layers", None) or ())
         and (layer_idx + 1) % step == 0
     )
@@ -174,7 +176,7 @@ def qwen3_moe_quantized(fmt: Any, config: Any, fused: bool = False) -> dict[str,
     experts["down_proj"] = (width, hidden)
     quantized: dict[str, tuple[int, int]] = {}
     for layer in range(int(config.num_hidden_layers)):
-        sparse = qwen3_moe_sparse_layer(config, layer)
+        sparse = moe_sparse_layer(config, layer)
         for suffix, shape in shapes.items():
             name = f"model.layers.{layer}.{suffix}"
             if not (sparse and suffix.startswith("mlp.")) and fmt.quantizes(name):
