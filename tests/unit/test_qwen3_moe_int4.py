@@ -211,6 +211,21 @@ def test_a_missing_expert_is_named(root):
         make_llm(folder)
 
 
+def test_a_truncated_expert_tensor_is_refused_naming_it_and_its_shape(root):
+    source, _ = checkpoint("awq", root)
+    folder = _config_only(root, "awq", "awq-truncated")
+    tensors = load_file(str(source / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.3.up_proj.qweight"
+    tensors[name] = tensors[name][:-1].contiguous()  # [64, 8] -> [63, 8]
+    save_file(tensors, str(folder / "model.safetensors"))
+    message = (
+        r"quantized tensor model\.layers\.0\.mlp\.experts\.3\.up_proj\.qweight has shape \(63, 8\), "
+        r"expected \(64, 8\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        make_llm(folder)
+
+
 @pytest.mark.parametrize("fmt", ["awq", "ct"])
 def test_the_planner_counts_the_checkpoints_int4_bytes_from_its_config(root, fmt):
     """stored_int4_from_config on config.json alone equals the bytes of the int4 tensors the checkpoint
