@@ -9,7 +9,8 @@ defaults), each in its own process (one engine's memory is gone before the next 
   (max_model_len 1024), after a pass that gives every prompt 2 tokens (kernel variants, compile caches).
 Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B (shared/models), 30ba3b = Qwen3-30B-A3B (the MoE shape
 vLLM 0.26.0 loads on the GPU machine, unlike Gemma-4's and Qwen3.6's; examples/models), 30ba3bawq = the same
-as an AWQ int4 checkpoint (its int4 experts: fitserve's kernels/fused_moe_int4.py, vLLM's Marlin MoE).
+as an AWQ int4 checkpoint (its int4 experts: fitserve's kernels/fused_moe_int4.py and moe_int4_decode.py,
+vLLM's Marlin MoE).
 Also ready_s (constructor to ready).
 
   python benchmarks/gpu/tp_vs_vllm.py --engine vllm|fitserve [--figures single8b_tp2,...] --out FILE

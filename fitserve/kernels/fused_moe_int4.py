@@ -11,6 +11,7 @@ gathered x rows on the tensor cores (a depth-32 dot); act(gate) * up goes to `mi
 over the down rows (K = this rank's intermediate size), weights each pair's row and writes it to
 `per_pair`; fused_moe's sum kernel adds each token's k rows. No host sync: a decode step is captured in
 a CUDA graph as fused_moe's is. Rounding: each weight is rounded once to the activation dtype.
+Decode-sized batches (up to moe_int4_decode.MAX_TOKENS tokens) take kernels/moe_int4_decode.py instead.
 
 Reference: each expert dequantized (int4_repack.dequantize_words), rounded to x's dtype, through fused_moe's
 arithmetic (layers/moe_int4.py's torch path; tests/unit/test_fused_moe_int4_interpret.py).
@@ -24,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels import moe_int4_decode as decode_path
 from fitserve.kernels.capability import kernel_capability
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.fused_moe import SMALL_BATCH_TOKENS, SUM_BLOCK, _moe_sum_kernel, moe_route
@@ -219,10 +221,30 @@ def fused_moe_int4(
 ) -> torch.Tensor:
     """x [T, hidden] (bfloat16 / float16), gate_up [E_local, 2I, hidden] and down [E_local, hidden, I] as
     PackedExperts, topk_ids / topk_weights [T, k] (global expert ids) -> this rank's share of the MoE
-    output [T, hidden] in x's dtype. No host sync."""
+    output [T, hidden] in x's dtype. No host sync. Decode-sized batches (kernels/moe_int4_decode.py
+    `takes`) run on moe_int4_decode.py's two kernels, larger ones on the grouped path."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe_int4: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     check_inputs(x, gate_up, down, topk_ids)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    if decode_path.takes(x.shape[0]):
+        return decode_path.moe_int4_decode(x, gate_up, down, topk_ids, topk_weights, activation, first_expert)
+    return grouped_moe_int4(x, gate_up, down, topk_ids, topk_weights, activation, first_expert)
+
+
+def grouped_moe_int4(
+    x: torch.Tensor,
+    gate_up: PackedExperts,
+    down: PackedExperts,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """fused_moe_int4's grouped path: the pairs routed into tiles of one expert, two grouped GEMMs and the
+    sum (inputs as fused_moe_int4 has checked and made contiguous)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     local_experts = gate_up.num_experts
@@ -230,9 +252,6 @@ def fused_moe_int4(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    x = x if x.stride(1) == 1 else x.contiguous()
-    topk_ids = topk_ids.contiguous()
-    topk_weights = topk_weights.to(torch.float32).contiguous()
     small = num_tokens <= SMALL_BATCH_TOKENS
     # decode-sized batches: the smallest tensor-core tile of rows; larger ones: 64-row tiles over 8 warps on
     # Hopper, 32 x 32 elsewhere (the 64 x 64 tile's two float32 accumulators and the unrolled dequantization

@@ -109,7 +109,7 @@ class SharedExpert:
 
 
 @triton.jit
-def _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: tl.constexpr):
+def slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: tl.constexpr):
     """This rank's index of the expert in the token's routed slot (0 when the slot is another rank's or
     the shared one), and whether this rank computes the slot."""
     routed = slot < TOP_K
@@ -152,7 +152,7 @@ def _decode_gate_up_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < intermediate
     wait_for_previous_kernel(USE_PDL)
-    expert, mine = _slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K)
+    expert, mine = slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K)
     if mine:
         shared = slot >= TOP_K
         rows64 = offs_n.to(tl.int64)[:, None]
@@ -217,6 +217,57 @@ def _down_epilogue(
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, out, mask=offs_n < hidden)
 
 
+@triton.jit
+def token_slots(topk_ids_ptr, topk_weights_ptr, token, first_expert, local_experts, TOP_K: tl.constexpr,
+                SLOTS_POW2: tl.constexpr):  # fmt: skip
+    """A token's slots read once, before a loop over them (a load in the loop would stop Triton pipelining
+    its weight streams): for each of SLOTS_POW2 slots, this rank's index of its expert (0 for the shared
+    slot, TOP_K, and another rank's), whether this rank computes it, and its routing weight."""
+    slots = tl.arange(0, SLOTS_POW2)
+    pairs = token * TOP_K + tl.minimum(slots, TOP_K - 1)
+    experts = tl.load(topk_ids_ptr + pairs).to(tl.int32) - first_expert
+    mine = ((experts >= 0) & (experts < local_experts) & (slots < TOP_K)) | (slots == TOP_K)
+    experts = tl.where(mine & (slots < TOP_K), experts, 0)
+    return experts, mine, tl.load(topk_weights_ptr + pairs)
+
+
+@triton.jit
+def slot_of(experts, mine_of_slot, weights, slot):
+    """(expert index, whether this rank computes it, routing weight) of `slot` in token_slots' tables."""
+    this_slot = tl.arange(0, experts.shape[0]) == slot
+    expert = tl.sum(tl.where(this_slot, experts, 0), axis=0).to(tl.int64)
+    mine = tl.sum(tl.where(this_slot & mine_of_slot, 1, 0), axis=0) > 0
+    return expert, mine, tl.sum(tl.where(this_slot, weights, 0.0), axis=0)
+
+
+@triton.jit
+def sum_split_partials(routed, shared, part_ptr, counter_ptr, token, pid_n, offs_n, hidden, num_tokens, split,
+                       num_splits):  # fmt: skip
+    """(whether this program finishes the (token, tile), the routed and shared rows it finishes with). One
+    split: its own rows. Several: each split's two partial rows go to part [split, 2, T, hidden] (float32)
+    and the program that arrives last at the (token, tile) counter adds them in split order (the same sum
+    whoever arrives last), then resets the counter for the next call."""
+    n_ok = offs_n < hidden
+    finish = num_splits == 1
+    if num_splits > 1:
+        part = part_ptr + token.to(tl.int64) * hidden + offs_n
+        split_stride = 2 * num_tokens * hidden
+        tl.store(part + split * split_stride, routed, mask=n_ok)
+        tl.store(part + split * split_stride + num_tokens * hidden, shared, mask=n_ok)
+        tl.debug_barrier()  # every thread's partials are written before the release below
+        counter = counter_ptr + token * tl.num_programs(0) + pid_n
+        finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+        if finish:
+            routed = tl.zeros_like(routed)
+            shared = tl.zeros_like(shared)
+            for other in range(0, num_splits):
+                routed += tl.load(part + other * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
+                own = part + other * split_stride + num_tokens * hidden
+                shared += tl.load(own, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    return finish, routed, shared
+
+
 @_host_launched
 @triton.jit(do_not_specialize=["num_splits", "slots_per_split"])
 def _decode_down_kernel(
@@ -266,14 +317,9 @@ def _decode_down_kernel(
     dtype = out_ptr.dtype.element_ty
     wait_for_previous_kernel(USE_PDL)
     chunks = tl.cdiv(intermediate, BLOCK_K)
-    # every slot's expert, whether this rank computes it, and its weight, read once: no load in the loop
-    # but the two streams (a load there would stop Triton pipelining them)
-    slots = tl.arange(0, SLOTS_POW2)
-    pairs = token * TOP_K + tl.minimum(slots, TOP_K - 1)
-    experts = tl.load(topk_ids_ptr + pairs).to(tl.int32) - first_expert
-    mine_of_slot = ((experts >= 0) & (experts < local_experts) & (slots < TOP_K)) | (slots == TOP_K)
-    experts = tl.where(mine_of_slot & (slots < TOP_K), experts, 0)
-    weights = tl.load(topk_weights_ptr + pairs)
+    experts, mine_of_slot, weights = token_slots(
+        topk_ids_ptr, topk_weights_ptr, token, first_expert, local_experts, TOP_K, SLOTS_POW2
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     routed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     shared = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -284,9 +330,7 @@ def _decode_down_kernel(
     for step in tl.range(0, steps, num_stages=NUM_STAGES):
         slot = first_slot + step // chunks
         k = (step % chunks) * BLOCK_K
-        this_slot = slots == slot
-        expert = tl.sum(tl.where(this_slot, experts, 0), axis=0).to(tl.int64)
-        mine = tl.sum(tl.where(this_slot & mine_of_slot, 1, 0), axis=0) > 0
+        expert, mine, weight = slot_of(experts, mine_of_slot, weights, slot)
         is_shared = slot >= TOP_K
         w_rows = tl.where(
             is_shared, shared_w_ptr + rows64 * stride_sn, w_ptr + expert * stride_we + rows64 * stride_wn
@@ -298,32 +342,15 @@ def _decode_down_kernel(
         acc = _dot(a, tl.trans(w), acc, FP32)
         # the slot's last chunk: weight its row and round it (a routed slot), or keep it (the shared one)
         last = k + BLOCK_K >= intermediate
-        weight = tl.sum(tl.where(this_slot, weights, 0.0), axis=0)
         weighted = (acc * weight).to(dtype).to(tl.float32)
         routed = tl.where(last & (slot < TOP_K), routed + weighted, routed)
         shared = tl.where(last & is_shared, acc, shared)
         acc = tl.where(last, 0.0, acc)
     routed = tl.sum(routed, axis=0)  # the padding rows are zeros
     shared = tl.sum(shared, axis=0)
-    finish = num_splits == 1
-    if num_splits > 1:
-        # each split's two partial rows [split, 2, T, hidden] (float32); the program that arrives last at
-        # this (token, tile) counter adds them in split order (the same sum whoever arrives last)
-        part = part_ptr + token.to(tl.int64) * hidden + offs_n
-        split_stride = 2 * num_tokens * hidden
-        tl.store(part + split * split_stride, routed, mask=n_ok)
-        tl.store(part + split * split_stride + num_tokens * hidden, shared, mask=n_ok)
-        tl.debug_barrier()  # every thread's partials are written before the release below
-        counter = counter_ptr + token * tl.num_programs(0) + pid_n
-        finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-        if finish:
-            routed = tl.zeros_like(routed)
-            shared = tl.zeros_like(shared)
-            for other in range(0, num_splits):
-                routed += tl.load(part + other * split_stride, mask=n_ok, other=0.0, cache_modifier=".cg")
-                own = part + other * split_stride + num_tokens * hidden
-                shared += tl.load(own, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    finish, routed, shared = sum_split_partials(
+        routed, shared, part_ptr, counter_ptr, token, pid_n, offs_n, hidden, num_tokens, split, num_splits
+    )
     if finish:
         args = (x_ptr, shared_gate_ptr, out_ptr, token, offs_n, hidden, stride_xm, stride_om)
         _down_epilogue(routed, shared, *args, SLOTS > TOP_K, GATE_BLOCK)

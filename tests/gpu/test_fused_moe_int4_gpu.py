@@ -19,7 +19,7 @@ from fitserve.layers.quantization.quant_config import Int4Format  # noqa: E402
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-TOKENS = (1, 8, 64, 512)
+TOKENS = (1, 4, 8, 64, 512)  # 1 and 4: kernels/moe_int4_decode.py; 8 on: the grouped path
 TOLERANCE = 2**-6  # |out - ref| <= TOLERANCE * max|ref|, both bfloat16 (rounded at different points)
 
 

@@ -6,6 +6,9 @@ file as a script, TRITON_INTERPRET=1; tests/unit/triton_interpreter.py).
 Shapes: K of one partial 256-code block and of two (the second padded), groups of 32 and 64, the
 decode-sized tiles (up to 64 tokens) and the larger ones, expert parallel (pairs routed to another rank's
 experts add nothing), experts no token chose holding NaN scales (reading one would spoil the output).
+Both paths: fused_moe_int4 as it dispatches ("auto": decode-sized batches on kernels/moe_int4_decode.py),
+the grouped path forced at a decode-sized batch, and the decode kernels with the down kernel's slots split
+over programs (the partials and the counter of moe_decode.sum_split_partials).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ CASES = [
     case(3, hidden=320, inter=64, top_k=3),  # two 256-code blocks of hidden, the second padded
     case(70, hidden=64, inter=96, act="gelu_tanh"),  # the larger tiles; I of one partial block
     case(9, ep=[1, 2]),
+    case(1, path="grouped"),
+    case(2, inter=96, act="gelu_tanh", path="decode", slots_per_split=1),  # I of one partial block, split
+    case(4, "float16", hidden=320, top_k=3, ep=[1, 2], path="decode", slots_per_split=2),
 ]
 
 
@@ -67,8 +73,9 @@ def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> to
 
 
 def run_case(spec: dict) -> dict:
-    from fitserve.kernels.fused_moe_int4 import fused_moe_int4
+    from fitserve.kernels.fused_moe_int4 import fused_moe_int4, grouped_moe_int4
     from fitserve.kernels.int4_repack import dequantize_words, repack_int4
+    from fitserve.kernels.moe_int4_decode import Int4DecodeConfig, moe_int4_decode
 
     dtype = getattr(torch, spec["dtype"])
     experts, hidden, inter, group, top_k = 8, spec["hidden"], spec["inter"], spec["group"], spec["top_k"]
@@ -94,7 +101,14 @@ def run_case(spec: dict) -> dict:
         if first + expert not in chosen:
             w13.scale_zero[expert] = float("nan")
             w2.scale_zero[expert] = float("nan")
-    out = fused_moe_int4(x, w13, w2, ids, weights, spec["act"], first_expert=first)
+    path = spec.get("path", "auto")
+    if path == "auto":
+        out = fused_moe_int4(x, w13, w2, ids, weights, spec["act"], first_expert=first)
+    elif path == "grouped":
+        out = grouped_moe_int4(x, w13, w2, ids, weights.float(), spec["act"], first_expert=first)
+    else:
+        config = Int4DecodeConfig(down_slots_per_split=spec["slots_per_split"])
+        out = moe_int4_decode(x, w13, w2, ids, weights.float(), spec["act"], first, config)
     ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
     scale = ref.float().abs().max().item() or 1.0
     return {
