@@ -192,6 +192,10 @@ class Int4FusedExperts(nn.Module):
 
     # --- running -----------------------------------------------------------------------------------------
 
+    def takes_shared_expert(self, x: torch.Tensor, shared: object) -> bool:
+        """False: the int4 kernels add no shared expert (a MoE block runs its shared expert beside them)."""
+        return False
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True
     ) -> torch.Tensor:

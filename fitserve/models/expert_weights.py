@@ -3,7 +3,9 @@
 Qwen-MoE checkpoints (Qwen3-MoE, Qwen3.5/3.6 MoE) store each expert's projections under
 `...mlp.experts.<e>.<gate|up|down>_proj.weight`; transformers 5 saves them fused instead
 (`...mlp.experts.gate_up_proj` [E, 2I, hidden], `...mlp.experts.down_proj` [E, hidden, I]), which load by
-name through FusedExperts' own weight loader. Both forms come to the same parameters.
+name through FusedExperts' own weight loader. Both forms come to the same parameters. An int4 checkpoint's
+experts (`...mlp.experts.<e>.gate_proj.qweight` ..., in the format's own names) go to layers/moe_int4.py's
+Int4FusedExperts, which packs each projection once its tensors have arrived.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.tp_shards import rank_rows
 from fitserve.models.parameter_loads import ParameterLoads
 
@@ -54,3 +57,27 @@ def load_expert(
     if len(seen) == 3 * module.num_experts:
         loads.loaded.update((base + "gate_up_proj", base + "down_proj"))
     return True
+
+
+def load_int4_expert(root: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """An int4 checkpoint's expert tensor (`...mlp.experts.<e>.<projection>.<param>`) given to the layer's
+    Int4FusedExperts; False when the layer's experts are 16-bit (load_expert's)."""
+    prefix, _, rest = name.partition(".mlp.experts.")
+    experts = root.get_submodule(prefix + ".mlp.experts")
+    if not isinstance(experts, Int4FusedExperts):
+        return False
+    expert, projection, param = rest.split(".", 2)
+    experts.load_tensor(int(expert), projection, param, tensor)
+    return True
+
+
+def check_int4_experts_loaded(root: nn.Module) -> None:
+    """ValueError naming what the checkpoint did not give once every tensor has loaded: an int4 expert
+    projection with none of its tensors (it would compute with zeros)."""
+    for module in root.modules():
+        missing = module.missing() if isinstance(module, Int4FusedExperts) else []
+        if missing:
+            raise ValueError(
+                f"the checkpoint has no int4 tensors for {len(missing)} expert projection(s), e.g. "
+                f"{', '.join(missing[:3])}: it does not match the model's config.json"
+            )

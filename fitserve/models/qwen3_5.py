@@ -18,7 +18,8 @@ Weights: a ConditionalGeneration checkpoint keeps the text model under `model.la
 `model.`; the vision tower (`model.visual.`) and the multi-token-prediction layers (`mtp.`) are skipped
 here, each with one log line: the MTP layers load into their own module (models/qwen3_5_mtp.py) when
 --speculative-config method mtp runs them. MoE experts load from either the per-expert form
-(`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`).
+(`experts.<e>.gate_proj` ...) or the fused one (`experts.gate_up_proj`), an int4 checkpoint's per expert
+(`experts.<e>.gate_proj.qweight` ...) into layers/moe_int4.py's experts.
 
 MTP speculation (fitserve/spec_decode/mtp.py) reads the model's output hidden states (after the final
 norm, what the LM head reads): `keep_output_hidden` makes every forward copy them into a fixed buffer.
@@ -29,9 +30,10 @@ each rank reads the whole checkpoint and keeps its part, and its state pool hold
 refused naming them.
 
 Quantized checkpoints (config.json's quantization_config, or --quantization fp8 / bitsandbytes on a 16-bit
-one): a dense model's linears take the format's method (qwen3_5_layers.py), its shapes checked before
+one): the linears take the format's method (qwen3_5_layers.py), their shapes checked before
 building (quant_config.check_layer_shapes: a group size that does not divide a quantized layer's input is
-refused naming the module); a quantized MoE is refused (qwen3_5_config.refuse_quantized_moe). The
+refused naming the module). A MoE's experts run 16-bit or an int4 checkpoint's (without act order); a
+format that would make them anything else is refused (qwen3_5_config.refuse_quantized_moe). The
 checkpoint stores in_proj_qkv as one matrix; under tensor parallel a quantized method takes a rank's rows
 one projection at a time, so each of its tensors is first cut into the q, k and v parts
 (layers/quantization/fused_rows.py). k_proj and v_proj load as KvHeadsLinear's one shard.
@@ -54,7 +56,7 @@ from fitserve.layers.quantization.fused_rows import fused_rows_pieces
 from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_format
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
-from fitserve.models.expert_weights import load_expert
+from fitserve.models.expert_weights import check_int4_experts_loaded, load_expert, load_int4_expert
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.qwen3_5_config import (
     delta_net_heads_per_rank,
@@ -178,7 +180,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(self.weights_prefix)
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
-            if ".mlp.experts." in name and load_expert(self, name, tensor, loads, experts):
+            if ".mlp.experts." in name and (
+                load_int4_expert(self, name, tensor) or load_expert(self, name, tensor, loads, experts)
+            ):
                 continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             if self._load_merged_in_proj(name, tensor, loads):
@@ -204,6 +208,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 "--speculative-config method mtp, into the drafter",
                 skipped["mtp"],
             )
+        check_int4_experts_loaded(self)
         return loads.loaded
 
     def _load_merged_in_proj(self, name: str, tensor: torch.Tensor, loads: ParameterLoads) -> bool:
@@ -255,7 +260,7 @@ def _map_name(name: str) -> tuple[str, ShardId | None]:
 
 def _checked_format(config: Any) -> Any:
     """The checkpoint's quantized format (None: 16-bit), once the model's sizes and the format are known to
-    work: both DeltaNet head counts divide the ranks, the model is not a quantized MoE, and the format's
+    work: both DeltaNet head counts divide the ranks, a MoE's experts run the format, and the format's
     group size fits every quantized layer (each refusal names the values and the fix)."""
     delta_net_heads_per_rank(config, tp().size)  # both DeltaNet head counts must divide (names the sizes)
     fmt = quant_format(config)

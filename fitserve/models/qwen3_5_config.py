@@ -19,6 +19,7 @@ from typing import Any
 
 from fitserve.kv_layers import FULL as FULL_ATTENTION
 from fitserve.kv_layers import LINEAR as LINEAR_ATTENTION
+from fitserve.models.moe_experts_format import refuse_quantized_experts
 from fitserve.models.text_config import text_values
 
 QWEN3_5_DENSE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
@@ -133,15 +134,10 @@ def delta_net_heads_per_rank(config: Any, tensor_parallel_size: int) -> tuple[in
 
 
 def refuse_quantized_moe(config: Any, fmt: Any) -> None:
-    """ValueError for a quantized Qwen3.5 MoE (Qwen3.6-35B-A3B): the fused experts (layers/moe.py) hold
-    16-bit weights only, and a quantized MoE checkpoint stores its experts quantized (--quantization
-    quantizes them too), so the model cannot be built as it asks; the message says what runs instead."""
+    """ValueError when a Qwen3.5 MoE's (Qwen3.6-35B-A3B's) checkpoint format or --quantization would
+    quantize its experts in a form they do not run: the fused experts run 16-bit weights or an int4
+    checkpoint's without act order (models/moe_experts_format.py); the message says what runs instead."""
     if fmt is None or not getattr(config, "num_experts", None):
         return
-    raise ValueError(
-        f"{fmt.describe()} for a Qwen3.5 MoE model ({config.architectures[0]}, {config.num_experts} "
-        "experts): fitserve's fused MoE experts run 16-bit weights only, so a quantized MoE checkpoint, or "
-        "--quantization on a MoE one, cannot load. What runs: this MoE model's bfloat16 checkpoint without "
-        "--quantization, or a quantized dense Qwen3.5/3.6 (e.g. Qwen3.6-27B AWQ / GPTQ / compressed-tensors "
-        "int4, fp8)"
-    )
+    model = f"Qwen3.5 MoE model ({config.architectures[0]})"
+    refuse_quantized_experts(config, fmt, model, list(range(int(config.num_hidden_layers))))

@@ -26,7 +26,7 @@ from fitserve.models.qwen3_5_layers import (
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, quant: Any = None) -> None:
         """quant: the checkpoint's quantized format (layers/quantization/quant_config.quant_format) or
-        None; a MoE layer takes none (models/qwen3_5.py refuses a quantized MoE before building)."""
+        None (a MoE layer's experts take it when they run it: models/qwen3_5_config.refuse_quantized_moe)."""
         super().__init__()
         check_activation(str(getattr(config, "hidden_act", "silu")))
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -36,7 +36,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3_5Attention(config, layer_idx, quant)
         if getattr(config, "num_experts", None):
-            self.mlp: nn.Module = Qwen3_5SparseMoeBlock(config)
+            self.mlp: nn.Module = Qwen3_5SparseMoeBlock(config, layer_idx, quant)
         else:
             self.mlp = Qwen3_5MLP(
                 hidden,

@@ -28,12 +28,14 @@ round: the norms (kernels/norm.py, with the residual add), the q/k norms with th
 DeltaNet's gated norm (kernels/gated_rms_norm.py), the MoE routing (kernels/moe_router.py) and the shared
 expert's gate with the sum (kernels/shared_expert_gate.py); the CPU keeps the torch ops (HF's reference).
 
-Quantized checkpoints (dense models; models/qwen3_5.py refuses a quantized MoE): every linear of the
-full layers (q_proj, k_proj, v_proj, o_proj), of the DeltaNet layers (in_proj_qkv, in_proj_z, in_proj_b,
-in_proj_a, out_proj) and of the MLP (gate_up_proj fused from gate_proj and up_proj, down_proj) takes the
+Quantized checkpoints: every linear of the full layers (q_proj, k_proj, v_proj, o_proj), of the DeltaNet
+layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) and of the MLP or the MoE's shared expert
+(gate_up_proj fused from gate_proj and up_proj, down_proj) takes the
 format's linear method (layers/quantization/methods.py: int4, fp8 or bitsandbytes 4-bit), or none where the
 checkpoint's ignore list leaves the module in 16 bits (`linear_method_of`). The norms, the conv1d, A_log and
-dt_bias stay in the model dtype, as every Qwen3.5 quantized checkpoint stores them.
+dt_bias stay in the model dtype, as every Qwen3.5 quantized checkpoint stores them. A MoE's experts run
+int4 from an int4 checkpoint (layers/moe_int4.py; other formats are refused before building,
+models/qwen3_5_config.refuse_quantized_moe); its router and the shared expert's gate stay 16-bit.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ from fitserve.layers.linear import (
     default_weight_loader,
 )
 from fitserve.layers.moe import FusedExperts
+from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, split_evenly
 from fitserve.models.gemma4_config import expert_parallel_of
+from fitserve.models.moe_experts_format import int4_experts
 
 if TYPE_CHECKING:
     from fitserve.kernels.moe_decode import SharedExpert
@@ -294,19 +298,33 @@ class Qwen3_5MLP(nn.Module):
 
 
 class Qwen3_5SparseMoeBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layer_idx: int = 0, quant: Any = None) -> None:
+        """quant: the checkpoint's quantized format or None. An int4 checkpoint's experts run as int4
+        (layers/moe_int4.py) and its shared expert through its format's linear method; the router and the
+        shared expert's one-output gate stay 16-bit."""
         super().__init__()
         hidden = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         self.gate = ReplicatedLinear(hidden, int(config.num_experts), bias=False)
-        self.experts = FusedExperts(
+        num_experts, width, parallel = (
             int(config.num_experts),
-            hidden,
             int(config.moe_intermediate_size),
-            F.silu,
-            expert_parallel=expert_parallel_of(config),
+            expert_parallel_of(config),
         )
-        self.shared_expert = Qwen3_5MLP(hidden, int(config.shared_expert_intermediate_size))
+        if int4_experts(config, quant, layer_idx):
+            prefix = f"model.layers.{layer_idx}.mlp.experts"
+            self.experts: nn.Module = Int4FusedExperts(
+                num_experts, hidden, width, F.silu, quant, prefix, parallel
+            )
+        else:
+            self.experts = FusedExperts(num_experts, hidden, width, F.silu, expert_parallel=parallel)
+        block = "mlp.shared_expert"
+        self.shared_expert = Qwen3_5MLP(
+            hidden,
+            int(config.shared_expert_intermediate_size),
+            linear_method_of(quant, config, layer_idx, block, "gate_up_proj", ("gate_proj", "up_proj")),
+            linear_method_of(quant, config, layer_idx, block, "down_proj", ("down_proj",)),
+        )
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
 
     def _shared_expert_tensors(self) -> SharedExpert | None:

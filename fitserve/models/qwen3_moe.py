@@ -30,10 +30,11 @@ from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
-from fitserve.models.expert_weights import load_expert
+from fitserve.models.expert_weights import check_int4_experts_loaded, load_expert, load_int4_expert
 from fitserve.models.gemma4_config import expert_parallel_of
+from fitserve.models.moe_experts_format import int4_experts
 from fitserve.models.parameter_loads import ParameterLoads
-from fitserve.models.qwen3_moe_config import int4_experts, refuse_quantized_experts
+from fitserve.models.qwen3_moe_config import refuse_quantized_experts
 
 
 class Qwen3MoeSparseBlock(nn.Module):
@@ -94,13 +95,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Any) -> set[str]:
         self._experts_seen: dict[str, set[tuple[int, str]]] = {}
         loaded = super().load_weights(weights)
-        for module in self.modules():
-            missing = module.missing() if isinstance(module, Int4FusedExperts) else []
-            if missing:
-                raise ValueError(
-                    f"the checkpoint has no int4 tensors for {len(missing)} expert projection(s), e.g. "
-                    f"{', '.join(missing[:3])}: it does not match the model's config.json"
-                )
+        check_int4_experts_loaded(self)
         return loaded
 
     def _load_own_form(self, loads: ParameterLoads, name: str, tensor: torch.Tensor) -> bool:
@@ -109,10 +104,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         16-bit form loads by name."""
         if ".mlp.experts." not in name:
             return False
-        prefix, _, rest = name.partition(".mlp.experts.")
-        experts = self.get_submodule(prefix + ".mlp.experts")
-        if isinstance(experts, Int4FusedExperts):
-            expert, projection, param = rest.split(".", 2)
-            experts.load_tensor(int(expert), projection, param, tensor)
+        if load_int4_expert(self, name, tensor):
             return True
         return load_expert(self, name, tensor, loads, self._experts_seen)

@@ -205,3 +205,27 @@ def load_weights(folder: Path) -> None:
 
     config = load_hf_config(str(folder))
     get_model_class(config)(config).load_weights(iterate_safetensors(list_safetensors_files(str(folder))))
+
+
+def int4_expert_tensors(
+    name: str, fused: torch.Tensor, spec: QuantSpec, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A fused expert tensor of transformers' form (`...mlp.experts.gate_up_proj` [E, 2I, H] or `down_proj`
+    [E, H, I]) as an int4 checkpoint stores it, one tensor set per expert and projection
+    (`...mlp.experts.<e>.<gate|up|down>_proj.<suffix>`), and its dequantized values (the reference's);
+    each projection rounded with its own seed from `seed` on."""
+    base = name.rsplit(".", 1)[0]
+    width = fused.shape[1] // 2
+    parts = {"gate_proj": slice(0, width), "up_proj": slice(width, None)}
+    if name.endswith("down_proj"):
+        parts = {"down_proj": slice(None)}
+    tensors: dict[str, torch.Tensor] = {}
+    dequantized = torch.empty_like(fused)
+    for expert in range(fused.shape[0]):
+        for projection, rows in parts.items():
+            seed += 1
+            rounded = quant_checkpoints.round_to_int4(fused[expert, rows], spec, seed)
+            dequantized[expert, rows] = rounded.dequantized()
+            for suffix, value in quant_checkpoints.pack_tensors(rounded, spec).items():
+                tensors[f"{base}.{expert}.{projection}.{suffix}"] = value.contiguous()
+    return tensors, dequantized

@@ -3,8 +3,8 @@ linear is stored int4 (AWQ, GPTQ with act order, compressed-tensors pack-quantiz
 asymmetric, AutoRound), fp8 (compressed-tensors, quant_method fp8 with blocks) or bitsandbytes 4-bit, or
 quantized while loading (--quantization fp8 / bitsandbytes), loaded by fitserve: one whole-sequence
 forward's logits match HF's with the dequantized weights. The ignore list is honoured per module by the
-checkpoint's names (model.language_model.* in a ConditionalGeneration checkpoint); a quantized MoE is
-refused before loading, naming what runs."""
+checkpoint's names (model.language_model.* in a ConditionalGeneration checkpoint); a MoE quantized in a
+form its experts do not run is refused before loading, naming what runs."""
 
 from __future__ import annotations
 
@@ -185,29 +185,26 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused(tmp_path):
         get_model_class(config)(config)
 
 
-@pytest.mark.parametrize("flag", [None, "fp8"])
-def test_a_quantized_moe_is_refused(flag, tmp_path):
-    """Qwen3.6-35B-A3B's shape: the fused experts hold 16-bit weights only, so a quantized MoE checkpoint
-    (or --quantization fp8 on one) is refused before anything loads, saying what runs instead."""
+@pytest.mark.parametrize("quant", ["gptq-actorder", "fp8"])
+def test_a_moe_quantized_as_its_experts_do_not_run_is_refused(quant, tmp_path):
+    """Qwen3.6-35B-A3B's shape: the fused experts run 16-bit or int4 without act order, so an act-order
+    GPTQ checkpoint (or --quantization fp8 on a 16-bit one) is refused before anything loads, saying what
+    runs instead (int4 MoE checkpoints: tests/unit/test_qwen3_5_moe_int4.py)."""
     config_hf = make_config(moe=True, conditional=True)
     folder = tmp_path
     build_hf(config_hf, seed=8).save_pretrained(folder)
     config = CheckpointConfig.from_folder(folder)
+    flag = "fp8" if quant == "fp8" else None
     if flag is None:
-        config.quantization_config = {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": 32,
-            "zero_point": True,
-            "version": "gemm",
-        }
+        config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
     config = with_quantization_flag(config, flag)
     with pytest.raises(ValueError) as error:
         get_model_class(config)(config)
     message = str(error.value)
     assert "Qwen3.5 MoE model" in message and "4 experts" in message
-    assert "fused MoE experts run 16-bit weights only" in message
-    assert "bfloat16 checkpoint without --quantization" in message and "dense Qwen3.5/3.6" in message
+    assert "fused MoE experts run 16-bit or int4 weights (without act order)" in message
+    assert ("not int4 with act order" if flag is None else "not this format") in message
+    assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
 
 
 def _engine_greedy(folder: Path, **kwargs: Any) -> list[int]:

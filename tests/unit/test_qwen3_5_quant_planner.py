@@ -2,7 +2,8 @@
 compressed-tensors pack-quantized int4 checkpoint, symmetric, group 32, on two RTX 2080 Ti) without a
 weight file: the model built on the meta device honours its ignore list module by module, the planner
 counts its stored weight bytes (int4 packed codes and scales, the ignored modules and the tables at 16 bits)
-as derived here from the config by hand, and a quantized MoE is refused before the engine starts."""
+as derived here from the config by hand; an int4 MoE is planned with its experts int4, and an fp8 one refused
+before the engine starts."""
 
 from __future__ import annotations
 
@@ -95,17 +96,29 @@ def test_the_27b_awq_model_builds_with_its_ignore_list(tensor_parallel_size):
     assert first.out_proj.input_size_per_rank == 6144 // tensor_parallel_size
 
 
-def test_a_quantized_moe_is_refused_before_the_engine_starts(tmp_path):
-    """Qwen3.6-35B-A3B's config with the 27B's quantization_config: the engine's plan check refuses it."""
+def test_an_int4_moe_is_planned_with_its_experts_int4(tmp_path):
+    """Qwen3.6-35B-A3B's config with the 27B's quantization_config (compressed-tensors int4, groups of 32):
+    the engine's plan check takes it (its experts run int4, layers/moe_int4.py) and counts every expert
+    and the shared expert as int4; --quantization fp8 on the 16-bit MoE is refused naming what runs."""
     need(MOE)
     need(AWQ_27B)
     raw = json.loads((MOE / "config.json").read_text())
     raw["quantization_config"] = json.loads((AWQ_27B / "config.json").read_text())["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model = inspect_model(str(tmp_path), load_format="dummy")
+    fmt = check_quantized_checkpoint(model, None)
+    quantized = qwen3_5_quantized(fmt, model.hf_config)
+    text = raw["text_config"]
+    layers, experts = text["num_hidden_layers"], text["num_experts"]
+    expert_names = [n for n in quantized if ".mlp.experts." in n]
+    assert len(expert_names) == 3 * layers * experts
+    assert quantized["model.language_model.layers.0.mlp.experts.255.down_proj"] == (
+        text["moe_intermediate_size"],
+        text["hidden_size"],
+    )
+    assert "model.language_model.layers.0.mlp.shared_expert.gate_proj" in quantized
+    assert not [n for n in quantized if n.endswith((".mlp.gate", "shared_expert_gate"))]
     with pytest.raises(
-        ValueError, match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration, 256 experts\)"
+        ValueError, match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration\).*not this format"
     ):
-        check_quantized_checkpoint(model, None)
-    with pytest.raises(ValueError, match="fused MoE experts run 16-bit weights only"):
         check_quantized_checkpoint(inspect_model(str(MOE), load_format="dummy"), "fp8")

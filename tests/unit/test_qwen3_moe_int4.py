@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tests.model_folders import write_config_with_tokenizer
 from tests.quant_checkpoints import QuantSpec, pack_tensors, quantization_config, round_to_int4
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
+from tests.unit.quant_helpers import int4_expert_tensors
 from tests.unit.test_engine_vs_hf import PROMPTS, greedy_outputs, hf_greedy, make_llm
 from tests.unit.test_qwen3_moe import assert_layout_equals_one_rank
 
@@ -51,21 +52,10 @@ def write_int4_moe(folder: Path, hf_model: torch.nn.Module, spec: QuantSpec) -> 
             module = name.removesuffix(".weight")
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in pack_tensors(rounded, spec).items()})
         elif name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-            base = name.rsplit(".", 1)[0]
-            whole = torch.empty_like(tensor)
-            for expert in range(tensor.shape[0]):
-                width = tensor.shape[1] // 2
-                if name.endswith("gate_up_proj"):
-                    parts = {"gate_proj": slice(0, width), "up_proj": slice(width, 2 * width)}
-                else:
-                    parts = {"down_proj": slice(None)}
-                for projection, rows in parts.items():
-                    seed += 1
-                    rounded = round_to_int4(tensor[expert, rows], spec, seed)
-                    whole[expert, rows] = rounded.dequantized()
-                    for suffix, value in pack_tensors(rounded, spec).items():
-                        tensors[f"{base}.{expert}.{projection}.{suffix}"] = value.contiguous()
-            reference_state[name].copy_(whole)
+            per_expert, dequantized = int4_expert_tensors(name, tensor, spec, seed)
+            seed += 3 * tensor.shape[0]
+            tensors.update(per_expert)
+            reference_state[name].copy_(dequantized)
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(folder / "model.safetensors"))

@@ -147,11 +147,11 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
     qwen3_moe = _qwen3_moe_quantized(fmt, hf_config)
     if qwen3_moe is not None:  # its experts one by one (layers/moe_int4.py)
         return _stored_int4(fmt, qwen3_moe.values())
+    qwen3_5 = _qwen3_5_quantized(fmt, hf_config)
+    if qwen3_5 is not None:  # per-layer projections of its own, a MoE's experts one by one
+        return _stored_int4(fmt, qwen3_5.values())
     if is_moe(hf_config):
         return None
-    qwen3_5 = _qwen3_5_quantized(fmt, hf_config)
-    if qwen3_5 is not None:  # per-layer projections of its own (layer_projections.py)
-        return _stored_int4(fmt, qwen3_5.values())
     shapes = projection_shapes(hf_config)
     params = stored = 0
     for layer in range(hf_config.num_hidden_layers):

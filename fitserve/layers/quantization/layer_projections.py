@@ -81,8 +81,8 @@ def qwen3_5_projections(config: Any) -> dict[str, tuple[int, int]]:
     """Every linear of the decoder layers that a quantized checkpoint may store quantized, by the module name
     the checkpoint gives it (under `weights_prefix`: `model.language_model.layers.<i>...` for the
     ConditionalGeneration form, as its quantization_config's ignore list names them) -> (in_features,
-    out_features). A dense model's MLP only: the MoE's experts are not sized here (a quantized MoE is
-    refused, models/qwen3_5.py)."""
+    out_features). A MoE's shared expert and each of its experts one by one (its router and the shared
+    expert's one-output gate stay 16-bit: models/qwen3_5_layers.py)."""
     hidden, head_dim = int(config.hidden_size), int(config.head_dim)
     heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads) * int(config.head_dim)
     key_size = int(config.linear_num_key_heads) * int(config.linear_key_head_dim)
@@ -102,14 +102,13 @@ def qwen3_5_projections(config: Any) -> dict[str, tuple[int, int]]:
         "linear_attn.in_proj_a": (hidden, value_heads),
         "linear_attn.out_proj": (value_size, hidden),
     }
-    mlp: dict[str, tuple[int, int]] = {}
-    if not getattr(config, "num_experts", None):
-        inter = int(config.intermediate_size)
-        mlp = {
-            "mlp.gate_proj": (hidden, inter),
-            "mlp.up_proj": (hidden, inter),
-            "mlp.down_proj": (inter, hidden),
-        }
+    if getattr(config, "num_experts", None):  # the shared expert and each routed expert
+        shared, width = int(config.shared_expert_intermediate_size), int(config.moe_intermediate_size)
+        mlp = _gated_mlp("mlp.shared_expert.", hidden, shared)
+        for expert in range(int(config.num_experts)):
+            mlp.update(_gated_mlp(f"mlp.experts.{expert}.", hidden, width))
+    else:
+        mlp = _gated_mlp("mlp.", hidden, int(config.intermediate_size))
     shapes: dict[str, tuple[int, int]] = {}
     for index, kind in enumerate(config.layer_types):
         for suffix, shape in {**(full if kind == "full_attention" else delta_net), **mlp}.items():
@@ -117,15 +116,25 @@ def qwen3_5_projections(config: Any) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _gated_mlp(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, int]]:
+    """A gated MLP's three projections under `prefix` (`mlp.`, `mlp.shared_expert.`, `mlp.experts.<e>.`)."""
+    return {
+        f"{prefix}gate_proj": (hidden, width),
+        f"{prefix}up_proj": (hidden, width),
+        f"{prefix}down_proj": (width, hidden),
+    }
+
+
 def qwen3_5_fused_projections(config: Any) -> dict[str, tuple[int, int]]:
-    """qwen3_5_projections with gate_proj and up_proj as the one layer fitserve fuses them into (keyed by
-    gate_proj's name): the layers an int4 GPU form repacks one by one."""
+    """qwen3_5_projections with each gate_proj and up_proj as the one layer fitserve fuses them into (keyed
+    by gate_proj's name; an int4 expert's gate and up rows are packed together too, layers/moe_int4.py): the
+    layers an int4 GPU form repacks one by one."""
     shapes = qwen3_5_projections(config)
     fused: dict[str, tuple[int, int]] = {}
     for name, (in_features, out_features) in shapes.items():
-        if name.endswith(".mlp.up_proj"):
+        if name.endswith(".up_proj"):
             continue
-        if name.endswith(".mlp.gate_proj"):
+        if name.endswith(".gate_proj"):
             out_features *= 2
         fused[name] = (in_features, out_features)
     return fused
