@@ -59,11 +59,12 @@ def load_expert(
     return True
 
 
-def load_int4_expert(root: nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    """An int4 checkpoint's expert tensor (`...mlp.experts.<e>.<projection>.<param>`) given to the layer's
-    Int4FusedExperts; False when the layer's experts are 16-bit (load_expert's)."""
-    prefix, _, rest = name.partition(".mlp.experts.")
-    experts = root.get_submodule(prefix + ".mlp.experts")
+def load_int4_expert(root: nn.Module, name: str, tensor: torch.Tensor, marker: str = ".mlp.experts.") -> bool:
+    """An int4 checkpoint's expert tensor (`...<marker><e>.<projection>.<param>`: Qwen's `.mlp.experts.`,
+    Gemma-4's `.experts.`) given to the layer's Int4FusedExperts; False when the layer's experts are
+    16-bit."""
+    prefix, _, rest = name.partition(marker)
+    experts = root.get_submodule(prefix + marker.rstrip("."))
     if not isinstance(experts, Int4FusedExperts):
         return False
     expert, projection, param = rest.split(".", 2)

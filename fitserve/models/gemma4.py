@@ -25,9 +25,10 @@ Quantized checkpoints (config.json's quantization_config: AWQ / GPTQ / compresse
 fp8, bitsandbytes 4-bit; or --quantization fp8 / bitsandbytes on a 16-bit one): the decoder's linears and
 the E models' per-layer model projection take the format's method (gemma4_layers.py), the shapes checked
 before building (quant_config.check_layer_shapes: a group size that does not divide a quantized layer's
-input is refused naming the module). The MoE experts hold 16-bit weights only: a format that quantizes
-them is refused before building (gemma4_config.refuse_quantized_experts); a 26B-A4B checkpoint whose
-ignore list keeps the experts 16-bit runs with its attention and dense MLP quantized.
+input is refused naming the module). The MoE experts run 16-bit, or an int4 checkpoint's (one tensor set per
+expert and projection, into layers/moe_int4.py's experts); a format that would make them anything else is
+refused before building (gemma4_config.refuse_quantized_experts). A 26B-A4B checkpoint whose ignore list
+keeps the experts 16-bit runs with its attention and dense MLP quantized.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
+from fitserve.models.expert_weights import check_int4_experts_loaded, load_int4_expert
 from fitserve.models.gemma4_config import refuse_quantized_experts
 from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm, quantized_method, use_kernels
 from fitserve.models.parameter_loads import ParameterLoads
@@ -216,6 +218,8 @@ class Gemma4ForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(self.weights_prefix)
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
+            if ".experts." in name and load_int4_expert(self, name, tensor, ".experts."):
+                continue  # an int4 checkpoint's expert tensor (`experts.<e>.<projection>.<param>`)
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             target, shard_id = _map_name(name)
             if self._is_shared_layer_kv(target, shard_id):
@@ -223,6 +227,7 @@ class Gemma4ForCausalLM(nn.Module):
             self._check_not_16bit(name, target)
             shards = () if shard_id is None else self.get_submodule(target.rsplit(".", 1)[0]).shard_ids
             loads.load(name, target, tensor, shard_id, shards)
+        check_int4_experts_loaded(self)
         for attention in self.attention_layers:  # a shared layer reads its cache with the writer's scales
             source = self.attention_layers[attention.kv_cache_layer]
             attention.k_scale, attention.v_scale = source.k_scale, source.v_scale

@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from fitserve.models import moe_experts_format
+from fitserve.models.moe_experts_format import GEMMA_EXPERTS
 from fitserve.models.text_config import text_values
 
 GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
@@ -111,30 +113,15 @@ def experts_quantized(config: Any, fmt: Any) -> bool:
     checkpoint's prefix or `model.`, leaves them 16-bit."""
     if fmt is None or not getattr(config, "enable_moe_block", False):
         return False
-    prefix = getattr(config, "weights_prefix", "model.")
-    names = ("gate_up_proj", "down_proj", "0.gate_proj", "0.up_proj", "0.down_proj")
-    return any(
-        all(
-            fmt.quantizes(f"{root}layers.{index}.experts.{name}")
-            for root in {prefix, "model."}
-            for name in names
-        )
-        for index in range(int(config.num_hidden_layers))
-    )
+    layers = range(int(config.num_hidden_layers))
+    return any(moe_experts_format.experts_quantized(config, fmt, i, GEMMA_EXPERTS) for i in layers)
 
 
 def refuse_quantized_experts(config: Any, fmt: Any) -> None:
-    """ValueError for a Gemma-4 MoE (26B-A4B) whose experts the format quantizes: the fused experts
-    (layers/moe.py) hold 16-bit weights only. A checkpoint that leaves the experts in its ignore list
-    (quantizing the attention and dense MLP only) runs; the message says what else runs."""
-    if not experts_quantized(config, fmt):
+    """ValueError for a Gemma-4 MoE (26B-A4B) whose experts the format would quantize in a form they do not
+    run (models/moe_experts_format.py: 16-bit, or an int4 checkpoint's without act order). A checkpoint
+    that leaves the experts in its ignore list (quantizing the attention and dense MLP only) runs too."""
+    if not getattr(config, "enable_moe_block", False):
         return
-    raise ValueError(
-        f"{fmt.describe()} for a Gemma-4 MoE model ({config.architectures[0]}, {config.num_experts} "
-        "experts): fitserve's fused MoE experts run 16-bit weights only, and this format quantizes them "
-        "(a quantized checkpoint whose ignore list does not name the experts, or --quantization on a "
-        "16-bit MoE checkpoint). What runs: the bfloat16 26B-A4B checkpoint without --quantization, a "
-        "checkpoint that keeps the experts unquantized (its ignore list naming e.g. 're:.*experts.*'), or "
-        "a quantized dense Gemma-4 (31B, E4B, E2B: AWQ / GPTQ / compressed-tensors int4, fp8, "
-        "bitsandbytes)"
-    )
+    layers = list(range(int(config.num_hidden_layers)))
+    moe_experts_format.refuse_quantized_experts(config, fmt, "Gemma-4 MoE model", layers, GEMMA_EXPERTS, True)

@@ -1,5 +1,5 @@
-"""Which formats a Qwen-MoE's fused experts run (Qwen3-MoE, Qwen3.5/3.6 MoE), from the config alone, for
-the models and the planner: 16-bit experts, or an int4 checkpoint's experts without act order
+"""Which formats a MoE's fused experts run (Qwen3-MoE, Qwen3.5/3.6 MoE, Gemma-4 26B-A4B), from the config
+alone, for the models and the planner: 16-bit experts, or an int4 checkpoint's experts without act order
 (layers/moe_int4.py); a format that would store or make them anything else is refused before anything is
 built, naming what runs."""
 
@@ -13,39 +13,52 @@ from fitserve.layers.quantization.quant_config import Int4Format
 EXPERT_NAMES = ("gate_up_proj", "down_proj", "0.gate_proj", "0.up_proj", "0.down_proj")
 
 
-def experts_quantized(config: Any, fmt: Any, layer_idx: int) -> bool:
-    """Whether `fmt` stores layer `layer_idx`'s experts quantized: its ignore list leaves them out neither
-    under the name the checkpoint gives them (`model.language_model.layers...` in a ConditionalGeneration
-    checkpoint) nor under the one fitserve reads them as (`model.layers...`)."""
+# where a layer's experts sit: Qwen's under its MLP, Gemma-4's beside it
+QWEN_EXPERTS, GEMMA_EXPERTS = "mlp.experts", "experts"
+
+
+def experts_quantized(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_EXPERTS) -> bool:
+    """Whether `fmt` stores layer `layer_idx`'s experts (`layers.<i>.<block>`) quantized: its ignore list
+    leaves them out neither under the name the checkpoint gives them (`model.language_model.layers...` in
+    a ConditionalGeneration checkpoint) nor under the one fitserve reads them as (`model.layers...`)."""
     if fmt is None:
         return False
     prefixes = {"model.", str(getattr(config, "weights_prefix", "model."))}
     return all(
-        fmt.quantizes(f"{prefix}layers.{layer_idx}.mlp.experts.{name}")
+        fmt.quantizes(f"{prefix}layers.{layer_idx}.{block}.{name}")
         for prefix in prefixes
         for name in EXPERT_NAMES
     )
 
 
-def int4_experts(config: Any, fmt: Any, layer_idx: int) -> bool:
+def int4_experts(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_EXPERTS) -> bool:
     """Whether layer `layer_idx`'s experts run as int4 (an int4 checkpoint that quantizes them)."""
-    return isinstance(fmt, Int4Format) and experts_quantized(config, fmt, layer_idx)
+    return isinstance(fmt, Int4Format) and experts_quantized(config, fmt, layer_idx, block)
 
 
-def refuse_quantized_experts(config: Any, fmt: Any, model: str, sparse_layers: list[int]) -> None:
+def refuse_quantized_experts(
+    config: Any,
+    fmt: Any,
+    model: str,
+    sparse_layers: list[int],
+    block: str = QWEN_EXPERTS,
+    with_architecture: bool = False,
+) -> None:
     """ValueError when `fmt` (the checkpoint's format or --quantization) would quantize the experts of the
     `sparse_layers` in a form they do not run: int4 checkpoints run (without act order), fp8 and
-    bitsandbytes do not. `model` names the model in the message (e.g. "Qwen3-MoE model")."""
-    if fmt is None or not any(experts_quantized(config, fmt, i) for i in sparse_layers):
+    bitsandbytes do not. `model` names the model in the message (e.g. "Qwen3-MoE model"), followed by its
+    architecture when `with_architecture` and its expert count."""
+    if fmt is None or not any(experts_quantized(config, fmt, i, block) for i in sparse_layers):
         return
     if isinstance(fmt, Int4Format) and not fmt.act_order:
         return
     why = "int4 with act order (g_idx)" if isinstance(fmt, Int4Format) else "this format"
+    which = f"{config.architectures[0]}, " if with_architecture else ""
     raise ValueError(
-        f"{fmt.describe()} for a {model} ({int(config.num_experts)} experts): fitserve's fused MoE experts "
-        f"run 16-bit or int4 weights (without act order), not {why} (a quantized checkpoint whose ignore "
-        "list does not name the experts, or --quantization on a 16-bit MoE checkpoint). What runs: an AWQ / "
-        "GPTQ (desc_act false) / compressed-tensors W4A16 / AutoRound checkpoint of the model, or the 16-bit "
-        "one without --quantization (`fitserve plan MODEL` says what it needs and how it fits: "
+        f"{fmt.describe()} for a {model} ({which}{int(config.num_experts)} experts): fitserve's fused MoE "
+        f"experts run 16-bit or int4 weights (without act order), not {why} (a quantized checkpoint whose "
+        "ignore list does not name the experts, or --quantization on a 16-bit MoE checkpoint). What runs: an "
+        "AWQ / GPTQ (desc_act false) / compressed-tensors W4A16 / AutoRound checkpoint of the model, or the "
+        "16-bit one without --quantization (`fitserve plan MODEL` says what it needs and how it fits: "
         "--tensor-parallel-size, --cpu-offload-gb)"
     )

@@ -139,5 +139,5 @@ def refuse_quantized_moe(config: Any, fmt: Any) -> None:
     checkpoint's without act order (models/moe_experts_format.py); the message says what runs instead."""
     if fmt is None or not getattr(config, "num_experts", None):
         return
-    model = f"Qwen3.5 MoE model ({config.architectures[0]})"
-    refuse_quantized_experts(config, fmt, model, list(range(int(config.num_hidden_layers))))
+    layers = list(range(int(config.num_hidden_layers)))
+    refuse_quantized_experts(config, fmt, "Qwen3.5 MoE model", layers, with_architecture=True)

@@ -229,3 +229,16 @@ def int4_expert_tensors(
             for suffix, value in quant_checkpoints.pack_tensors(rounded, spec).items():
                 tensors[f"{base}.{expert}.{projection}.{suffix}"] = value.contiguous()
     return tensors, dequantized
+
+
+def without_tensors(source: Path, target: Path, fragment: str) -> Path:
+    """`target` as a copy of checkpoint folder `source` (its other files linked) whose model.safetensors
+    lacks every tensor whose name holds `fragment` (there must be some)."""
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            (target / path.name).symlink_to(path)
+    tensors = load_file(str(source / "model.safetensors"))
+    kept = {name: tensor for name, tensor in tensors.items() if fragment not in name}
+    assert len(kept) < len(tensors), f"no tensor of {source} holds {fragment!r}"
+    save_file(kept, str(target / "model.safetensors"))
+    return target

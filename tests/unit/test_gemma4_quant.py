@@ -216,25 +216,29 @@ CT_INT4 = {
 
 
 @pytest.mark.parametrize(
-    ("quantization", "flag"),
+    ("quantization", "flag", "why"),
     [
-        ({**CT_INT4, "ignore": ["lm_head", "re:.*router.*"]}, None),
-        ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, None),
-        (None, "fp8"),
-        (None, "bitsandbytes"),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True},
+            None,
+            "int4 with act order",
+        ),
+        (None, "fp8", "this format"),
+        (None, "bitsandbytes", "this format"),
     ],
 )
-def test_quantized_experts_are_refused(quantization, flag, tmp_path):
-    """26B-A4B's shape: a checkpoint whose ignore list does not keep the experts 16-bit (or --quantization
-    fp8 / bitsandbytes on a 16-bit MoE) is refused before anything is built, saying why and what runs."""
+def test_experts_quantized_as_they_do_not_run_are_refused(quantization, flag, why, tmp_path):
+    """26B-A4B's shape: experts run 16-bit or an int4 checkpoint's without act order, so an act-order
+    checkpoint whose ignore list does not keep them 16-bit (or --quantization fp8 / bitsandbytes on a
+    16-bit MoE) is refused before anything is built, saying why and what runs (int4 experts:
+    tests/unit/test_gemma4_moe_int4.py)."""
     config = _moe_config(tmp_path, quantization, flag)
     with pytest.raises(ValueError) as error:
         get_model_class(config)(config)
     message = str(error.value)
     assert "Gemma-4 MoE model (Gemma4ForConditionalGeneration, 6 experts)" in message
-    assert "fused MoE experts run 16-bit weights only" in message
-    assert "bfloat16 26B-A4B checkpoint without --quantization" in message
-    assert "quantized dense Gemma-4 (31B, E4B, E2B" in message
+    assert f"run 16-bit or int4 weights (without act order), not {why}" in message
+    assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
 
 
 def test_experts_in_the_ignore_list_build(tmp_path):

@@ -2,8 +2,8 @@
 config.json's shapes (planner/gemma4_shape.py), here checked against numbers derived independently: by
 hand for the 31B with a compressed-tensors W4A16 group-128 block (examples/models/gemma-4-31b-it-awq-int4,
 a reconstructed config), and from the tensors a tiny E model's and MoE's int4 checkpoints really hold.
-The 31B builds on the meta device with its ignore list honoured; a quantized MoE whose experts are not
-ignored is refused by the plan's check."""
+The 31B builds on the meta device with its ignore list honoured; the 26B-A4B's int4 experts are counted
+where its ignore list leaves them quantized."""
 
 from __future__ import annotations
 
@@ -114,19 +114,12 @@ def test_config_bytes_equal_the_checkpoints_tensors(case, tmp_path):
     assert stored_from_config(quant_format(config), config) == want
 
 
-def test_the_plan_check_refuses_quantized_experts(tmp_path):
-    """The 26B-A4B's config with the 31B's W4A16 block (its ignore list does not name the experts): the
-    plan's check refuses it; naming them in the ignore list passes."""
+def test_the_plan_counts_int4_experts(tmp_path):
+    """The 26B-A4B's config with the 31B's W4A16 block: groups of 128 do not divide the dense MLP's 2112
+    inputs (nor the experts' 704), refused naming the module; at groups of 32 the plan's check passes and
+    counts the experts int4 where the ignore list leaves them quantized, 16-bit where it names them."""
     raw = json.loads((EXAMPLES / "gemma-4-26b-a4b-it" / "config.json").read_text())
     quant = json.loads((INT4_31B / "config.json").read_text())["quantization_config"]
-    raw["quantization_config"] = quant
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(
-        ValueError, match=r"Gemma-4 MoE model \(Gemma4ForConditionalGeneration, 128 experts\)"
-    ):
-        check_quantized_checkpoint(inspect_model(str(tmp_path), load_format="dummy"), None)
-    # the dense MLP's 2112 inputs are 16.5 groups of 128: refused, naming the module
-    quant = dict(quant, ignore=[*quant["ignore"], "re:.*router.*", "re:.*experts.*"])
     raw["quantization_config"] = quant
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(
@@ -134,12 +127,21 @@ def test_the_plan_check_refuses_quantized_experts(tmp_path):
     ):
         check_quantized_checkpoint(inspect_model(str(tmp_path), load_format="dummy"), None)
     group = quant["config_groups"]["group_0"]
-    quant["config_groups"] = {"group_0": dict(group, weights=dict(group["weights"], group_size=32))}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    model = inspect_model(str(tmp_path), load_format="dummy")
-    assert check_quantized_checkpoint(model, None) is not None
-    # 30 layers' attention (25 sliding: q, k, v, o; 5 full K=V: q, k, o) and dense MLP, no experts
+    groups = {"group_0": dict(group, weights=dict(group["weights"], group_size=32))}
+    # 30 layers' attention (25 sliding: q, k, v, o; 5 full K=V: q, k, o) and dense MLP
     sliding = 2816 * (16 * 256 + 2 * 8 * 256) + 16 * 256 * 2816
     full = 2816 * (16 * 512 + 2 * 512) + 16 * 512 * 2816
     params = 25 * sliding + 5 * full + 30 * 3 * 2816 * 2112
-    assert model.weights.stored_bytes == params // 2 + params // 32 * 2 + (25 * 7 + 5 * 6) * 16
+    modules = 25 * 7 + 5 * 6
+    experts = 30 * 128 * 3 * 2816 * 704  # 128 experts a layer, gate, up and down of 704
+    for ignored, want_params, want_modules in (
+        (["re:.*router.*", "re:.*experts.*"], params, modules),
+        (["re:.*router.*"], params + experts, modules + 30 * 128 * 3),
+    ):
+        raw["quantization_config"] = dict(quant, ignore=[*quant["ignore"], *ignored], config_groups=groups)
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        model = inspect_model(str(tmp_path), load_format="dummy")
+        assert check_quantized_checkpoint(model, None) is not None
+        # codes at half a byte, a float16 scale per 32, each module's weight_shape (2 int64)
+        want = want_params // 2 + want_params // 32 * 2 + want_modules * 16
+        assert model.weights.stored_bytes == want

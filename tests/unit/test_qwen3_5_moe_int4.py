@@ -144,7 +144,9 @@ def test_act_order_experts_are_refused_before_loading(root):
 
 def test_fp8_on_the_moe_is_refused_before_loading(root):
     folder = _with_config(root, "bf16", {"quant_method": ""})
-    with pytest.raises(ValueError, match=r"Qwen3\.5 MoE model .*\(4 experts\).*not this format"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration, 4 experts\).*not this"
+    ):
         _engine_greedy(folder, [TOKENS[:4]], load_format="dummy", quantization="fp8")
 
 

@@ -119,6 +119,7 @@ def test_an_int4_moe_is_planned_with_its_experts_int4(tmp_path):
     assert "model.language_model.layers.0.mlp.shared_expert.gate_proj" in quantized
     assert not [n for n in quantized if n.endswith((".mlp.gate", "shared_expert_gate"))]
     with pytest.raises(
-        ValueError, match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration\).*not this format"
+        ValueError,
+        match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration, 256 experts\).*not this format",
     ):
         check_quantized_checkpoint(inspect_model(str(MOE), load_format="dummy"), "fp8")

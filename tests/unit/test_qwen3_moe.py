@@ -221,7 +221,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 
 
 @pytest.mark.parametrize(
-    ("model", "fitserves"), [("qwen3-30b-a3b", {"awq or gptq"}), ("gemma-4-26b-a4b-it", set())]
+    ("model", "fitserves"), [("qwen3-30b-a3b", {"awq or gptq"}), ("gemma-4-26b-a4b-it", {"awq or gptq"})]
 )
 def test_the_plans_advice_for_a_moe_offers_only_the_quantization_its_experts_run(model, fitserves):
     """A MoE too big for a 24 GB GPU: the advice that fitserve runs comes first (offload, an int4 checkpoint

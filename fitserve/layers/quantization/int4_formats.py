@@ -142,7 +142,7 @@ def stored_int4_from_config(fmt: Int4Format, hf_config: Any) -> tuple[int, int] 
     from config.json's shapes alone, for a folder without weight files (--load-format dummy); None for a
     config this does not size (MoE)."""
     gemma4 = _gemma4_quantized(fmt, hf_config)
-    if gemma4 is not None:  # its experts stay 16-bit (a format quantizing them is refused)
+    if gemma4 is not None:  # its experts one by one where the format quantizes them
         return _stored_int4(fmt, gemma4.values())
     qwen3_moe = _qwen3_moe_quantized(fmt, hf_config)
     if qwen3_moe is not None:  # its experts one by one (layers/moe_int4.py)

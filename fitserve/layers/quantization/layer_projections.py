@@ -20,8 +20,8 @@ def is_gemma4(config: Any) -> bool:
 
 
 def gemma4_projections(config: Any, fused: bool = False) -> dict[str, tuple[int, int]]:
-    """Every linear outside the experts that a quantized checkpoint may store quantized, by the module
-    name the checkpoint gives it (under `weights_prefix`: `model.language_model.` for the
+    """Every linear that a quantized checkpoint may store quantized, the MoE's experts one by one, by the
+    module name the checkpoint gives it (under `weights_prefix`: `model.language_model.` for the
     ConditionalGeneration form) -> (in_features, out_features). `fused`: q/k/v and gate/up as the one
     layer fitserve fuses each into, keyed by q_proj's and gate_proj's names."""
     specs = kv_layer_specs(config)
@@ -55,6 +55,14 @@ def gemma4_projections(config: Any, fused: bool = False) -> dict[str, tuple[int,
             shapes[f"{layer}per_layer_projection"] = (per_layer, hidden)
         if getattr(config, "enable_moe_block", False):
             shapes[f"{layer}router.proj"] = (hidden, int(config.num_experts))
+            width = int(config.moe_intermediate_size)
+            for expert in range(int(config.num_experts)):
+                experts = _gated_mlp(f"{layer}experts.{expert}.", hidden, width)
+                if fused:  # gate and up rows packed together (layers/moe_int4.py)
+                    experts = {f"{layer}experts.{expert}.gate_proj": (hidden, 2 * width)} | {
+                        f"{layer}experts.{expert}.down_proj": (width, hidden)
+                    }
+                shapes.update(experts)
     if per_layer:
         shapes[f"{prefix}per_layer_model_projection"] = (hidden, int(config.num_hidden_layers) * per_layer)
     return shapes

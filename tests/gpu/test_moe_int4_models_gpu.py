@@ -1,10 +1,10 @@
-"""A Qwen3.5 / Qwen3.6 MoE int4 checkpoint on CUDA (run on the GPU machine): the tiny AWQ model of
-tests/unit/test_qwen3_5_moe_int4.py (int4 experts one tensor set per expert, int4 shared expert,
-attention and DeltaNet) in bfloat16, against the float32 CPU engine on the same checkpoint (which that
-file checks against transformers): greedy tokens agree where the CPU engine's top-2 margin is clear of
-bf16 noise, with CUDA graphs (the decode-sized int4 MoE kernels, kernels/moe_int4_decode.py, beside the
-quantized shared expert), eagerly with chunked prompts (the grouped int4 kernels), and at TP 2 with expert
-parallel where two GPUs exist."""
+"""Int4 MoE checkpoints of Qwen3.5 / Qwen3.6 MoE and Gemma-4 MoE on CUDA (run on the GPU machine): the tiny
+models of tests/unit/test_qwen3_5_moe_int4.py (AWQ: int4 experts one tensor set per expert, int4 shared
+expert, attention and DeltaNet) and tests/unit/test_gemma4_moe_int4.py (AWQ: int4 experts beside the int4
+dense MLP) in bfloat16, against the float32 CPU engine on the same checkpoint (which those files check
+against transformers): greedy tokens agree where the CPU engine's top-2 margin is clear of bf16 noise, with
+CUDA graphs (the decode-sized int4 MoE kernels, kernels/moe_int4_decode.py), eagerly with chunked prompts
+(the grouped int4 kernels), and at TP 2 with expert parallel where two GPUs exist."""
 
 from __future__ import annotations
 
@@ -26,18 +26,23 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folders(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tests.unit.test_qwen3_5_moe_int4 import checkpoint
+    from tests.unit import test_gemma4_moe_int4, test_qwen3_5_moe_int4
 
-    path, _ = checkpoint("awq", str(tmp_path_factory.mktemp("qwen35moe_int4")))
-    return path
+    qwen, gemma = (str(tmp_path_factory.mktemp(name)) for name in ("qwen35moe_int4", "gemma4moe_int4"))
+    return {
+        "qwen3.5-moe": test_qwen3_5_moe_int4.checkpoint("awq", qwen)[0],
+        "gemma4-moe": test_gemma4_moe_int4.checkpoint("awq", gemma)[0],
+    }
 
 
 @pytest.mark.parametrize("run", list(RUNS))
-def test_greedy_follows_the_cpu_engine(folder, run):
+@pytest.mark.parametrize("model", ["qwen3.5-moe", "gemma4-moe"])
+def test_greedy_follows_the_cpu_engine(folders, model, run):
     from fitserve import LLM, SamplingParams
 
+    folder = folders[model]
     settings = RUNS[run]
     if settings.get("tensor_parallel_size", 1) > torch.cuda.device_count():
         pytest.skip("needs two CUDA GPUs")
