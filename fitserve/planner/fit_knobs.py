@@ -1,7 +1,9 @@
 """The batch and graph knobs auto-fit may lower when memory is short, and their starting values.
 
 Order of sacrifice: CUDA graph sizes (then eager), then the step's token budget, then the number of
-sequences; only knobs the user left unset move.
+sequences; only knobs the user left unset move. Once one request fits, the earlier sacrifices that a later
+one made needless are taken back (graphs first): a hybrid model's state slots make max_num_seqs free the
+most, often enough on its own.
 """
 
 from __future__ import annotations
@@ -69,10 +71,48 @@ def shrink_to_fit(
         freed[setting] = freed.get(setting, 0) + before - _taken(plan_memory(inputs))
         reasons[setting] = f"lowered {why} (frees {freed[setting] / GiB:.2f} GiB)"
         if holds(inputs, needed) is not None:
-            return inputs, reasons
+            return _take_back(original, inputs, reasons, needed, why)
     if plan_memory(inputs).free_for_kv_bytes <= 0:
         return original, {}
     return inputs, reasons
+
+
+def _take_back(
+    original: MemoryInputs, fitted: MemoryInputs, reasons: dict[str, str], needed: int, why: str
+) -> tuple[MemoryInputs, dict[str, str]]:
+    """`fitted` with the sacrifices a later one made needless taken back, graphs first (they decide decode
+    speed), then the step's token budget: each back to the largest of its steps at which one `needed`-token
+    request still fits. Lowering max_num_seqs frees a hybrid model's state slots (tens of MiB each), which
+    can free more than every earlier step together."""
+    if "cudagraph_capture_sizes" in reasons:
+        full = capped(original, fitted.max_num_seqs)
+        for cap in sorted({max(full or (0,)), *_SHRINK_GRAPH_CAPS}, reverse=True):
+            sizes = tuple(size for size in full if size <= cap)
+            if len(sizes) <= len(fitted.cudagraph_capture_sizes):
+                break
+            if holds(with_settings(fitted, cudagraph_capture_sizes=sizes), needed) is not None:
+                fitted = with_settings(fitted, cudagraph_capture_sizes=sizes)
+                break
+    if "max_num_batched_tokens" in reasons:
+        for tokens in (original.max_num_batched_tokens, *_SHRINK_BATCHED_TOKENS):
+            if tokens <= fitted.max_num_batched_tokens:
+                break
+            if holds(with_settings(fitted, max_num_batched_tokens=tokens), needed) is not None:
+                fitted = with_settings(fitted, max_num_batched_tokens=tokens)
+                break
+    starts = {
+        "cudagraph_capture_sizes": capped(original, fitted.max_num_seqs),  # up to the max_num_seqs kept
+        "max_num_batched_tokens": original.max_num_batched_tokens,
+    }
+    kept = {}
+    for setting, reason in reasons.items():
+        if setting in starts:
+            if getattr(fitted, setting) == starts[setting]:
+                continue  # taken back where it started
+            back = plan_memory(with_settings(fitted, **{setting: starts[setting]}))
+            reason = f"lowered {why} (frees {(_taken(back) - _taken(plan_memory(fitted))) / GiB:.2f} GiB)"
+        kept[setting] = reason
+    return fitted, kept
 
 
 def _taken(plan: MemoryPlan) -> int:

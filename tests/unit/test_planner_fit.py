@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -237,16 +238,22 @@ def test_explicit_settings_win_over_auto_fit() -> None:
 
 
 def test_unset_knobs_shrink_to_leave_room_for_the_kv_cache() -> None:
+    """Graphs go first, then the step's tokens; once a request fits, the graphs the token step made
+    needless come back: here sizes up to 64 (all of them, or eager, would not leave the room)."""
     result = fit("llama-3.1-8b", "1x18.1@8.9")
     inputs = result.plan.inputs
-    assert inputs.cudagraph_capture_sizes == () and inputs.max_num_batched_tokens == 4096
+    assert inputs.max_num_batched_tokens == 4096 and max(inputs.cudagraph_capture_sizes) == 64
     sizes, reason = choice(result, "cudagraph_capture_sizes")
     assert re.fullmatch(
         r"lowered to leave the KV cache room for a 4,096-token request \(frees 0\.\d\d GiB\)", reason
     )
     assert choice(result, "max_num_batched_tokens")[1].startswith("lowered to leave the KV cache room")
     assert result.plan.kv_cache_tokens >= 4096
-    assert result.plan.inputs.cudagraph_capture_sizes == ()  # eager
+    # graphs up to 128 beside the same step would not leave it
+    ladder = [*sizes, 72, 80, 88, 96, 104, 112, 120, 128]
+    more = fit("llama-3.1-8b", "1x18.1@8.9", SEQS, max_num_batched_tokens=4096, max_num_seqs=256,
+               compilation_config={"cudagraph_capture_sizes": ladder})  # fmt: skip
+    assert more.plan.kv_cache_tokens < 4096
     # the defaults would not have left room for one 4096-token request
     with pytest.raises(PlanError):
         fit(
@@ -349,3 +356,17 @@ def test_fp8_kv_cache_is_planned_from_sm_7_0_and_refused_below() -> None:
     assert fit("llama-3.1-8b", "1x24@8.6", kv_cache_dtype="fp8").plan.kv_cache_tokens > 0
     assert fit("llama-3.1-8b", "1x24@8.6", kv_cache_dtype="fp8_e5m2").plan.kv_cache_tokens > 0
     assert fit("llama-3.1-8b", "1x24@8.9", kv_cache_dtype="fp8").plan.kv_cache_tokens > 0
+
+
+def test_a_hybrid_lowers_its_sequences_and_keeps_its_graphs(capsys) -> None:
+    """Qwen3.6-35B-A3B int4 on a 32 GB GPU: its DeltaNet state (61.4 MiB a sequence) makes max_num_seqs the
+    knob that frees most; once lowered, the CUDA graphs and the step's tokens dropped before it come back."""
+    from fitserve.cli.plan import run_plan
+    from tests.unit.test_planner_cli import parse
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen3.6-35b-a3b-awq"
+    assert run_plan(parse("plan", [str(folder), "--assume-gpus", "1x32@8.6"])) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"max_num_seqs +64 +lowered to leave the KV cache room", out), out
+    assert re.search(r"cudagraph_capture_sizes +11 sizes 1-64 +vLLM's ladder up to max_num_seqs 64", out), out
+    assert re.search(r"max_num_batched_tokens +1024 +default", out), out
