@@ -256,13 +256,14 @@ def _fit_at(
     )
     # a draft model (speculative decoding) shares the device: its weights and KV per token are counted
     inputs = with_draft(inputs, args.speculative_config, args.trust_remote_code, args.load_format)
+    needed = args.max_model_len or min(model.max_model_len, REFERENCE_CONTEXT)
+    auto = auto_settings(args, explicit)
     headroom = Headroom(
         max_utilization=min(d.free_bytes / d.total_bytes for d in used) if on_gpu else 1.0,
         num_gpus=len(devices) if on_gpu else 0,
         host_ram_available=host_ram_available,
+        fewer_sequences="max_num_seqs" in auto,
     )
-    needed = args.max_model_len or min(model.max_model_len, REFERENCE_CONTEXT)
-    auto = auto_settings(args, explicit)
     shrink_reasons: dict[str, str] = {}
     if args.num_gpu_blocks_override is None:  # a fixed pool (a testing knob) shrinks nothing
         inputs, shrink_reasons = shrink_to_fit(inputs, needed, auto)

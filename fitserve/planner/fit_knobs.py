@@ -11,14 +11,13 @@ from __future__ import annotations
 from fitserve.args import EngineArgs
 from fitserve.capture_sizes import decode_capture_sizes, parse_capture_sizes
 from fitserve.kv_layers import cuda_graphs_unsupported
-from fitserve.planner.fit_options import holds
+from fitserve.planner.fit_options import SHRINK_NUM_SEQS, holds
 from fitserve.planner.hardware import GiB
 from fitserve.planner.memory import MemoryPlan, plan_memory
 from fitserve.planner.memory_inputs import MemoryInputs, with_settings
 
 _SHRINK_GRAPH_CAPS = (128, 64, 32, 16, 8)
 _SHRINK_BATCHED_TOKENS = (4096, 2048, 1024, 512)
-_SHRINK_NUM_SEQS = (128, 64, 32, 16, 8)
 # Token budget per step when --max-num-batched-tokens is not given. Chunked prefill is always on,
 # so a prompt longer than the budget is split over steps: the budget bounds one step's work, not the
 # prompt length. CPUs get a smaller step so that decodes of a running batch are not held up for long.
@@ -135,7 +134,7 @@ def shrink_steps(inputs: MemoryInputs, auto: frozenset[str]) -> list[tuple[str, 
                 current = with_settings(current, max_num_batched_tokens=tokens)
                 steps.append(("max_num_batched_tokens", current))
     if "max_num_seqs" in auto:
-        for seqs in _SHRINK_NUM_SEQS:
+        for seqs in SHRINK_NUM_SEQS:
             if seqs < current.max_num_seqs:
                 current = with_settings(
                     current, max_num_seqs=seqs, cudagraph_capture_sizes=capped(current, seqs)

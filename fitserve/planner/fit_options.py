@@ -41,6 +41,11 @@ class Headroom:
     max_utilization: float  # the highest gpu_memory_utilization the free memory allows
     num_gpus: int  # GPUs in the plan
     host_ram_available: int | None  # None when planning for assumed GPUs (the host is unknown)
+    fewer_sequences: bool = False  # auto-fit may lower max_num_seqs (the user left it unset)
+
+
+# auto-fit's steps of max_num_seqs when memory is short (planner/fit_knobs.py)
+SHRINK_NUM_SEQS = (128, 64, 32, 16, 8)
 
 
 def holds(inputs: MemoryInputs, needed_tokens: int) -> MemoryPlan | None:
@@ -48,6 +53,28 @@ def holds(inputs: MemoryInputs, needed_tokens: int) -> MemoryPlan | None:
     plan = plan_memory(inputs)
     needed_blocks = math.ceil(needed_tokens / inputs.block_size)
     return plan if plan.num_kv_blocks - 1 >= needed_blocks else None
+
+
+def holds_as_fitted(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> MemoryPlan | None:
+    """holds(), or, for a hybrid model whose max_num_seqs auto-fit may lower, the plan at the largest of
+    auto-fit's steps of it that holds the request (the graph sizes capped to it): each sequence's state
+    slot (tens of MiB) is what such a plan is short of, so an option that fits only with fewer sequences
+    still fits as auto-fit would run it."""
+    plan = holds(inputs, needed_tokens)
+    if plan is not None or not headroom.fewer_sequences or not plan_memory(inputs).recurrent_state_bytes:
+        return plan
+    for seqs in (n for n in SHRINK_NUM_SEQS if n < inputs.max_num_seqs):
+        sizes = tuple(size for size in inputs.cudagraph_capture_sizes if size <= seqs)
+        plan = holds(with_settings(inputs, max_num_seqs=seqs, cudagraph_capture_sizes=sizes), needed_tokens)
+        if plan is not None:
+            return plan
+    return None
+
+
+def _fewer_sequences_note(inputs: MemoryInputs, plan: MemoryPlan) -> str:
+    """ ", max_num_seqs lowered to N" when `plan` needed fewer sequences than `inputs` run."""
+    seqs = plan.inputs.max_num_seqs
+    return f", max_num_seqs lowered to {seqs}" if seqs < inputs.max_num_seqs else ""
 
 
 def fitting_options(
@@ -66,7 +93,7 @@ def fitting_options(
     offload = _offload_option(inputs, needed_tokens, headroom)
     if offload:
         options.append(offload)
-    quantization = _quantization_options(inputs, needed_tokens)
+    quantization = _quantization_options(inputs, needed_tokens, headroom)
     moe = inputs.shape.is_moe
     runs = [text for group, text in quantization if _runs(inputs, group)]
     needs_vllm = [
@@ -119,7 +146,9 @@ def _can_quantize(inputs: MemoryInputs) -> bool:
     return inputs.quantization is None and inputs.weights.checkpoint_quantization is None
 
 
-def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[tuple[tuple[str, ...], str]]:
+def _quantization_options(
+    inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
+) -> list[tuple[tuple[str, ...], str]]:
     """(methods, suggestion) for each group of quantization methods that makes the plan fit."""
     if not _can_quantize(inputs):
         return []
@@ -129,14 +158,14 @@ def _quantization_options(inputs: MemoryInputs, needed_tokens: int) -> list[tupl
         method = QUANTIZATION_METHODS[group[0]]
         if capability is not None and capability < method.min_capability:
             continue
-        plan = holds(with_settings(inputs, quantization=group[0]), needed_tokens)
+        plan = holds_as_fitted(with_settings(inputs, quantization=group[0]), needed_tokens, headroom)
         if plan is None:
             continue
         options.append(
             (
                 group,
                 f"--quantization {' or '.join(group)} ({how}): weights {plan.weights_gib_per_gpu:.2f} GiB "
-                f"per GPU, {plan.kv_cache_tokens:,} KV tokens",
+                f"per GPU, {plan.kv_cache_tokens:,} KV tokens{_fewer_sequences_note(inputs, plan)}",
             )
         )
     return options
@@ -190,9 +219,8 @@ def _tensor_parallel_option(inputs: MemoryInputs, needed_tokens: int, headroom: 
         if size_problem(inputs.shape, size) is not None:
             continue
         for offload in sorted({0.0, inputs.cpu_offload_gb}):
-            plan = holds(
-                with_settings(inputs, tensor_parallel_size=size, cpu_offload_gb=offload), needed_tokens
-            )
+            candidate = with_settings(inputs, tensor_parallel_size=size, cpu_offload_gb=offload)
+            plan = holds_as_fitted(candidate, needed_tokens, headroom)
             if plan is None:
                 continue
             have = "" if headroom.num_gpus >= size else f"; this plan has {headroom.num_gpus}"
@@ -202,5 +230,6 @@ def _tensor_parallel_option(inputs: MemoryInputs, needed_tokens: int, headroom: 
             return (
                 f"--tensor-parallel-size {size}{drop} ({size} GPUs like this one{have}): weights "
                 f"{plan.weights_gib_per_gpu:.2f} GiB per GPU, {plan.kv_cache_tokens:,} KV tokens"
+                f"{_fewer_sequences_note(inputs, plan)}"
             )
     return None

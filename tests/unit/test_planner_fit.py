@@ -370,3 +370,21 @@ def test_a_hybrid_lowers_its_sequences_and_keeps_its_graphs(capsys) -> None:
     assert re.search(r"max_num_seqs +64 +lowered to leave the KV cache room", out), out
     assert re.search(r"cudagraph_capture_sizes +11 sizes 1-64 +vLLM's ladder up to max_num_seqs 64", out), out
     assert re.search(r"max_num_batched_tokens +1024 +default", out), out
+
+
+def test_a_hybrids_options_count_the_sequences_auto_fit_would_drop() -> None:
+    """Qwen3.6-35B-A3B in bf16 on a 32 GB GPU: an int4 checkpoint fits only with fewer sequences (each holds
+    a 61.4 MiB state slot), as auto-fit would run it when max_num_seqs is unset; set by the user, it does
+    not, and the option is not offered."""
+    from fitserve.cli.plan import run_plan
+    from fitserve.planner.fit_errors import PlanError
+    from tests.unit.test_planner_cli import parse
+
+    folder = str(Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen3.6-35b-a3b")
+    with pytest.raises(PlanError) as error:
+        run_plan(parse("plan", [folder, "--assume-gpus", "1x32@8.6"]))
+    awq = [line for line in str(error.value).splitlines() if line.lstrip().startswith("--quantization awq")]
+    assert len(awq) == 1 and awq[0].endswith("KV tokens, max_num_seqs lowered to 128"), awq
+    with pytest.raises(PlanError) as error:
+        run_plan(parse("plan", [folder, "--assume-gpus", "1x32@8.6", "--max-num-seqs", "256"]))
+    assert "--quantization awq" not in str(error.value)
