@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 
 import torch
-from common import copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
+from common import copy_bandwidth_bytes_per_s, graph_call_ms, save  # noqa: I001
 
 from fitserve.kernels import moe_int4_decode as md
 from fitserve.kernels.fused_moe_int4 import PackedExperts, grouped_moe_int4
@@ -58,13 +58,9 @@ def routings(experts: int, top_k: int, tokens: int, generator: torch.Generator):
 
 
 def graph_us(call) -> float:
-    call(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            call(i)
-    return replay_ms(graph, 10) * 1000 / CALLS_PER_GRAPH
+    """Mean microseconds of one `call(i)`, the graph's CALLS_PER_GRAPH calls taking routings 0, 1, ..."""
+    index = itertools.count()
+    return graph_call_ms(lambda: call(next(index) % CALLS_PER_GRAPH), CALLS_PER_GRAPH, 10) * 1000
 
 
 def measure(name: str, tokens: int, configs, copy_bw: float) -> dict:
