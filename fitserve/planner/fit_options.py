@@ -188,7 +188,7 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
     fitted = None
     # The first guess frees `short` but ignores the staging buffer of one layer the GPU then holds.
     while fitted is None and offload_gib * GiB <= offloadable:
-        fitted = holds(with_settings(inputs, cpu_offload_gb=offload_gib), needed_tokens)
+        fitted = holds_as_fitted(with_settings(inputs, cpu_offload_gb=offload_gib), needed_tokens, headroom)
         if fitted is None:
             offload_gib += OFFLOAD_STEP_GIB
     if fitted is None:
@@ -196,7 +196,8 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
     # It may also overshoot: offloading drops the terms that need the whole layer on the GPU (the
     # pieces' CUDA graphs of steps with prompt tokens), so step back while a smaller amount still fits.
     while offload_gib - OFFLOAD_STEP_GIB > inputs.cpu_offload_gb:
-        smaller = holds(with_settings(inputs, cpu_offload_gb=offload_gib - OFFLOAD_STEP_GIB), needed_tokens)
+        less = with_settings(inputs, cpu_offload_gb=offload_gib - OFFLOAD_STEP_GIB)
+        smaller = holds_as_fitted(less, needed_tokens, headroom)
         if smaller is None:
             break
         offload_gib, fitted = offload_gib - OFFLOAD_STEP_GIB, smaller
@@ -208,6 +209,7 @@ def _offload_option(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
         f"--cpu-offload-gb {offload_gib:g} ({offload_gib:g} GiB of each GPU's weights stay in CPU memory and "
         f"cross PCIe every step, which is slow; {host_needed / GiB:g} GiB of host RAM{ram}): weights "
         f"{fitted.weights_gib_per_gpu:.2f} GiB per GPU, {fitted.kv_cache_tokens:,} KV tokens"
+        f"{_fewer_sequences_note(inputs, fitted)}"
     )
 
 

@@ -374,8 +374,8 @@ def test_a_hybrid_lowers_its_sequences_and_keeps_its_graphs(capsys) -> None:
 
 def test_a_hybrids_options_count_the_sequences_auto_fit_would_drop() -> None:
     """Qwen3.6-35B-A3B in bf16 on a 32 GB GPU: an int4 checkpoint fits only with fewer sequences (each holds
-    a 61.4 MiB state slot), as auto-fit would run it when max_num_seqs is unset; set by the user, it does
-    not, and the option is not offered."""
+    a 61.4 MiB state slot), and CPU offload needs less with them, as auto-fit would run it when max_num_seqs
+    is unset; set by the user, the int4 line is not offered and the offload line keeps 256 sequences."""
     from fitserve.cli.plan import run_plan
     from fitserve.planner.fit_errors import PlanError
     from tests.unit.test_planner_cli import parse
@@ -383,8 +383,14 @@ def test_a_hybrids_options_count_the_sequences_auto_fit_would_drop() -> None:
     folder = str(Path(__file__).resolve().parents[2] / "examples" / "models" / "qwen3.6-35b-a3b")
     with pytest.raises(PlanError) as error:
         run_plan(parse("plan", [folder, "--assume-gpus", "1x32@8.6"]))
-    awq = [line for line in str(error.value).splitlines() if line.lstrip().startswith("--quantization awq")]
+    lines = [line.strip() for line in str(error.value).splitlines()]
+    awq = [line for line in lines if line.startswith("--quantization awq")]
     assert len(awq) == 1 and awq[0].endswith("KV tokens, max_num_seqs lowered to 128"), awq
+    (offload,) = [line for line in lines if line.startswith("--cpu-offload-gb")]
+    assert re.search(r"KV tokens, max_num_seqs lowered to \d+$", offload), offload
     with pytest.raises(PlanError) as error:
         run_plan(parse("plan", [folder, "--assume-gpus", "1x32@8.6", "--max-num-seqs", "256"]))
-    assert "--quantization awq" not in str(error.value)
+    assert "--quantization awq" not in str(error.value) and "lowered to" not in str(error.value)
+    (offload_at_256,) = [line for line in str(error.value).splitlines() if "--cpu-offload-gb" in line]
+    gib = [float(line.split("--cpu-offload-gb ")[1].split()[0]) for line in (offload, offload_at_256)]
+    assert gib[0] < gib[1]  # fewer state slots: less to offload
