@@ -84,10 +84,11 @@ def fitting_options(
     saying so); the smallest sacrifice first within each kind."""
     options: list[str] = []
     if kv_options and inputs.kv_cache_dtype == "auto":
-        plan = holds(with_settings(inputs, kv_cache_dtype="fp8"), needed_tokens)
+        plan = holds_as_fitted(with_settings(inputs, kv_cache_dtype="fp8"), needed_tokens, headroom)
         if plan is not None:
             options.append(
                 f"--kv-cache-dtype fp8 (one byte per KV element): {plan.kv_cache_tokens:,} KV tokens"
+                f"{_fewer_sequences_note(inputs, plan)}"
             )
     options += _utilization_options(inputs, needed_tokens, headroom)
     offload = _offload_option(inputs, needed_tokens, headroom)
@@ -122,12 +123,12 @@ def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Hea
     ceiling = min(MAX_SUGGESTED_UTILIZATION, headroom.max_utilization)
     first = math.floor(round(inputs.gpu_memory_utilization * 100, 6)) + 1
     for percent in range(first, math.floor(round(ceiling * 100, 6)) + 1):
-        plan = holds(with_settings(inputs, gpu_memory_utilization=percent / 100), needed_tokens)
+        candidate = with_settings(inputs, gpu_memory_utilization=percent / 100)
+        plan = holds_as_fitted(candidate, needed_tokens, headroom)
         if plan is not None:
             return [
                 f"--gpu-memory-utilization {percent / 100:.2f} ({plan.budget_bytes / GiB:.2f} GiB of "
-                "the GPU): "
-                f"{plan.kv_cache_tokens:,} KV tokens"
+                f"the GPU): {plan.kv_cache_tokens:,} KV tokens{_fewer_sequences_note(inputs, plan)}"
             ]
     return []
 
