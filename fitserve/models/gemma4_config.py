@@ -106,17 +106,6 @@ def gemma4_values(raw: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def experts_quantized(config: Any, fmt: Any) -> bool:
-    """Whether the checkpoint's format `fmt` stores (or --quantization would make) the MoE experts
-    quantized: an ignore list entry naming them, in either the fused form HF stores
-    (`layers.<i>.experts.gate_up_proj`) or the per-expert one (`experts.<e>.gate_proj`), under the
-    checkpoint's prefix or `model.`, leaves them 16-bit."""
-    if fmt is None or not getattr(config, "enable_moe_block", False):
-        return False
-    layers = range(int(config.num_hidden_layers))
-    return any(moe_experts_format.experts_quantized(config, fmt, i, GEMMA_EXPERTS) for i in layers)
-
-
 def refuse_quantized_experts(config: Any, fmt: Any) -> None:
     """ValueError for a Gemma-4 MoE (26B-A4B) whose experts the format would quantize in a form they do not
     run (models/moe_experts_format.py: 16-bit, or an int4 checkpoint's without act order). A checkpoint

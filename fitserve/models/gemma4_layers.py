@@ -62,12 +62,10 @@ from fitserve.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from fitserve.layers.moe import FusedExperts
-from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.rotary_embedding import StepRope
 from fitserve.models.gemma4_config import expert_parallel_of
-from fitserve.models.moe_experts_format import GEMMA_EXPERTS, int4_experts
+from fitserve.models.moe_experts_format import GEMMA_EXPERTS, layer_experts
 
 # Off switch for comparisons (tests/gpu/test_gemma4_kernels_gpu.py): False runs the torch path on CUDA too.
 USE_KERNELS = True
@@ -339,18 +337,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = bool(config.enable_moe_block)
         if self.moe:
             self.router = Gemma4Router(config, method("router.proj", ("router.proj",)))
-            experts, width, parallel = (
-                config.num_experts,
-                config.moe_intermediate_size,
-                expert_parallel_of(config),
-            )
-            if int4_experts(config, quant, layer_idx, GEMMA_EXPERTS):  # an int4 checkpoint's experts
-                prefix = f"model.layers.{layer_idx}.experts"
-                self.experts: nn.Module = Int4FusedExperts(
-                    experts, hidden, width, activation, quant, prefix, parallel
-                )
-            else:
-                self.experts = FusedExperts(experts, hidden, width, activation, expert_parallel=parallel)
+            parallel = expert_parallel_of(config)
+            self.experts = layer_experts(config, quant, layer_idx, activation, parallel, GEMMA_EXPERTS)
             self.post_feedforward_layernorm_1 = GemmaRMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = GemmaRMSNorm(hidden, eps)

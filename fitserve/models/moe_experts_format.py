@@ -5,8 +5,14 @@ built, naming what runs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import nn
+
+from fitserve.layers.moe import FusedExperts
+from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.quant_config import Int4Format
 
 # the names a checkpoint may give one layer's experts: transformers 5's fused tensors, the hub's per-expert
@@ -34,6 +40,27 @@ def experts_quantized(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_E
 def int4_experts(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_EXPERTS) -> bool:
     """Whether layer `layer_idx`'s experts run as int4 (an int4 checkpoint that quantizes them)."""
     return isinstance(fmt, Int4Format) and experts_quantized(config, fmt, layer_idx, block)
+
+
+def layer_experts(
+    config: Any,
+    quant: Any,
+    layer_idx: int,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    expert_parallel: bool,
+    block: str = QWEN_EXPERTS,
+) -> nn.Module:
+    """Layer `layer_idx`'s experts (config's num_experts of moe_intermediate_size): int4 (layers/moe_int4.py)
+    where the checkpoint's int4 format quantizes them, else 16-bit (layers/moe.py)."""
+    experts, hidden, width = (
+        int(config.num_experts),
+        int(config.hidden_size),
+        int(config.moe_intermediate_size),
+    )
+    if int4_experts(config, quant, layer_idx, block):
+        prefix = f"model.layers.{layer_idx}.{block}"
+        return Int4FusedExperts(experts, hidden, width, activation, quant, prefix, expert_parallel)
+    return FusedExperts(experts, hidden, width, activation, expert_parallel=expert_parallel)
 
 
 def refuse_quantized_experts(

@@ -58,12 +58,10 @@ from fitserve.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from fitserve.layers.moe import FusedExperts
-from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.methods import linear_method_for
 from fitserve.layers.tp_shards import first_kv_head, kv_heads_per_rank, split_evenly
 from fitserve.models.gemma4_config import expert_parallel_of
-from fitserve.models.moe_experts_format import int4_experts
+from fitserve.models.moe_experts_format import layer_experts
 
 if TYPE_CHECKING:
     from fitserve.kernels.moe_decode import SharedExpert
@@ -306,18 +304,7 @@ class Qwen3_5SparseMoeBlock(nn.Module):
         hidden = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         self.gate = ReplicatedLinear(hidden, int(config.num_experts), bias=False)
-        num_experts, width, parallel = (
-            int(config.num_experts),
-            int(config.moe_intermediate_size),
-            expert_parallel_of(config),
-        )
-        if int4_experts(config, quant, layer_idx):
-            prefix = f"model.layers.{layer_idx}.mlp.experts"
-            self.experts: nn.Module = Int4FusedExperts(
-                num_experts, hidden, width, F.silu, quant, prefix, parallel
-            )
-        else:
-            self.experts = FusedExperts(num_experts, hidden, width, F.silu, expert_parallel=parallel)
+        self.experts = layer_experts(config, quant, layer_idx, F.silu, expert_parallel_of(config))
         block = "mlp.shared_expert"
         self.shared_expert = Qwen3_5MLP(
             hidden,

@@ -25,14 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitserve.layers.linear import ReplicatedLinear
-from fitserve.layers.moe import FusedExperts
-from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
 from fitserve.models.expert_weights import check_int4_experts_loaded, load_expert, load_int4_expert
 from fitserve.models.gemma4_config import expert_parallel_of
-from fitserve.models.moe_experts_format import int4_experts
+from fitserve.models.moe_experts_format import layer_experts
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.qwen3_moe_config import refuse_quantized_experts
 
@@ -48,13 +46,9 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.renormalize = bool(getattr(config, "norm_topk_prob", True))
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False)
-        width, parallel = int(config.moe_intermediate_size), expert_parallel_of(config)
-        prefix = f"model.layers.{layer_idx}.mlp.experts"
-        fmt = quant_format(config)
-        if int4_experts(config, fmt, layer_idx):  # an int4 checkpoint's experts (layers/moe_int4.py)
-            self.experts = Int4FusedExperts(num_experts, hidden, width, F.silu, fmt, prefix, parallel)
-        else:
-            self.experts = FusedExperts(num_experts, hidden, width, F.silu, expert_parallel=parallel)
+        self.experts = layer_experts(
+            config, quant_format(config), layer_idx, F.silu, expert_parallel_of(config)
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids [T, k]): the top k of the router's softmax,

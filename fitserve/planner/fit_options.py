@@ -51,8 +51,11 @@ SHRINK_NUM_SEQS = (128, 64, 32, 16, 8)
 def holds(inputs: MemoryInputs, needed_tokens: int) -> MemoryPlan | None:
     """The plan when its KV cache holds one request of `needed_tokens`, else None."""
     plan = plan_memory(inputs)
-    needed_blocks = math.ceil(needed_tokens / inputs.block_size)
-    return plan if plan.num_kv_blocks - 1 >= needed_blocks else None
+    return plan if _holds_request(plan, needed_tokens) else None
+
+
+def _holds_request(plan: MemoryPlan, needed_tokens: int) -> bool:
+    return plan.num_kv_blocks - 1 >= math.ceil(needed_tokens / plan.inputs.block_size)
 
 
 def holds_as_fitted(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom) -> MemoryPlan | None:
@@ -60,9 +63,11 @@ def holds_as_fitted(inputs: MemoryInputs, needed_tokens: int, headroom: Headroom
     auto-fit's steps of it that holds the request (the graph sizes capped to it): each sequence's state
     slot (tens of MiB) is what such a plan is short of, so an option that fits only with fewer sequences
     still fits as auto-fit would run it."""
-    plan = holds(inputs, needed_tokens)
-    if plan is not None or not headroom.fewer_sequences or not plan_memory(inputs).recurrent_state_bytes:
+    plan = plan_memory(inputs)
+    if _holds_request(plan, needed_tokens):
         return plan
+    if not headroom.fewer_sequences or not plan.recurrent_state_bytes:
+        return None
     for seqs in (n for n in SHRINK_NUM_SEQS if n < inputs.max_num_seqs):
         sizes = tuple(size for size in inputs.cudagraph_capture_sizes if size <= seqs)
         plan = holds(with_settings(inputs, max_num_seqs=seqs, cudagraph_capture_sizes=sizes), needed_tokens)

@@ -58,11 +58,7 @@ def gemma4_projections(config: Any, fused: bool = False) -> dict[str, tuple[int,
             width = int(config.moe_intermediate_size)
             for expert in range(int(config.num_experts)):
                 experts = _gated_mlp(f"{layer}experts.{expert}.", hidden, width)
-                if fused:  # gate and up rows packed together (layers/moe_int4.py)
-                    experts = {f"{layer}experts.{expert}.gate_proj": (hidden, 2 * width)} | {
-                        f"{layer}experts.{expert}.down_proj": (width, hidden)
-                    }
-                shapes.update(experts)
+                shapes.update(_fused_gate_up(experts) if fused else experts)  # as layers/moe_int4.py packs
     if per_layer:
         shapes[f"{prefix}per_layer_model_projection"] = (hidden, int(config.num_hidden_layers) * per_layer)
     return shapes
@@ -137,7 +133,12 @@ def qwen3_5_fused_projections(config: Any) -> dict[str, tuple[int, int]]:
     """qwen3_5_projections with each gate_proj and up_proj as the one layer fitserve fuses them into (keyed
     by gate_proj's name; an int4 expert's gate and up rows are packed together too, layers/moe_int4.py): the
     layers an int4 GPU form repacks one by one."""
-    shapes = qwen3_5_projections(config)
+    return _fused_gate_up(qwen3_5_projections(config))
+
+
+def _fused_gate_up(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """`shapes` with each gate_proj and its up_proj (same width) as one layer of twice the rows, keyed by
+    gate_proj's name."""
     fused: dict[str, tuple[int, int]] = {}
     for name, (in_features, out_features) in shapes.items():
         if name.endswith(".up_proj"):
