@@ -7,7 +7,7 @@ Times are CUDA-graph replays of 16 calls, at T = 1 routed to 16 disjoint sets of
 from HBM, not the L2). At each T: microseconds a layer on both paths and, for the decode path, the bytes of
 the chosen experts' words and scales over its time as a fraction of the copy bandwidth measured in the same
 run. Every timed config is first checked against the grouped path. --sweep times the decode path's tiles
-(gate_up and down BLOCK_N, warps) at each T, to choose DEFAULT_CONFIG and MAX_TOKENS.
+(gate_up and down BLOCK_N, warps) at each T, to choose config_for's tiles and MAX_TOKENS.
 
   python benchmarks/gpu/moe_int4_decode_bench.py [--out benchmarks/results/h200_moe_int4_decode.json]
       [--sweep] [--tokens 1 2 4 8 16]
@@ -120,10 +120,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SHAPES))
     args = parser.parse_args()
     copy_bw = copy_bandwidth_bytes_per_s()
-    configs = sweep_configs() if args.sweep else [md.DEFAULT_CONFIG]
     results = []
     for name in args.models:
         for tokens in args.tokens:
+            configs = sweep_configs() if args.sweep else [md.config_for(tokens)]
             row = measure(name, tokens, configs, copy_bw)
             best = min(row["decode"], key=lambda r: r["us"])
             row["best"] = best
@@ -140,6 +140,7 @@ def main() -> None:
         "copy_bandwidth_gb_per_s": copy_bw / 1e9,
         "max_tokens": md.MAX_TOKENS,
         "default_config": dataclasses.asdict(md.DEFAULT_CONFIG),
+        "single_token_config": dataclasses.asdict(md.SINGLE_TOKEN_CONFIG),
         "results": results,
     }
     save("moe_int4_decode", figures, args.out)

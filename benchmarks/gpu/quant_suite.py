@@ -203,7 +203,8 @@ def main() -> None:
         single = figures.get(f"{fmt}_single", {})
         if "tok_per_s" in single:
             keys[f"{key}_single8b_tok_per_s"] = single["tok_per_s"]
-            keys[f"{key}_single8b_roofline_frac"] = single["roofline_frac"]
+            if "roofline_frac" in single:  # fitserve's (the bytes are its model's)
+                keys[f"{key}_single8b_roofline_frac"] = single["roofline_frac"]
         for figure, result in figures.items():
             batch = figure.removeprefix(f"{fmt}_b")
             if figure.startswith(f"{fmt}_b") and batch.isdigit() and "decode_ms" in result:

@@ -4,11 +4,19 @@ plan (no routing, no sum kernel) on fused_moe_int4.py's weights, with the multip
 At batch 1 the grouped int4 path (fused_moe_int4.py) runs four kernels a layer (routing, gate_up, down,
 sum), and its tensor-core tiles do little useful work at one token (each dequantized tile goes through
 shared memory into the MMA's operand layout, and 15 of the tile's 16 rows are padding). One token's row
-needs no tensor core: each program keeps a [BLOCK_N, 32] float32 accumulator, and a weight costs a shift,
-a mask (OR-ed under a float exponent, so no conversion instruction), two subtractions, the scale and one
-FMA with x; the 32 columns are summed once. Measured on an H200 at Qwen3-30B-A3B's experts
-(benchmarks/results/h200_moe_int4_decode.json): 22.2 us a layer at one token (19 MB of words and scales,
-0.21 of the copy bandwidth) against the grouped path's 37.4 us.
+needs no tensor core: each program keeps [BLOCK_N, 32] float32 accumulators, and a weight costs two
+instructions, a byte permute and an FMA (~4.5 a weight in all in the sm_90 SASS, against ~8 with a shift,
+mask, two subtractions and the scale per weight):
+- each loaded word is split once into its even and odd nibbles, each in the low half of a byte (two LOP3s
+  and a shift per 8 codes);
+- PRMT moves one code's byte under the exponent of 0.5 (bits 16..23 of 0x3F000000): the float
+  0.5 + code / 256, exact, with no conversion instruction;
+- an FMA adds it times x to a per-group partial sum; where a group's run of codes ends the partial goes
+  into the accumulator with the group's scale and zero point, as
+  scale * (256 * partial - (128 + zero) * sum of x): two FMAs per element per group.
+Measured on an H200 at Qwen3-30B-A3B's experts (benchmarks/results/h200_moe_int4_decode.json, "prmt"):
+14.9 us a layer at one token (19 MB of words and scales, 0.32 of the copy bandwidth; 22.2 us before the
+permute, 37.5 on the grouped path).
 
 1. `_int4_decode_gate_up_kernel`: one program per (token, slot, BLOCK_N intermediate columns). It finds the
    slot's expert in topk_ids, reads the expert's gate and up words (per 256-code block [BLOCK_N, 32]
@@ -20,8 +28,8 @@ The loops over K are unrolled (the block count is a constexpr: one compile per m
 issues every block's loads before the first multiply-add: with a tl.range loop over the blocks (Triton's
 pipelining, 2 to 4 stages) the same kernels ran at 0.14-0.15 of the copy bandwidth whatever their tiles.
 
-Numbers: each weight (code - zero) * scale in float32 (the grouped path rounds it to the activation dtype
-first; both are within that rounding of the dequantized reference), products summed in float32; then as
+Numbers: (0.5 + code / 256) * x summed in float32 per group run, then scaled (the grouped path rounds each
+weight to the activation dtype first; both are within that rounding of the dequantized reference); then as
 the grouped path: act(gate) * up rounded once, each weighted row rounded, a token's rows summed in float32
 in slot order and rounded. Expert parallel: a slot whose expert another rank holds adds nothing and its
 weights are never read. No host sync and launches that depend only on the shapes, so CUDA graphs capture
@@ -51,7 +59,7 @@ from fitserve.kernels.moe_decode import (
     sum_split_partials,
     token_slots,
 )
-from fitserve.kernels.moe_parts import ACTIVATIONS
+from fitserve.kernels.moe_parts import ACTIVATIONS, INTERPRETING
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
@@ -62,9 +70,9 @@ if TYPE_CHECKING:
 
 # Tokens up to which fused_moe_int4 takes this path (0 turns it off): past them the grouped path's one read
 # of each chosen expert per tile of rows wins. Measured on an H200 at Qwen3-30B-A3B's experts
-# (benchmarks/results/h200_moe_int4_decode.json): 22.2 against 37.4 us at 1 token, 62.1 against 76.9 at 4,
-# even at 8 (117.4 both).
-MAX_TOKENS = 4
+# (benchmarks/results/h200_moe_int4_decode.json, "prmt"): 14.9 against 37.5 us at 1 token, 42.2 against 77.0
+# at 4, 76.9 against 117.5 at 8.
+MAX_TOKENS = 8
 
 
 def takes(num_tokens: int) -> bool:
@@ -75,15 +83,23 @@ def takes(num_tokens: int) -> bool:
 @dataclass(frozen=True)
 class Int4DecodeConfig:
     gate_up_block_n: int = 32
-    down_block_n: int = 64
-    num_warps: int = 8
+    down_block_n: int = 32
+    num_warps: int = 4
     # programs the down kernel aims for per SM (moe_decode.down_splits); slots per split forced: tests
     down_programs_per_sm: int = 3
     down_slots_per_split: int | None = None
 
 
-# The best of benchmarks/gpu/moe_int4_decode_bench.py --sweep on an H200 at 1, 4 and 8 tokens alike.
+# The best of benchmarks/gpu/moe_int4_decode_bench.py --sweep on an H200: at 1 token narrow gate_up tiles
+# (twice the programs: 14.9 us, against 18.5 for the best 32-wide), at 4 and 8 tokens 32-wide ones (42.2
+# and 76.9 us, against 45.9 and 80.5 with the single-token tiles; 2 tokens not measured).
+SINGLE_TOKEN_CONFIG = Int4DecodeConfig(gate_up_block_n=16, down_block_n=64)
 DEFAULT_CONFIG = Int4DecodeConfig()
+
+
+def config_for(num_tokens: int) -> Int4DecodeConfig:
+    """The measured tiles for a step of `num_tokens` tokens."""
+    return SINGLE_TOKEN_CONFIG if num_tokens == 1 else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -93,21 +109,40 @@ def group_of(block, J: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _scale_zero(sz_rows, n_ok):
-    """The rows' (scale, zero point) of one group, float32 [BLOCK_N] each."""
-    scale = tl.load(sz_rows, mask=n_ok, other=0.0).to(tl.float32)
-    zero = tl.load(sz_rows + 1, mask=n_ok, other=0.0).to(tl.float32)
-    return scale, zero
+def nibble_bytes(words):
+    """(even, odd): the words' nibbles 0, 2, 4, 6 and 1, 3, 5, 7 each in the low half of its own byte."""
+    return words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
 
 
 @triton.jit
-def _weights_times_x(acc, words, scale, zero, x_chunk, J: tl.constexpr):
-    """acc [BLOCK_N, 32] + the weights of nibble J of `words` [BLOCK_N, 32] times x_chunk [32] (their 32
-    columns of x), in float32 on the CUDA cores: (code - zero) * scale, exact up to the float32 product."""
-    # the code as a float without a conversion instruction (a quarter-rate one on Hopper): OR-ed under the
-    # exponent of 2**23 the int32 is the float 2**23 + code, and subtracting 2**23 is exact
-    codes = (((words >> (4 * J)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return acc + ((codes - zero[:, None]) * scale[:, None]) * x_chunk[None, :]
+def half_plus_code_256ths(even, odd, J: tl.constexpr, PRMT: tl.constexpr):
+    """0.5 + code / 256 in float32 for nibble J of the words whose nibble_bytes are (even, odd): the code's
+    byte goes to bits 16..23 under the exponent of 0.5 (0x3F000000), one PRMT on GPUs (the selector takes
+    bytes 3, 1, 0 of the constant and byte J // 2 of the codes), a shift and an OR in the interpreter."""
+    codes = even if J % 2 == 0 else odd
+    if PRMT:
+        bits = tl.inline_asm_elementwise(
+            asm=f"prmt.b32 $0, $1, $2, {0x3410 + 0x100 * (J // 2)};",
+            constraints="=r,r,r",
+            args=[tl.full(codes.shape, 0x3F000000, tl.int32), codes],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        bits = ((codes >> (8 * (J // 2))) & 15) << 16 | 0x3F000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fold_segment(acc, part, x_sum, sz_rows, n_ok):
+    """acc [BLOCK_N, 32] + one group's run of codes: part holds sum (0.5 + code/256) * x per element and
+    x_sum the run's x per column, so sum (code - zero) * scale * x is
+    scale * (256 part - (128 + zero) x_sum)."""
+    scale = tl.load(sz_rows, mask=n_ok, other=0.0).to(tl.float32)
+    zero = tl.load(sz_rows + 1, mask=n_ok, other=0.0).to(tl.float32)
+    acc += (256.0 * scale)[:, None] * part
+    return acc - (scale * (128.0 + zero))[:, None] * x_sum[None, :]
 
 
 @_host_launched
@@ -133,6 +168,7 @@ def _int4_decode_gate_up_kernel(
     ACTIVATION: tl.constexpr,
     BLOCKS: tl.constexpr,  # 256-code blocks of hidden
     BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,  # PTX's byte permute (GPUs) or plain integer operations (the interpreter)
     USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(1)  # token * TOP_K + slot
@@ -155,15 +191,22 @@ def _int4_decode_gate_up_kernel(
         for b in tl.static_range(BLOCKS):  # unrolled: every block's loads can be in flight at once
             w_gate = tl.load(gate_words + (b * 32 + offs_w)[None, :], mask=n_ok[:, None], other=0)
             w_up = tl.load(up_words + (b * 32 + offs_w)[None, :], mask=n_ok[:, None], other=0)
+            gate_even, gate_odd = nibble_bytes(w_gate)
+            up_even, up_odd = nibble_bytes(w_up)
             for j in tl.static_range(8):
-                if (j * 32) % GROUP == 0 or j == 0:  # a group starts: its scales (compile-time test)
-                    group = group_of(b, j, GROUP)
-                    gate_scale, gate_zero = _scale_zero(gate_sz + group * stride_sg, n_ok)
-                    up_scale, up_zero = _scale_zero(up_sz + group * stride_sg, n_ok)
+                if (b * 256 + j * 32) % GROUP == 0 or j == 0:  # a run of one group starts (compile time)
+                    gate_part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+                    up_part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+                    x_sum = tl.zeros((32,), dtype=tl.float32)
                 k = b * 256 + j * 32 + offs_w
                 x_chunk = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)
-                gate = _weights_times_x(gate, w_gate, gate_scale, gate_zero, x_chunk, j)
-                up = _weights_times_x(up, w_up, up_scale, up_zero, x_chunk, j)
+                gate_part += half_plus_code_256ths(gate_even, gate_odd, j, PRMT) * x_chunk[None, :]
+                up_part += half_plus_code_256ths(up_even, up_odd, j, PRMT) * x_chunk[None, :]
+                x_sum += x_chunk
+                if (b * 256 + j * 32 + 32) % GROUP == 0 or j == 7:  # and ends here
+                    group = group_of(b, j, GROUP) * stride_sg
+                    gate = _fold_segment(gate, gate_part, x_sum, gate_sz + group, n_ok)
+                    up = _fold_segment(up, up_part, x_sum, up_sz + group, n_ok)
         mid = _activation(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
         tl.store(mid_ptr + row.to(tl.int64) * stride_mm + offs_n, mid.to(mid_ptr.dtype.element_ty), mask=n_ok)
 
@@ -197,6 +240,7 @@ def _int4_decode_down_kernel(
     GROUP: tl.constexpr,
     BLOCKS: tl.constexpr,  # 256-code blocks of the intermediate width
     BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr,  # PTX's byte permute (GPUs) or plain integer operations (the interpreter)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -220,12 +264,18 @@ def _int4_decode_down_kernel(
         acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
         for b in tl.static_range(BLOCKS):  # unrolled: every block's loads can be in flight at once
             w = tl.load(words + b * 32, mask=n_ok[:, None] & mine, other=0)  # another rank's: never read
+            even, odd = nibble_bytes(w)
             for j in tl.static_range(8):
-                if (j * 32) % GROUP == 0 or j == 0:  # a group starts: its scales (compile-time test)
-                    scale, zero = _scale_zero(sz_rows + group_of(b, j, GROUP) * stride_sg, n_ok & mine)
+                if (b * 256 + j * 32) % GROUP == 0 or j == 0:  # a run of one group starts (compile time)
+                    part = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+                    a_sum = tl.zeros((32,), dtype=tl.float32)
                 k = b * 256 + j * 32 + offs_w
                 a = tl.load(mid_row + k, mask=(k < intermediate) & mine, other=0.0).to(tl.float32)
-                acc = _weights_times_x(acc, w, scale, zero, a, j)
+                part += half_plus_code_256ths(even, odd, j, PRMT) * a[None, :]
+                a_sum += a
+                if (b * 256 + j * 32 + 32) % GROUP == 0 or j == 7:  # and ends here
+                    group = group_of(b, j, GROUP) * stride_sg
+                    acc = _fold_segment(acc, part, a_sum, sz_rows + group, n_ok & mine)
         routed += (tl.sum(acc, axis=1) * weight).to(dtype).to(tl.float32)  # each slot's row rounded
     finish, routed, _ = sum_split_partials(
         routed, tl.zeros_like(routed), part_ptr, counter_ptr, token, pid_n, offs_n, hidden, num_tokens,
@@ -248,8 +298,8 @@ def moe_int4_decode(
     """fused_moe_int4's result (this rank's share of the MoE output [T, hidden] in x's dtype) in two
     kernels. gate_up / down are fused_moe_int4.PackedExperts; fused_moe_int4.check_inputs has checked the
     inputs, x is contiguous along hidden, topk_ids contiguous and topk_weights float32 contiguous."""
-    config = config or DEFAULT_CONFIG
     num_tokens, hidden = x.shape
+    config = config or config_for(num_tokens)
     top_k = topk_ids.shape[1]
     local_experts = gate_up.num_experts
     intermediate = gate_up.out_features // 2
@@ -268,6 +318,7 @@ def moe_int4_decode(
         "ACTIVATION": ACTIVATIONS[activation],
         "BLOCKS": cdiv(hidden, BLOCK_K),
         "BLOCK_N": config.gate_up_block_n,
+        "PRMT": not INTERPRETING,
     }
     grid = (cdiv(intermediate, config.gate_up_block_n), num_tokens * top_k)
     _launch(_int4_decode_gate_up_kernel, grid, args, constexprs, device, config.num_warps)
@@ -290,6 +341,7 @@ def moe_int4_decode(
         "GROUP": down.group_size,
         "BLOCKS": cdiv(intermediate, BLOCK_K),
         "BLOCK_N": config.down_block_n,
+        "PRMT": not INTERPRETING,
     }
     _launch(_int4_decode_down_kernel, (tiles, num_tokens, splits), args, constexprs, device, config.num_warps)
     return out

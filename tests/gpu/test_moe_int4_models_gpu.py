@@ -20,7 +20,7 @@ pytestmark = [
 
 RUNS = {
     "graphs": {},
-    "eager-chunked": {"enforce_eager": True, "max_num_batched_tokens": 16},
+    "eager-chunked": {"enforce_eager": True, "max_num_batched_tokens": 16, "max_num_seqs": 4},
     "tp2-expert-parallel": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
 }
 

@@ -90,7 +90,10 @@ def _cpu_reference(checkpoint: Path, sequence: list[int], prompt_len: int) -> tu
     """The float32 CPU engine's argmax and top-2 margin at each position after the prompt."""
     from fitserve import LLM, SamplingParams
 
-    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=2048, enable_prefix_caching=False)
+    length = len(sequence) + 1  # within the tiny models' own limits (512 for the int4 MoE ones)
+    llm = LLM(
+        str(checkpoint), device="cpu", dtype="float32", max_model_len=length, enable_prefix_caching=False
+    )
     params = SamplingParams(max_tokens=1, prompt_logprobs=5)
     entries = llm.generate([{"prompt_token_ids": sequence}], params, use_tqdm=False)[0].prompt_logprobs
     llm.engine.shutdown()

@@ -44,6 +44,9 @@ CASES = [
     case(1, path="grouped"),
     case(2, inter=96, act="gelu_tanh", path="decode", slots_per_split=1),  # I of one partial block, split
     case(4, "float16", hidden=320, top_k=3, ep=[1, 2], path="decode", slots_per_split=2),
+    case(2, hidden=1024, inter=512, group=512),  # groups over two 256-code blocks
+    # one group per row (per channel) over two blocks
+    case(1, "float16", hidden=320, inter=320, group=320, path="decode", slots_per_split=None),
 ]
 
 
