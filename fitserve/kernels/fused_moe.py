@@ -503,7 +503,18 @@ def fused_moe(
     grid = (blocks * cdiv(hidden, tile.block_n),)
     _launch(_moe_down_kernel, grid, args, constexprs, device, tile.num_warps)
 
+    return sum_pair_rows(per_pair, topk_ids, out, first_expert, local_experts)
+
+
+def sum_pair_rows(
+    per_pair: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, first_expert: int, local_experts: int
+) -> torch.Tensor:
+    """out [T, hidden] = each token's k rows of per_pair [T * k, hidden] summed in float32 (rows of another
+    rank's experts skipped): the grouped paths' last kernel."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = out.shape[1]
     args = (per_pair, topk_ids, out, hidden, first_expert, local_experts, per_pair.stride(0), out.stride(0))
     constexprs = {"TOP_K": top_k, "BLOCK": SUM_BLOCK}
-    _launch(_moe_sum_kernel, (num_tokens, cdiv(hidden, SUM_BLOCK)), args, constexprs, device, num_warps=4)
+    grid = (num_tokens, cdiv(hidden, SUM_BLOCK))
+    _launch(_moe_sum_kernel, grid, args, constexprs, out.device, num_warps=4)
     return out

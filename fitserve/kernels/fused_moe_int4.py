@@ -28,7 +28,7 @@ import triton.language as tl
 from fitserve.kernels import moe_int4_decode as decode_path
 from fitserve.kernels.capability import kernel_capability
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
-from fitserve.kernels.fused_moe import SMALL_BATCH_TOKENS, SUM_BLOCK, _moe_sum_kernel, moe_route
+from fitserve.kernels.fused_moe import SMALL_BATCH_TOKENS, moe_route, sum_pair_rows
 from fitserve.kernels.grid_math import cdiv
 from fitserve.kernels.int4_repack import BLOCK_K, WORDS_PER_BLOCK
 from fitserve.kernels.moe_parts import ACTIVATIONS
@@ -290,10 +290,7 @@ def grouped_moe_int4(
     grid = (blocks * cdiv(hidden, down_n),)
     _launch(_moe_int4_down_kernel, grid, args, constexprs, device, warps)
 
-    args = (per_pair, topk_ids, out, hidden, first_expert, local_experts, per_pair.stride(0), out.stride(0))
-    constexprs = {"TOP_K": top_k, "BLOCK": SUM_BLOCK}
-    _launch(_moe_sum_kernel, (num_tokens, cdiv(hidden, SUM_BLOCK)), args, constexprs, device, num_warps=4)
-    return out
+    return sum_pair_rows(per_pair, topk_ids, out, first_expert, local_experts)
 
 
 # the layout constants the kernels above are written for

@@ -315,6 +315,31 @@ def _fused_moe_int4(target: Target, full: bool) -> None:
                 fused_moe_int4(x, gate_up, down, topk_ids, weights, activation)
 
 
+def _fused_moe_fp8(target: Target, full: bool) -> None:
+    from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fp8_experts_run_on, fused_moe_fp8
+
+    if not fp8_experts_run_on(torch.device("cuda")):
+        return  # float8 experts run from 8.9 on only
+
+    def experts(count: int, n: int, k: int, group: int | None) -> Fp8Experts:
+        groups = 1 if group is None else -(-k // group)
+        data = _empty(count, n, k, dtype=torch.float8_e4m3fn)
+        return Fp8Experts(data, torch.ones(count, n, groups), group or k)
+
+    # Qwen3-30B-A3B-FP8 and Qwen3.6-35B-A3B-FP8 ([128, 128] blocks), a per-channel Gemma-4 26B-A4B FP8
+    models = ((128, 8, 2048, 768, 128, "silu"), (256, 8, 2048, 512, 128, "silu"))
+    models += ((128, 8, 2816, 704, None, "gelu_tanh"),)
+    for count, top_k, hidden, intermediate, group, activation in models if full else models[:1]:
+        for dtype in activation_dtypes(target, full):
+            gate_up = experts(count, 2 * intermediate, hidden, group)
+            down = experts(count, hidden, intermediate, group)
+            for tokens in (1, 256):
+                topk_ids = torch.zeros(tokens, top_k, dtype=torch.int32)
+                weights = torch.ones(tokens, top_k, dtype=torch.float32)
+                x = _empty(tokens, hidden, dtype=dtype)
+                fused_moe_fp8(x, gate_up, down, topk_ids, weights, activation)
+
+
 def _gemma_moe(target: Target, full: bool) -> None:
     from fitserve.kernels.gemma_moe_norms import gemma_moe_head, gemma_moe_tail
     from fitserve.kernels.moe_router import router_topk
@@ -500,6 +525,7 @@ LAUNCH_CASES: dict[str, Case] = {
     "fp8_linear": _fp8_linear,
     "fused_moe": _fused_moe,
     "fused_moe_int4": _fused_moe_int4,
+    "fused_moe_fp8": _fused_moe_fp8,
     "gemma_moe": _gemma_moe,
     "gated_delta": _gated_delta,
     "qwen3_5_fused": _qwen3_5_fused,

@@ -18,20 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from fitserve.distributed.collectives import all_reduce
 from fitserve.kernels.int4_repack import BLOCK_K, dequantize_words, pack_words, scale_zero_pairs
-from fitserve.layers.moe import expert_split, kernel_activation
+from fitserve.layers.moe_quantized import PROJECTIONS, QuantizedExperts
 from fitserve.layers.quantization.int4_formats import optional_params, param_specs, to_int4_weight
 from fitserve.layers.quantization.int4_method import layer_seed
 from fitserve.layers.quantization.int4_weight import Int4Weight, random_int4_weight
 from fitserve.layers.quantization.quant_config import Int4Format
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
-
-class Int4FusedExperts(nn.Module):
+class Int4FusedExperts(QuantizedExperts):
     def __init__(
         self,
         num_experts: int,
@@ -44,18 +40,9 @@ class Int4FusedExperts(nn.Module):
     ) -> None:
         """Sizes are the whole model's; the buffers hold this rank's experts or intermediate slice. ValueError
         (before anything loads) for act order, or an intermediate slice that splits a quantization group."""
-        super().__init__()
-        self.num_experts, self.hidden_size, self.intermediate_size = (
-            num_experts,
-            hidden_size,
-            intermediate_size,
-        )
-        self.activation, self.kernel_activation = activation, kernel_activation(activation)
-        self.fmt, self.prefix = fmt, prefix
-        split = expert_split(num_experts, intermediate_size, expert_parallel)
-        self.tp_rank, self.expert_parallel = split.rank, split.expert_parallel
-        self.local_experts, self.first_expert, width = split.local_experts, split.first_expert, split.width
-        self.intermediate_per_rank = width
+        sizes = (num_experts, hidden_size, intermediate_size)
+        super().__init__(*sizes, activation, fmt, prefix, expert_parallel)
+        width = self.intermediate_per_rank
         if fmt.act_order:
             raise ValueError(
                 f"{prefix}: {fmt.describe()}: MoE experts run int4 without act order (g_idx) only; use a "
@@ -86,15 +73,8 @@ class Int4FusedExperts(nn.Module):
         self.register_buffer("w2_scale_zero", torch.zeros(local, groups, hidden_size, 2, dtype=dtype))
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._converted: dict[tuple[int, str], Int4Weight] = {}
-        self._done: set[tuple[int, str]] = set()  # (expert, projection) the checkpoint has given
 
     # --- loading -----------------------------------------------------------------------------------------
-
-    def _shape(self, projection: str) -> tuple[int, int]:
-        """(in_features, out_features) of one whole expert projection."""
-        if projection == "down_proj":
-            return self.intermediate_size, self.hidden_size
-        return self.hidden_size, self.intermediate_size
 
     def load_tensor(self, expert: int, projection: str, name: str, tensor: torch.Tensor) -> None:
         """One checkpoint tensor of expert `expert` (global id), `projection` (gate_proj, up_proj,
@@ -127,8 +107,7 @@ class Int4FusedExperts(nn.Module):
         """Expert `local`'s whole projection weight, cut to this rank and packed into its buffers (gate and
         up are packed together once both arrived)."""
         expert = self.first_expert + local
-        width = self.intermediate_per_rank
-        start = 0 if self.expert_parallel else self.tp_rank * width
+        width, start = self.intermediate_per_rank, self.rank_start()
         if projection == "down_proj":  # this rank's columns and their groups (per-channel: the one group)
             group = self.group_down
             groups = (
@@ -163,15 +142,6 @@ class Int4FusedExperts(nn.Module):
             qweight.copy_(pack_words(weight.codes))
             scale_zero.copy_(pairs)
 
-    def missing(self) -> list[str]:
-        """What the checkpoint has not given yet (`experts.<e>.<projection>`), empty once all loaded."""
-        return [
-            f"{self.prefix}.{expert}.{projection}"
-            for expert in range(self.num_experts)
-            for projection in PROJECTIONS
-            if (expert, projection) not in self._done
-        ]
-
     def initialize_dummy(self, seed: int, std: float, device: torch.device | str | None = None) -> None:
         """--load-format dummy: every expert's projections drawn whole as random int4 weights (each from its
         own generator, the same at every tensor-parallel size) and stored as a loaded checkpoint's are."""
@@ -192,52 +162,20 @@ class Int4FusedExperts(nn.Module):
 
     # --- running -----------------------------------------------------------------------------------------
 
-    def takes_shared_expert(self, x: torch.Tensor, shared: object) -> bool:
-        """False: the int4 kernels add no shared expert (a MoE block runs its shared expert beside them)."""
-        return False
+    def run_kernels(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from fitserve.kernels.fused_moe_int4 import PackedExperts, fused_moe_int4
 
-    def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, reduce: bool = True
-    ) -> torch.Tensor:
-        """[T, hidden]: the whole MoE output (reduce=True), or this rank's partial sum (reduce=False)."""
-        if x.is_cuda:
-            from fitserve.kernels.fused_moe_int4 import PackedExperts, fused_moe_int4
-
-            width, hidden = self.intermediate_per_rank, self.hidden_size
-            gate_up = PackedExperts(self.w13_qweight, self.w13_scale_zero, self.group_up, hidden, 2 * width)
-            down = PackedExperts(self.w2_qweight, self.w2_scale_zero, self.group_down, width, hidden)
-            activation = self.kernel_activation
-            if activation is None:
-                raise ValueError(f"{self.prefix}: int4 experts run silu, gelu_tanh or gelu activations")
-            out = fused_moe_int4(x, gate_up, down, topk_ids, topk_weights, activation, self.first_expert)
-        else:
-            out = self.reference(x, topk_ids, topk_weights)
-        return all_reduce(out) if reduce else out
-
-    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """This rank's partial output in torch: each (token, slot) pair of a local expert through that
-        expert's dequantized weights (rounded to x's dtype), weighted and rounded, then each token's k rows
-        summed (FusedExperts.reference's arithmetic)."""
-        num_tokens, top_k = topk_ids.shape
         width, hidden = self.intermediate_per_rank, self.hidden_size
-        rows = torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-        flat = topk_ids.reshape(-1) - self.first_expert
-        weights = topk_weights.reshape(-1, 1).float()
-        for local in torch.unique(flat).tolist():
-            if not 0 <= local < self.local_experts:
-                continue
-            pairs = (flat == local).nonzero().squeeze(1)
-            w13 = dequantize_words(self.w13_qweight[local], self.w13_scale_zero[local], hidden, self.group_up)
-            w2 = dequantize_words(self.w2_qweight[local], self.w2_scale_zero[local], width, self.group_down)
-            block = x.index_select(0, pairs // top_k)
-            gate, up = torch.nn.functional.linear(block, w13.to(x.dtype)).chunk(2, dim=-1)
-            result = torch.nn.functional.linear(self.activation(gate) * up, w2.to(x.dtype))
-            rows[pairs] = (result * weights[pairs]).to(x.dtype)
-        return rows.view(num_tokens, top_k, hidden).sum(dim=1)
+        gate_up = PackedExperts(self.w13_qweight, self.w13_scale_zero, self.group_up, hidden, 2 * width)
+        down = PackedExperts(self.w2_qweight, self.w2_scale_zero, self.group_down, width, hidden)
+        activation = self.kernel_activation
+        if activation is None:
+            raise ValueError(f"{self.prefix}: int4 experts run silu, gelu_tanh or gelu activations")
+        return fused_moe_int4(x, gate_up, down, ids, weights, activation, self.first_expert)
 
-    def extra_repr(self) -> str:
-        return (
-            f"experts={self.num_experts} ({self.local_experts} here), hidden={self.hidden_size}, "
-            f"intermediate={self.intermediate_size} ({self.intermediate_per_rank} here), "
-            f"{self.fmt.describe()}"
-        )
+    def dequantized(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `local`'s (gate_up [2W, hidden], down [hidden, W]) in float32."""
+        width, hidden = self.intermediate_per_rank, self.hidden_size
+        w13 = dequantize_words(self.w13_qweight[local], self.w13_scale_zero[local], hidden, self.group_up)
+        w2 = dequantize_words(self.w2_qweight[local], self.w2_scale_zero[local], width, self.group_down)
+        return w13.float(), w2.float()

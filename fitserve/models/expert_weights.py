@@ -3,9 +3,10 @@
 Qwen-MoE checkpoints (Qwen3-MoE, Qwen3.5/3.6 MoE) store each expert's projections under
 `...mlp.experts.<e>.<gate|up|down>_proj.weight`; transformers 5 saves them fused instead
 (`...mlp.experts.gate_up_proj` [E, 2I, hidden], `...mlp.experts.down_proj` [E, hidden, I]), which load by
-name through FusedExperts' own weight loader. Both forms come to the same parameters. An int4 checkpoint's
-experts (`...mlp.experts.<e>.gate_proj.qweight` ..., in the format's own names) go to layers/moe_int4.py's
-Int4FusedExperts, which packs each projection once its tensors have arrived.
+name through FusedExperts' own weight loader. Both forms come to the same parameters. A quantized
+checkpoint's experts (`...mlp.experts.<e>.gate_proj.qweight` ..., in the format's own names) go to the
+layer's quantized experts: layers/moe_int4.py's Int4FusedExperts, which packs each projection once its
+tensors have arrived, or layers/moe_fp8.py's Fp8FusedExperts (`weight` and its scale).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fitserve.layers.moe_fp8 import Fp8FusedExperts
 from fitserve.layers.moe_int4 import Int4FusedExperts
 from fitserve.layers.tp_shards import rank_rows
 from fitserve.models.parameter_loads import ParameterLoads
@@ -59,26 +61,32 @@ def load_expert(
     return True
 
 
-def load_int4_expert(root: nn.Module, name: str, tensor: torch.Tensor, marker: str = ".mlp.experts.") -> bool:
-    """An int4 checkpoint's expert tensor (`...<marker><e>.<projection>.<param>`: Qwen's `.mlp.experts.`,
-    Gemma-4's `.experts.`) given to the layer's Int4FusedExperts; False when the layer's experts are
-    16-bit."""
+QUANTIZED_EXPERTS = (Int4FusedExperts, Fp8FusedExperts)
+
+
+def load_quantized_expert(
+    root: nn.Module, name: str, tensor: torch.Tensor, marker: str = ".mlp.experts."
+) -> bool:
+    """A quantized checkpoint's expert tensor (`...<marker><e>.<projection>.<param>`: Qwen's
+    `.mlp.experts.`, Gemma-4's `.experts.`) given to the layer's int4 or fp8 experts; False when the layer's
+    experts are 16-bit."""
     prefix, _, rest = name.partition(marker)
     experts = root.get_submodule(prefix + marker.rstrip("."))
-    if not isinstance(experts, Int4FusedExperts):
+    if not isinstance(experts, QUANTIZED_EXPERTS):
         return False
     expert, projection, param = rest.split(".", 2)
     experts.load_tensor(int(expert), projection, param, tensor)
     return True
 
 
-def check_int4_experts_loaded(root: nn.Module) -> None:
-    """ValueError naming what the checkpoint did not give once every tensor has loaded: an int4 expert
-    projection with none of its tensors (it would compute with zeros)."""
+def check_quantized_experts_loaded(root: nn.Module) -> None:
+    """ValueError naming what the checkpoint did not give once every tensor has loaded: a quantized expert
+    projection with none of its tensors, or an fp8 one without its scale (it would compute with zeros)."""
     for module in root.modules():
-        missing = module.missing() if isinstance(module, Int4FusedExperts) else []
+        missing = module.missing() if isinstance(module, QUANTIZED_EXPERTS) else []
         if missing:
+            kind = "int4" if isinstance(module, Int4FusedExperts) else "fp8"
             raise ValueError(
-                f"the checkpoint has no int4 tensors for {len(missing)} expert projection(s), e.g. "
+                f"the checkpoint has no {kind} tensors for {len(missing)} expert projection(s), e.g. "
                 f"{', '.join(missing[:3])}: it does not match the model's config.json"
             )

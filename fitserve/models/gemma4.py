@@ -48,7 +48,7 @@ from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_
 from fitserve.layers.rotary_embedding import RopeSettings, RotaryEmbedding, StepRope
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
-from fitserve.models.expert_weights import check_int4_experts_loaded, load_int4_expert
+from fitserve.models.expert_weights import check_quantized_experts_loaded, load_quantized_expert
 from fitserve.models.gemma4_config import refuse_quantized_experts
 from fitserve.models.gemma4_layers import Gemma4DecoderLayer, GemmaRMSNorm, quantized_method, use_kernels
 from fitserve.models.parameter_loads import ParameterLoads
@@ -218,7 +218,7 @@ class Gemma4ForCausalLM(nn.Module):
                 name = "model." + name.removeprefix(self.weights_prefix)
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
-            if ".experts." in name and load_int4_expert(self, name, tensor, ".experts."):
+            if ".experts." in name and load_quantized_expert(self, name, tensor, ".experts."):
                 continue  # an int4 checkpoint's expert tensor (`experts.<e>.<projection>.<param>`)
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
             target, shard_id = _map_name(name)
@@ -227,7 +227,7 @@ class Gemma4ForCausalLM(nn.Module):
             self._check_not_16bit(name, target)
             shards = () if shard_id is None else self.get_submodule(target.rsplit(".", 1)[0]).shard_ids
             loads.load(name, target, tensor, shard_id, shards)
-        check_int4_experts_loaded(self)
+        check_quantized_experts_loaded(self)
         for attention in self.attention_layers:  # a shared layer reads its cache with the writer's scales
             source = self.attention_layers[attention.kv_cache_layer]
             attention.k_scale, attention.v_scale = source.k_scale, source.v_scale

@@ -56,7 +56,7 @@ from fitserve.layers.quantization.fused_rows import fused_rows_pieces
 from fitserve.layers.quantization.quant_config import check_layer_shapes, quant_format
 from fitserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from fitserve.models.cpu_offload import make_layers
-from fitserve.models.expert_weights import check_int4_experts_loaded, load_expert, load_int4_expert
+from fitserve.models.expert_weights import check_quantized_experts_loaded, load_expert, load_quantized_expert
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.qwen3_5_config import (
     delta_net_heads_per_rank,
@@ -181,7 +181,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             if name.startswith("lm_head.") and self.lm_head.tied:
                 continue
             if ".mlp.experts." in name and (
-                load_int4_expert(self, name, tensor) or load_expert(self, name, tensor, loads, experts)
+                load_quantized_expert(self, name, tensor) or load_expert(self, name, tensor, loads, experts)
             ):
                 continue
             name = bnb_param_name(name)  # bitsandbytes' dotted names (weight.absmax, ...) -> weight_absmax
@@ -208,7 +208,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 "--speculative-config method mtp, into the drafter",
                 skipped["mtp"],
             )
-        check_int4_experts_loaded(self)
+        check_quantized_experts_loaded(self)
         return loads.loaded
 
     def _load_merged_in_proj(self, name: str, tensor: torch.Tensor, loads: ParameterLoads) -> bool:

@@ -28,7 +28,7 @@ from fitserve.layers.linear import ReplicatedLinear
 from fitserve.layers.quantization.layer_projections import moe_sparse_layer
 from fitserve.layers.quantization.quant_config import quant_format
 from fitserve.models.decoder_blocks import DecoderForCausalLM, DecoderSpec
-from fitserve.models.expert_weights import check_int4_experts_loaded, load_expert, load_int4_expert
+from fitserve.models.expert_weights import check_quantized_experts_loaded, load_expert, load_quantized_expert
 from fitserve.models.gemma4_config import expert_parallel_of
 from fitserve.models.moe_experts_format import layer_experts
 from fitserve.models.parameter_loads import ParameterLoads
@@ -89,7 +89,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def load_weights(self, weights: Any) -> set[str]:
         self._experts_seen: dict[str, set[tuple[int, str]]] = {}
         loaded = super().load_weights(weights)
-        check_int4_experts_loaded(self)
+        check_quantized_experts_loaded(self)
         return loaded
 
     def _load_own_form(self, loads: ParameterLoads, name: str, tensor: torch.Tensor) -> bool:
@@ -98,6 +98,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         16-bit form loads by name."""
         if ".mlp.experts." not in name:
             return False
-        if load_int4_expert(self, name, tensor):
+        if load_quantized_expert(self, name, tensor):
             return True
         return load_expert(self, name, tensor, loads, self._experts_seen)

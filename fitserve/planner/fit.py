@@ -23,6 +23,7 @@ from fitserve.planner.fit_errors import (
     PlanError,
     check_block_size,
     check_devices,
+    check_fp8_experts,
     check_fp8_kv_cache_on_gpu,
     check_host_memory,
     check_quantization,
@@ -212,6 +213,7 @@ def _fit_at(
     choices: list[Choice] = []
     dtype = _choose_dtype(args, model, used, choices)
     check_quantization(args.quantization, model, used)
+    check_fp8_experts(model, used)
     for gpu in used:
         if gpu.kind == "cuda" and gpu.capability is not None:
             try:

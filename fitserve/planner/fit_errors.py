@@ -158,6 +158,34 @@ def check_quantization(quantization: str | None, model: ModelInfo, used: Sequenc
         )
 
 
+FP8_EXPERTS_MIN_CAPABILITY = (8, 9)  # kernels/fused_moe_fp8.py: Triton's native e4m3 conversions
+
+
+def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec]) -> None:
+    """PlanError for an FP8 checkpoint's MoE experts (layers/moe_fp8.py) on a GPU below compute capability
+    8.9, whose Triton has no e4m3 conversion for their kernels: before anything loads."""
+    from fitserve.layers.quantization.fp8_format import Fp8Format
+    from fitserve.layers.quantization.quant_config import quant_format
+
+    if not model.shape.num_experts or model.weights.checkpoint_quantization is None:
+        return
+    try:
+        fmt = quant_format(model.hf_config)
+    except ValueError:  # refused with its own message where the format is checked
+        return
+    if not isinstance(fmt, Fp8Format) or not fmt.quantizes("model.layers.0.mlp.experts.0.gate_proj"):
+        return
+    old = [d for d in used if d.capability is not None and d.capability < FP8_EXPERTS_MIN_CAPABILITY]
+    if old:
+        raise PlanError(
+            "quantization",
+            f"{old[0].label()}: an FP8 checkpoint's MoE experts run on GPUs of compute capability "
+            f"{format_capability(FP8_EXPERTS_MIN_CAPABILITY)} and up (Ada, Hopper and later), this one has "
+            f"{format_capability(old[0].capability)}: use the model's int4 (AWQ / GPTQ) or 16-bit checkpoint "
+            "(`fitserve plan` says how each fits)",
+        )
+
+
 def quant_method_or_none(name: str) -> object | None:
     try:
         return quant_method(name)

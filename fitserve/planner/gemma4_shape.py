@@ -15,8 +15,8 @@ A quantized checkpoint: layers/quantization/layer_projections.py's `gemma4_proje
 the checkpoint may store quantized by the name it gives it (attention, dense MLP, the E models' per-layer
 input gate, projection and model projection, the MoE router), and `gemma4_quantized` keeps those the format
 stores quantized, its ignore list honoured as the model honours it (models/gemma4_layers.quantized_method),
-for the bytes the planner counts and the shape checks made before loading. The MoE experts are not sized: a
-checkpoint that quantizes them is refused (gemma4_config.refuse_quantized_experts).
+for the bytes the planner counts and the shape checks made before loading; the MoE experts one by one, where
+the format stores them in a form they run (int4 or FP8; models/moe_experts_format.py refuses the others).
 """
 
 from __future__ import annotations

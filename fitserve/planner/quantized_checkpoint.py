@@ -21,13 +21,14 @@ logger = logging.getLogger("fitserve")
 
 def refuse_quantized_moe_experts(hf_config: Any, fmt: Any) -> None:
     """ValueError (naming the format, the model and what runs) when `fmt` would quantize a MoE model's
-    experts, which hold 16-bit weights only (layers/moe.py); nothing for a dense model or 16-bit experts."""
-    if is_gemma4(hf_config):  # its MoE runs when the ignore list keeps the experts 16-bit
+    experts in a form they do not run (models/moe_experts_format.py: 16-bit, int4 without act order or an
+    FP8 checkpoint's); nothing for a dense model or experts that run."""
+    if is_gemma4(hf_config):
         refuse_quantized_experts(hf_config, fmt)
-    elif is_qwen3_moe(hf_config):  # likewise
+    elif is_qwen3_moe(hf_config):
         refuse_qwen3_moe_experts(hf_config, fmt)
     else:
-        refuse_quantized_moe(hf_config, fmt)  # a Qwen3.5 MoE's experts hold 16-bit weights only
+        refuse_quantized_moe(hf_config, fmt)  # Qwen3.5 / Qwen3.6 MoE
 
 
 def check_quantized_checkpoint(model: ModelInfo, quantization: str | None) -> Int4Format | None:

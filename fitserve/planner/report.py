@@ -185,8 +185,10 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
     if inputs.weights.checkpoint_quantization and stored:
         # a quantized checkpoint: packed codes, zeros, g_idx, fp8 weights and scales as stored; the rest
         # in the dtype
-        kind = "fp8" if "F8_E4M3" in inputs.weights.file_tensor_types else "int4"
-        weights += f"; {inputs.weights.checkpoint_quantization} {kind} {stored / GiB:.2f} GiB as stored"
+        method = inputs.weights.checkpoint_quantization
+        fp8 = "F8_E4M3" in inputs.weights.file_tensor_types or method == "fp8"
+        label = "fp8" if method == "fp8" else f"{method} {'fp8' if fp8 else 'int4'}"
+        weights += f"; {label} {stored / GiB:.2f} GiB as stored"
     if ranks > 1:
         weights += f", 1/{ranks} per {'GPU' if inputs.on_gpu else 'rank'}"
     if plan.weights_offloaded_bytes:

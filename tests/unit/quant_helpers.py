@@ -207,13 +207,12 @@ def load_weights(folder: Path) -> None:
     get_model_class(config)(config).load_weights(iterate_safetensors(list_safetensors_files(str(folder))))
 
 
-def int4_expert_tensors(
-    name: str, fused: torch.Tensor, spec: QuantSpec, seed: int
+def quantized_expert_tensors(
+    name: str, fused: torch.Tensor, quantize: Quantizer
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A fused expert tensor of transformers' form (`...mlp.experts.gate_up_proj` [E, 2I, H] or `down_proj`
-    [E, H, I]) as an int4 checkpoint stores it, one tensor set per expert and projection
-    (`...mlp.experts.<e>.<gate|up|down>_proj.<suffix>`), and its dequantized values (the reference's);
-    each projection rounded with its own seed from `seed` on."""
+    [E, H, I]) as a quantized checkpoint stores it, one tensor set per expert and projection
+    (`...mlp.experts.<e>.<gate|up|down>_proj.<suffix>`), and its dequantized values (the reference's)."""
     base = name.rsplit(".", 1)[0]
     width = fused.shape[1] // 2
     parts = {"gate_proj": slice(0, width), "up_proj": slice(width, None)}
@@ -223,12 +222,18 @@ def int4_expert_tensors(
     dequantized = torch.empty_like(fused)
     for expert in range(fused.shape[0]):
         for projection, rows in parts.items():
-            seed += 1
-            rounded = quant_checkpoints.round_to_int4(fused[expert, rows], spec, seed)
-            dequantized[expert, rows] = rounded.dequantized()
-            for suffix, value in quant_checkpoints.pack_tensors(rounded, spec).items():
-                tensors[f"{base}.{expert}.{projection}.{suffix}"] = value.contiguous()
+            module = f"{base}.{expert}.{projection}"
+            stored, dequantized[expert, rows] = quantize(module, fused[expert, rows])
+            tensors.update({module + suffix: value.contiguous() for suffix, value in stored.items()})
     return tensors, dequantized
+
+
+def int4_expert_tensors(
+    name: str, fused: torch.Tensor, spec: QuantSpec, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """quantized_expert_tensors in int4 of `spec`, each projection with its own seed from `seed` on."""
+    seeds = iter(range(seed + 1, seed + 1 + 3 * fused.shape[0]))
+    return quantized_expert_tensors(name, fused, int4_quantizer(spec, lambda module: next(seeds)))
 
 
 def without_tensors(source: Path, target: Path, fragment: str) -> Path:

@@ -21,7 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.triton_interpreter import answer_cases, random_int4, run_in_interpreter
+from tests.unit.triton_interpreter import (
+    answer_cases,
+    assert_case_matches,
+    case_result,
+    random_int4,
+    run_in_interpreter,
+)
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 TOLERANCE = {"bfloat16": 2**-7, "float16": 2**-9}  # |out - ref| <= TOLERANCE * max|ref|
@@ -113,14 +119,7 @@ def run_case(spec: dict) -> dict:
         config = Int4DecodeConfig(down_slots_per_split=spec["slots_per_split"])
         out = moe_int4_decode(x, w13, w2, ids, weights.float(), spec["act"], first, config)
     ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
-    scale = ref.float().abs().max().item() or 1.0
-    return {
-        "case": spec,
-        "error": (out.float() - ref.float()).abs().max().item() / scale,
-        "finite": bool(torch.isfinite(out.float()).all()),
-        "max_abs": out.float().abs().max().item(),
-        "shape_dtype_ok": out.shape == x.shape and out.dtype == dtype,
-    }
+    return case_result(spec, out, ref, x)
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +134,7 @@ def results() -> list[dict]:
     "index", range(len(CASES)), ids=[json.dumps(c, separators=(",", ":")) for c in CASES]
 )
 def test_kernel_matches_the_dequantized_experts(results: list[dict], index: int) -> None:
-    result = results[index]
-    assert result["case"] == CASES[index]
-    assert result["finite"] and result["shape_dtype_ok"], result
-    assert result["max_abs"] > 0.0, result
-    assert result["error"] <= TOLERANCE[CASES[index]["dtype"]], result
+    assert_case_matches(results[index], CASES[index], TOLERANCE[CASES[index]["dtype"]])
 
 
 @needs_triton

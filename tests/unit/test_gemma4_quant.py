@@ -237,7 +237,7 @@ def test_experts_quantized_as_they_do_not_run_are_refused(quantization, flag, wh
         get_model_class(config)(config)
     message = str(error.value)
     assert "Gemma-4 MoE model (Gemma4ForConditionalGeneration, 6 experts)" in message
-    assert f"run 16-bit or int4 weights (without act order), not {why}" in message
+    assert f"run 16-bit, int4 (without act order) or FP8 checkpoint weights, not {why}" in message
     assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
 
 

@@ -202,7 +202,7 @@ def test_a_moe_quantized_as_its_experts_do_not_run_is_refused(quant, tmp_path):
         get_model_class(config)(config)
     message = str(error.value)
     assert "Qwen3.5 MoE model" in message and "4 experts" in message
-    assert "fused MoE experts run 16-bit or int4 weights (without act order)" in message
+    assert "fused MoE experts run 16-bit, int4 (without act order) or FP8 checkpoint weights" in message
     assert ("not int4 with act order" if flag is None else "not this format") in message
     assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
 

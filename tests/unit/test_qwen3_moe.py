@@ -167,12 +167,12 @@ def _awq(config: Any, ignore: list[str] | None = None) -> Any:
 
 def test_experts_quantized_in_a_form_they_do_not_run_are_refused_before_building():
     """fp8 (--quantization on the 16-bit checkpoint) and int4 with act order; an int4 checkpoint builds
-    (tests/unit/test_qwen3_moe_int4.py runs them)."""
+    (tests/unit/test_qwen3_moe_int4.py runs them, test_qwen3_moe_fp8.py FP8 checkpoints)."""
     from fitserve.layers.moe_int4 import Int4FusedExperts
     from fitserve.layers.quantization.quant_config import with_quantization_flag
 
     with pytest.raises(
-        ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit or int4 weights .*not this format"
+        ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit, int4 .* or FP8 checkpoint weights, not"
     ):
         Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), "fp8"))
     act_order = _awq(config_of("renormalised"))
@@ -255,7 +255,7 @@ def test_a_plan_with_quantized_moe_experts_says_fitserve_does_not_run_it(capsys)
     argv = [str(EXAMPLES / "qwen3-30b-a3b"), "--assume-gpus", "1x80@9.0"]
     assert run_plan(parse("plan", [*argv, "--quantization", "fp8"])) == 0
     assert (
-        "planned only: --quantization fp8 (fitserve runs MoE experts 16-bit, and int4 on Qwen3-MoE"
+        "planned only: --quantization fp8 (fitserve runs MoE experts 16-bit, and int4 or FP8 checkpoints on"
         in capsys.readouterr().out
     )
     assert run_plan(parse("plan", argv)) == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.model_folders import write_config_with_tokenizer
-from tests.quant_checkpoints import QuantSpec, pack_tensors, quantization_config, round_to_int4
+from tests.quant_checkpoints import QuantSpec, quantization_config
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
-from tests.unit.quant_helpers import int4_expert_tensors
+from tests.unit.quant_helpers import Quantizer, int4_quantizer, quantized_expert_tensors
 from tests.unit.test_engine_vs_hf import PROMPTS, greedy_outputs, hf_greedy, make_llm
 from tests.unit.test_qwen3_moe import assert_layout_equals_one_rank
 
@@ -35,34 +36,41 @@ MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermed
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def write_int4_moe(folder: Path, hf_model: torch.nn.Module, spec: QuantSpec) -> torch.nn.Module:
-    """The checkpoint (attention and every expert's projections int4, one tensor set per expert), and the HF
-    model with the dequantized weights (the reference)."""
+def write_quantized_moe(
+    folder: Path, hf_model: torch.nn.Module, quantize: Quantizer, quantization: dict[str, Any]
+) -> torch.nn.Module:
+    """The checkpoint (attention and every expert's projections quantized by `quantize`, one tensor set per
+    expert, config.json's quantization_config `quantization`), and the HF model with the dequantized
+    weights (the reference)."""
     folder.mkdir(parents=True, exist_ok=True)
     reference = copy.deepcopy(hf_model).eval()
     reference_state = reference.state_dict()
     tensors: dict[str, torch.Tensor] = {}
-    seed = 0
     for name, tensor in sorted(hf_model.state_dict().items()):
         tensor = tensor.detach()
         if name.endswith(tuple(f".{p}.weight" for p in ATTENTION)):
-            seed += 1
-            rounded = round_to_int4(tensor, spec, seed)
-            reference_state[name].copy_(rounded.dequantized())
             module = name.removesuffix(".weight")
-            tensors.update({f"{module}.{k}": v.contiguous() for k, v in pack_tensors(rounded, spec).items()})
+            stored, dequantized = quantize(module, tensor)
+            tensors.update({module + suffix: value.contiguous() for suffix, value in stored.items()})
+            reference_state[name].copy_(dequantized)
         elif name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-            per_expert, dequantized = int4_expert_tensors(name, tensor, spec, seed)
-            seed += 3 * tensor.shape[0]
+            per_expert, dequantized = quantized_expert_tensors(name, tensor, quantize)
             tensors.update(per_expert)
             reference_state[name].copy_(dequantized)
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
-    config["quantization_config"] = quantization_config(spec)
+    config["quantization_config"] = quantization
     write_config_with_tokenizer(folder, config)
     return reference
+
+
+def write_int4_moe(folder: Path, hf_model: torch.nn.Module, spec: QuantSpec) -> torch.nn.Module:
+    """write_quantized_moe in int4 of `spec`, each projection rounded with its own seed."""
+    seeds = itertools.count(1)
+    quantize = int4_quantizer(spec, lambda module: next(seeds))
+    return write_quantized_moe(folder, hf_model, quantize, quantization_config(spec))
 
 
 SPECS = {
@@ -90,6 +98,12 @@ def test_greedy_and_logprobs_follow_the_dequantized_model(root, fmt):
     llm = make_llm(folder)
     experts = llm.engine.executor.runner.model.model.layers[0].mlp.experts
     assert type(experts).__name__ == "Int4FusedExperts"
+    assert_follows_the_reference(llm, reference)
+
+
+def assert_follows_the_reference(llm: Any, reference: torch.nn.Module) -> None:
+    """The engine's greedy tokens on PROMPTS equal HF's on the dequantized model, and its top-5 logprobs
+    along one of them are within LOGPROB_TOLERANCE."""
     assert [o.outputs[0].token_ids for o in greedy_outputs(llm, PROMPTS)] == [
         hf_greedy(reference, p) for p in PROMPTS
     ]
@@ -104,18 +118,20 @@ def test_greedy_and_logprobs_follow_the_dequantized_model(root, fmt):
 
 
 def test_the_int4_experts_compute_what_their_dequantized_weights_do(root):
-    from fitserve.kernels.int4_repack import dequantize_words
+    folder, _ = checkpoint("ct", root)
+    assert_experts_compute_their_dequantized_weights(make_llm(folder).engine.executor.runner.model)
+
+
+def assert_experts_compute_their_dequantized_weights(model: torch.nn.Module) -> None:
+    """Layer 1's quantized experts (8 of 64 x 64) give what 16-bit experts holding their dequantized
+    weights give, within 1e-5."""
     from fitserve.layers.moe import FusedExperts
 
-    folder, _ = checkpoint("ct", root)
-    experts = make_llm(folder).engine.executor.runner.model.model.layers[1].mlp.experts
+    experts = model.model.layers[1].mlp.experts
     dense = FusedExperts(8, 64, 64, torch.nn.functional.silu)
     with torch.no_grad():
         for e in range(8):
-            dense.gate_up_proj[e] = dequantize_words(
-                experts.w13_qweight[e], experts.w13_scale_zero[e], 64, 32
-            )
-            dense.down_proj[e] = dequantize_words(experts.w2_qweight[e], experts.w2_scale_zero[e], 64, 32)
+            dense.gate_up_proj[e], dense.down_proj[e] = experts.dequantized(e)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(5, 64, generator=generator)
     ids = torch.randint(0, 8, (5, 2), generator=generator)
@@ -125,6 +141,11 @@ def test_the_int4_experts_compute_what_their_dequantized_weights_do(root):
 
 def test_chunked_prefill_and_prefix_caching_keep_the_tokens(root):
     folder, reference = checkpoint("awq", root)
+    assert_chunks_and_cached_prefixes_keep_the_tokens(folder, reference)
+
+
+def assert_chunks_and_cached_prefixes_keep_the_tokens(folder: Path, reference: torch.nn.Module) -> None:
+    """Prompts cut into 6-token chunks, run twice (the second time from the prefix cache): HF's tokens."""
     expected = [hf_greedy(reference, p) for p in PROMPTS]
     llm = make_llm(folder, max_num_batched_tokens=6, max_num_seqs=4)
     for _ in range(2):

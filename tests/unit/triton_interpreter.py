@@ -97,3 +97,24 @@ def check_errors(errors: dict[str, float], prefix: str, tolerance: float) -> Non
     assert checked, prefix
     failed = {name: value for name, value in checked.items() if not value <= tolerance}
     assert not failed, failed
+
+
+def case_result(case: dict, out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> dict:
+    """What a kernel test's run_case answers: its case, the largest error relative to the reference's
+    largest value, whether the output is finite, its largest value, and its shape and dtype (x's)."""
+    scale = ref.float().abs().max().item() or 1.0
+    return {
+        "case": case,
+        "error": (out.float() - ref.float()).abs().max().item() / scale,
+        "finite": bool(torch.isfinite(out.float()).all()),
+        "max_abs": out.float().abs().max().item(),
+        "shape_dtype_ok": out.shape == x.shape and out.dtype == x.dtype,
+    }
+
+
+def assert_case_matches(result: dict, case: dict, tolerance: float) -> None:
+    """case_result's answer for `case`: finite, of x's shape and dtype, not all zero, within tolerance."""
+    assert result["case"] == case
+    assert result["finite"] and result["shape_dtype_ok"], result
+    assert result["max_abs"] > 0.0, result
+    assert result["error"] <= tolerance, result

@@ -36,25 +36,30 @@ def fp8_layer_bytes(fmt: Fp8Format, in_features: int, out_features: int) -> int:
 
 def stored_fp8_from_config(fmt: Fp8Format, hf_config: Any) -> tuple[int, int] | None:
     """(parameters its fp8 projections hold, the bytes fitserve keeps for them) from config.json's
-    shapes; None for a config this does not size (MoE). Fused projections are counted one by one, which
-    is the same sum."""
+    shapes; None for a config this does not size (a MoE other than Qwen3-MoE, Qwen3.5/3.6 MoE and
+    Gemma-4). Fused projections are counted one by one, which is the same sum."""
     from fitserve.layers.quantization.layer_projections import (
         gemma4_quantized,
         is_gemma4,
         is_qwen3_5,
+        is_qwen3_moe,
         qwen3_5_quantized,
+        qwen3_moe_quantized,
     )
 
-    if is_gemma4(hf_config):  # its experts stay 16-bit (a format quantizing them is refused)
-        quantized = gemma4_quantized(fmt, hf_config).values()
-        return sum(k * n for k, n in quantized), sum(fp8_layer_bytes(fmt, k, n) for k, n in quantized)
+    # per-layer projections of their own, a MoE's experts one by one (layers/moe_fp8.py keeps each with its
+    # canonical scale, as fp8_layer_bytes counts)
+    for applies, projections in (
+        (is_gemma4, gemma4_quantized),
+        (is_qwen3_5, qwen3_5_quantized),
+        (is_qwen3_moe, qwen3_moe_quantized),
+    ):
+        if applies(hf_config):
+            quantized = projections(fmt, hf_config).values()
+            return sum(k * n for k, n in quantized), sum(fp8_layer_bytes(fmt, k, n) for k, n in quantized)
     shapes = projection_shapes(hf_config)
     if shapes is None:
         return None
-
-    if is_qwen3_5(hf_config):  # per-layer projections of its own
-        quantized = qwen3_5_quantized(fmt, hf_config).values()
-        return sum(k * n for k, n in quantized), sum(fp8_layer_bytes(fmt, k, n) for k, n in quantized)
     params = stored = 0
     for layer in range(hf_config.num_hidden_layers):
         for suffix, (in_features, out_features) in shapes.items():
