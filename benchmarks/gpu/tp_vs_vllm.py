@@ -10,7 +10,9 @@ defaults), each in its own process (one engine's memory is gone before the next 
 Models: 8b = Llama-3.1-8B, 70b = Llama-3.3-70B (shared/models), 30ba3b = Qwen3-30B-A3B (the MoE shape
 vLLM 0.26.0 loads on the GPU machine, unlike Gemma-4's and Qwen3.6's; examples/models), 30ba3bawq = the same
 as an AWQ int4 checkpoint (its int4 experts: fitserve's kernels/fused_moe_int4.py and moe_int4_decode.py,
-vLLM's Marlin MoE).
+vLLM's Marlin MoE), 30ba3bfp8 = as Qwen's FP8 checkpoint ([128, 128] blocks: fitserve's
+kernels/fused_moe_fp8.py). vLLM needs compressed-tensors beside its bundle for both quantized forms
+(benchmarks/results/h200_quant_vs_vllm.json says how).
 Also ready_s (constructor to ready).
 
   python benchmarks/gpu/tp_vs_vllm.py --engine vllm|fitserve [--figures single8b_tp2,...] --out FILE
@@ -40,6 +42,7 @@ SHAPES = {
     "70b": MODELS / "llama-3.3-70b",
     "30ba3b": REPO / "examples" / "models" / "qwen3-30b-a3b",
     "30ba3bawq": REPO / "examples" / "models" / "qwen3-30b-a3b-awq",
+    "30ba3bfp8": REPO / "examples" / "models" / "qwen3-30b-a3b-fp8",
 }
 DEFAULT_FIGURES = "single8b_tp1,single8b_tp2,single70b_tp2,equal70b_tp2"
 

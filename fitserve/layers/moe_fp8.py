@@ -23,7 +23,7 @@ import torch
 
 from fitserve.layers.moe_quantized import PROJECTIONS, QuantizedExperts
 from fitserve.layers.quantization.fp8_format import Fp8Format
-from fitserve.layers.quantization.fp8_weight import FP8, expand_scale, random_fp8_weight
+from fitserve.layers.quantization.fp8_weight import FP8, expand_scale, quantize_fp8, random_fp8_weight
 from fitserve.layers.quantization.int4_method import layer_seed
 
 
@@ -39,14 +39,8 @@ class Fp8FusedExperts(QuantizedExperts):
         expert_parallel: bool = False,
     ) -> None:
         """Sizes are the whole model's; the buffers hold this rank's experts or intermediate slice.
-        ValueError (before anything loads) for --quantization fp8 on 16-bit experts, or a tensor-parallel
-        slice of down's columns that splits a scale block."""
-        if fmt.quantize_on_load:
-            raise ValueError(
-                f"{prefix}: --quantization fp8 on a 16-bit MoE checkpoint: its experts are not quantized "
-                "while loading; use the model's FP8 checkpoint (e.g. Qwen/Qwen3-30B-A3B-FP8) or its 16-bit "
-                "one without --quantization"
-            )
+        ValueError (before anything loads) for a tensor-parallel slice of down's columns that splits a
+        scale block."""
         sizes = (num_experts, hidden_size, intermediate_size)
         super().__init__(*sizes, activation, fmt, prefix, expert_parallel)
         split, width = self.split, self.intermediate_per_rank
@@ -83,6 +77,9 @@ class Fp8FusedExperts(QuantizedExperts):
         named as the format names it (weight, weight_scale_inv / weight_scale, input_scale). ValueError for
         a name the format does not have, a dtype or a shape that does not fit, naming the tensor."""
         what = f"{self.prefix}.{expert}.{projection}.{name}"
+        if self.fmt.quantize_on_load:
+            self._quantize_on_load(expert, projection, name, tensor, what)
+            return
         names = {"weight", self.fmt.scale_name, "input_scale"}
         if name not in names or projection not in PROJECTIONS or not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {what}: not a tensor of {self.fmt.describe()} experts")
@@ -115,6 +112,54 @@ class Fp8FusedExperts(QuantizedExperts):
         del self._pending[(expert, projection)]
         scale = self._canonical_scale(pending[self.fmt.scale_name].float(), out_features, in_features)
         self.store(local, projection, pending["weight"], scale)
+
+    def _quantize_on_load(
+        self, expert: int, projection: str, name: str, tensor: torch.Tensor, what: str
+    ) -> None:
+        """--quantization fp8: a 16-bit expert weight quantized whole as it arrives, one scale a row (round to
+        nearest of w / (amax / 448)), on the experts' device, so the 16-bit experts never sit there."""
+        in_features, out_features = self._shape(projection)
+        if name != "weight" or projection not in PROJECTIONS or not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint tensor {what}: not a tensor of 16-bit MoE experts")
+        if not tensor.is_floating_point() or tensor.dtype == FP8:
+            raise ValueError(
+                f"checkpoint tensor {what} is {tensor.dtype}: --quantization fp8 quantizes 16- or 32-bit "
+                "float weights while loading; pass the model's bf16/fp16 checkpoint"
+            )
+        if tuple(tensor.shape) != (out_features, in_features):
+            raise ValueError(
+                f"checkpoint tensor {what} has shape {tuple(tensor.shape)}, expected "
+                f"{(out_features, in_features)}: the checkpoint is truncated or does not match config.json"
+            )
+        local = expert - self.first_expert
+        if not 0 <= local < self.local_experts:
+            self._done.add((expert, projection))
+            return  # another rank's expert (expert parallel): counted, not kept
+        quantized = quantize_fp8(tensor.to(self.w13.device))
+        self.store(local, projection, quantized.data, quantized.scale)
+
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
+        """transformers 5's fused form of a 16-bit checkpoint's experts (`gate_up_proj` [E, 2I, hidden] or
+        `down_proj` [E, hidden, I]), quantized expert by expert under --quantization fp8."""
+        width = self.intermediate_size
+        whole = {"gate_up_proj": (2 * width, self.hidden_size), "down_proj": (self.hidden_size, width)}
+        if not self.fmt.quantize_on_load or name not in whole:
+            raise ValueError(
+                f"checkpoint tensor {self.prefix}.{name}: fused experts load into 16-bit experts or, "
+                f"quantized while loading, with --quantization fp8; {self.fmt.describe()} stores them per "
+                "expert"
+            )
+        if tuple(tensor.shape) != (self.num_experts, *whole[name]):
+            raise ValueError(
+                f"checkpoint tensor {self.prefix}.{name} has shape {tuple(tensor.shape)}, expected "
+                f"{(self.num_experts, *whole[name])}: the checkpoint does not match config.json"
+            )
+        for expert in range(self.num_experts):
+            if name == "down_proj":
+                self.load_tensor(expert, "down_proj", "weight", tensor[expert])
+            else:
+                self.load_tensor(expert, "gate_proj", "weight", tensor[expert, :width])
+                self.load_tensor(expert, "up_proj", "weight", tensor[expert, width:])
 
     def _canonical_scale(self, loaded: torch.Tensor, rows: int, in_features: int) -> torch.Tensor:
         """A checkpoint scale -> float32 [rows, G]: a block's repeated over its rows, a tensor's over all."""

@@ -68,12 +68,20 @@ def load_quantized_expert(
     root: nn.Module, name: str, tensor: torch.Tensor, marker: str = ".mlp.experts."
 ) -> bool:
     """A quantized checkpoint's expert tensor (`...<marker><e>.<projection>.<param>`: Qwen's
-    `.mlp.experts.`, Gemma-4's `.experts.`) given to the layer's int4 or fp8 experts; False when the layer's
-    experts are 16-bit."""
+    `.mlp.experts.`, Gemma-4's `.experts.`), or under --quantization fp8 a 16-bit one (per expert, or
+    transformers 5's fused `...<marker>gate_up_proj`), given to the layer's int4 or fp8 experts; False when
+    the layer's experts are 16-bit."""
     prefix, _, rest = name.partition(marker)
     experts = root.get_submodule(prefix + marker.rstrip("."))
     if not isinstance(experts, QUANTIZED_EXPERTS):
         return False
+    if "." not in rest:  # transformers 5's fused form of 16-bit experts (`gate_up_proj`, `down_proj`)
+        if not isinstance(experts, Fp8FusedExperts):
+            raise ValueError(
+                f"checkpoint tensor {name}: fused experts in an int4 checkpoint (it stores them per expert)"
+            )
+        experts.load_fused(rest, tensor)
+        return True
     expert, projection, param = rest.split(".", 2)
     experts.load_tensor(int(expert), projection, param, tensor)
     return True

@@ -1,8 +1,8 @@
 """Which formats a MoE's fused experts run (Qwen3-MoE, Qwen3.5/3.6 MoE, Gemma-4 26B-A4B), from the config
 alone, for the models and the planner: 16-bit experts, an int4 checkpoint's experts without act order
-(layers/moe_int4.py), or an FP8 checkpoint's (layers/moe_fp8.py); a format that would store or make them
-anything else (bitsandbytes, --quantization on a 16-bit MoE) is refused before anything is built, naming
-what runs."""
+(layers/moe_int4.py), or fp8 (layers/moe_fp8.py: an FP8 checkpoint's, or --quantization fp8 on a 16-bit
+one); a format that would store or make them anything else (bitsandbytes, act order) is refused before
+anything is built, naming what runs."""
 
 from __future__ import annotations
 
@@ -46,16 +46,17 @@ def int4_experts(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_EXPERT
 
 
 def fp8_experts(config: Any, fmt: Any, layer_idx: int, block: str = QWEN_EXPERTS) -> bool:
-    """Whether layer `layer_idx`'s experts run as fp8 (an FP8 checkpoint that quantizes them)."""
-    checkpoint = isinstance(fmt, Fp8Format) and not fmt.quantize_on_load
-    return checkpoint and experts_quantized(config, fmt, layer_idx, block)
+    """Whether layer `layer_idx`'s experts run as fp8 (an FP8 checkpoint that quantizes them, or
+    --quantization fp8 on a 16-bit one)."""
+    return isinstance(fmt, Fp8Format) and experts_quantized(config, fmt, layer_idx, block)
 
 
 def runs_quantized_experts(fmt: Any) -> bool:
-    """Whether experts stored in `fmt` run: an int4 checkpoint's without act order, an FP8 checkpoint's."""
+    """Whether experts stored in `fmt` run: an int4 checkpoint's without act order, an FP8 checkpoint's or
+    a 16-bit one's under --quantization fp8."""
     if isinstance(fmt, Int4Format):
         return not fmt.act_order
-    return isinstance(fmt, Fp8Format) and not fmt.quantize_on_load
+    return isinstance(fmt, Fp8Format)
 
 
 def layer_experts(
@@ -90,8 +91,8 @@ def refuse_quantized_experts(
     with_architecture: bool = False,
 ) -> None:
     """ValueError when `fmt` (the checkpoint's format or --quantization) would quantize the experts of the
-    `sparse_layers` in a form they do not run: int4 checkpoints (without act order) and FP8 checkpoints
-    run, bitsandbytes and --quantization on 16-bit experts do not. `model` names the model in the message
+    `sparse_layers` in a form they do not run: int4 checkpoints (without act order), FP8 checkpoints and
+    --quantization fp8 run, bitsandbytes does not. `model` names the model in the message
     (e.g. "Qwen3-MoE model"), followed by its architecture when `with_architecture` and its expert count."""
     if fmt is None or not any(experts_quantized(config, fmt, i, block) for i in sparse_layers):
         return
@@ -101,9 +102,9 @@ def refuse_quantized_experts(
     which = f"{config.architectures[0]}, " if with_architecture else ""
     raise ValueError(
         f"{fmt.describe()} for a {model} ({which}{int(config.num_experts)} experts): fitserve's fused MoE "
-        f"experts run 16-bit, int4 (without act order) or FP8 checkpoint weights, not {why} (a quantized "
-        "checkpoint whose ignore list does not name the experts, or --quantization on a 16-bit MoE "
+        f"experts run 16-bit, int4 (without act order) or fp8 weights, not {why} (a quantized checkpoint "
+        "whose ignore list does not name the experts, or --quantization bitsandbytes on a 16-bit MoE "
         "checkpoint). What runs: an AWQ / GPTQ (desc_act false) / compressed-tensors W4A16 / AutoRound or an "
-        "FP8 checkpoint of the model, or the 16-bit one without --quantization (`fitserve plan MODEL` says "
-        "what it needs and how it fits: --tensor-parallel-size, --cpu-offload-gb)"
+        "FP8 checkpoint of the model, or the 16-bit one as it is or with --quantization fp8 (`fitserve plan "
+        "MODEL` says what it needs and how it fits: --tensor-parallel-size, --cpu-offload-gb)"
     )

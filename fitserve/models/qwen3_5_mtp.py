@@ -32,7 +32,7 @@ from torch import nn
 from fitserve.layers.linear import LinearMethod, ReplicatedLinear
 from fitserve.layers.quantization.bnb_format import param_name as bnb_param_name
 from fitserve.layers.quantization.methods import linear_method_for
-from fitserve.models.expert_weights import load_expert
+from fitserve.models.expert_weights import load_expert, load_quantized_expert
 from fitserve.models.parameter_loads import ParameterLoads
 from fitserve.models.qwen3_5 import _SHARDS, MTP_PREFIXES, _map_name
 from fitserve.models.qwen3_5_config import FULL_ATTENTION
@@ -142,7 +142,9 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
             if not name.startswith(MTP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
                 continue
             name = name.removeprefix("model.").removeprefix("mtp.")
-            if ".mlp.experts." in name and load_expert(self, name, tensor, loads, experts):
+            if ".mlp.experts." in name and (
+                load_quantized_expert(self, name, tensor) or load_expert(self, name, tensor, loads, experts)
+            ):
                 continue
             name = bnb_param_name(name)
             target, shard_id = _map_name(name)

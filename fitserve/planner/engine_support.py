@@ -19,11 +19,13 @@ NOT_RUN_BY_FITSERVE: dict[str, str] = {
 # experts of layers/moe.py hold 16-bit weights, layers/moe_int4.py's int4 ones for the model types below;
 # models/*_config.py refuse_quantized_*).
 MOE_QUANTIZATION = (
-    "fitserve runs MoE experts 16-bit, and int4 or FP8 checkpoints on Qwen3-MoE, Qwen3.5/3.6 MoE and Gemma-4 "
-    "MoE only, not this method yet; vLLM runs them"
+    "fitserve runs MoE experts 16-bit, int4 or fp8 (int4 and FP8 checkpoints, --quantization fp8) on "
+    "Qwen3-MoE, Qwen3.5/3.6 MoE and Gemma-4 MoE, not this method yet; vLLM runs them"
 )
-# MoE model types whose experts run an int4 checkpoint (AWQ, GPTQ, compressed-tensors W4A16, AutoRound)
+# MoE model types whose experts run an int4 checkpoint (AWQ, GPTQ, compressed-tensors W4A16, AutoRound), an
+# FP8 one or --quantization fp8 (the fp8 experts from this compute capability on: kernels/fused_moe_fp8.py)
 INT4_EXPERT_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gemma4_text")
+FP8_EXPERTS_MIN_CAPABILITY = (8, 9)
 
 
 def vllm_only(suggestion: str, setting: str) -> str:

@@ -213,7 +213,7 @@ def _fit_at(
     choices: list[Choice] = []
     dtype = _choose_dtype(args, model, used, choices)
     check_quantization(args.quantization, model, used)
-    check_fp8_experts(model, used)
+    check_fp8_experts(model, used, args.quantization)
     for gpu in used:
         if gpu.kind == "cuda" and gpu.capability is not None:
             try:

@@ -11,7 +11,7 @@ import torch
 from fitserve.args import EngineArgs
 from fitserve.args_support import CHECKPOINT_QUANTIZATIONS
 from fitserve.config import FP8_KV_CACHE_DTYPES
-from fitserve.planner.engine_support import MOE_QUANTIZATION, NOT_RUN_BY_FITSERVE
+from fitserve.planner.engine_support import FP8_EXPERTS_MIN_CAPABILITY, MOE_QUANTIZATION, NOT_RUN_BY_FITSERVE
 from fitserve.planner.fit_options import Headroom, fitting_options
 from fitserve.planner.fit_parallel import mismatch_refusal, pipeline_refusal, size_refusal, working_sizes
 from fitserve.planner.formats import format_capability, quant_method
@@ -158,19 +158,17 @@ def check_quantization(quantization: str | None, model: ModelInfo, used: Sequenc
         )
 
 
-FP8_EXPERTS_MIN_CAPABILITY = (8, 9)  # kernels/fused_moe_fp8.py: Triton's native e4m3 conversions
-
-
-def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec]) -> None:
-    """PlanError for an FP8 checkpoint's MoE experts (layers/moe_fp8.py) on a GPU below compute capability
-    8.9, whose Triton has no e4m3 conversion for their kernels: before anything loads."""
+def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec], quantization: str | None = None) -> None:
+    """PlanError for fp8 MoE experts (layers/moe_fp8.py: an FP8 checkpoint's, or --quantization fp8's) on
+    a GPU below compute capability 8.9, whose Triton has no e4m3 conversion for their kernels: before
+    anything loads."""
     from fitserve.layers.quantization.fp8_format import Fp8Format
-    from fitserve.layers.quantization.quant_config import quant_format
+    from fitserve.layers.quantization.quant_config import int4_format
 
-    if not model.shape.num_experts or model.weights.checkpoint_quantization is None:
+    if not model.shape.num_experts:
         return
     try:
-        fmt = quant_format(model.hf_config)
+        fmt = int4_format(model.hf_config, quantization)  # the checkpoint's format, or the flag's
     except ValueError:  # refused with its own message where the format is checked
         return
     if not isinstance(fmt, Fp8Format) or not fmt.quantizes("model.layers.0.mlp.experts.0.gate_proj"):
@@ -179,10 +177,10 @@ def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec]) -> None:
     if old:
         raise PlanError(
             "quantization",
-            f"{old[0].label()}: an FP8 checkpoint's MoE experts run on GPUs of compute capability "
-            f"{format_capability(FP8_EXPERTS_MIN_CAPABILITY)} and up (Ada, Hopper and later), this one has "
-            f"{format_capability(old[0].capability)}: use the model's int4 (AWQ / GPTQ) or 16-bit checkpoint "
-            "(`fitserve plan` says how each fits)",
+            f"{old[0].label()}: fp8 MoE experts (an FP8 checkpoint's or --quantization fp8's) run on GPUs "
+            f"of compute capability {format_capability(FP8_EXPERTS_MIN_CAPABILITY)} and up (Ada, Hopper and "
+            f"later), this one has {format_capability(old[0].capability)}: use the model's int4 (AWQ / GPTQ) "
+            "or 16-bit checkpoint without --quantization (`fitserve plan` says how each fits)",
         )
 
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fitserve.planner.engine_support import INT4_EXPERT_MODEL_TYPES, MOE_QUANTIZATION, vllm_only
+from fitserve.planner.engine_support import (
+    FP8_EXPERTS_MIN_CAPABILITY,
+    INT4_EXPERT_MODEL_TYPES,
+    MOE_QUANTIZATION,
+    vllm_only,
+)
 from fitserve.planner.fit_parallel import size_problem
 from fitserve.planner.formats import QUANTIZATION_METHODS
 from fitserve.planner.hardware import GiB
@@ -103,7 +108,7 @@ def fitting_options(
     moe = inputs.shape.is_moe
     runs = [text for group, text in quantization if _runs(inputs, group)]
     needs_vllm = [
-        f"{text} ({MOE_QUANTIZATION})" if moe else vllm_only(text, "quantization")
+        f"{text} ({_moe_note(group)})" if moe else vllm_only(text, "quantization")
         for group, text in quantization
         if not _runs(inputs, group)
     ]
@@ -138,14 +143,27 @@ def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Hea
     return []
 
 
+def _moe_note(group: tuple[str, ...]) -> str:
+    """Why fitserve does not run a MoE quantized by `group` (where _runs says so)."""
+    if group == ("fp8",):
+        minimum = ".".join(map(str, FP8_EXPERTS_MIN_CAPABILITY))
+        return f"fitserve's fp8 MoE experts need compute capability {minimum} and up; vLLM runs them"
+    return MOE_QUANTIZATION
+
+
 def _runs(inputs: MemoryInputs, group: tuple[str, ...]) -> bool:
     """Whether fitserve's engine runs the model quantized by `group`: a MoE's experts would be quantized
-    too, which only int4 checkpoints of the model types in INT4_EXPERT_MODEL_TYPES run."""
+    too, which the model types in INT4_EXPERT_MODEL_TYPES run from int4 checkpoints and as fp8 (on GPUs of
+    compute capability FP8_EXPERTS_MIN_CAPABILITY and up)."""
     if group not in RUN_BY_FITSERVE:
         return False
     if not inputs.shape.is_moe:
         return True
-    return group == ("awq", "gptq") and inputs.shape.model_type in INT4_EXPERT_MODEL_TYPES
+    if inputs.shape.model_type not in INT4_EXPERT_MODEL_TYPES:
+        return False
+    capability = inputs.device.capability
+    fp8_runs = capability is None or capability >= FP8_EXPERTS_MIN_CAPABILITY
+    return group == ("awq", "gptq") or (group == ("fp8",) and fp8_runs)
 
 
 def _can_quantize(inputs: MemoryInputs) -> bool:

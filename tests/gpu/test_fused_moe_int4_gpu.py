@@ -67,6 +67,11 @@ def experts() -> Int4FusedExperts:
 
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_kernel_matches_the_dequantized_torch_path(experts, tokens):
+    assert_kernels_match_the_torch_path(experts, tokens)
+
+
+def assert_kernels_match_the_torch_path(experts: torch.nn.Module, tokens: int) -> None:
+    """The experts' GPU kernels against their torch reference on `tokens` random tokens."""
     x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     ids, weights = routing(tokens, seed=tokens)
     out = experts(x, ids, weights, reduce=False)
@@ -74,6 +79,12 @@ def test_kernel_matches_the_dequantized_torch_path(experts, tokens):
 
 
 def test_a_graph_replays_another_routing(experts):
+    assert_a_graph_replays_another_routing(experts)
+
+
+def assert_a_graph_replays_another_routing(experts: torch.nn.Module) -> None:
+    """One token's MoE captured in a CUDA graph with one routing and replayed with another: the second
+    routing's result."""
     x = torch.randn(1, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     ids, weights = routing(1, seed=1)
     for _ in range(2):  # compile, then warm
@@ -90,8 +101,11 @@ def test_a_graph_replays_another_routing(experts):
 
 
 def test_expert_parallel_ranks_sum_to_the_whole():
-    whole = build()
-    ranks = [build((rank, 2)) for rank in range(2)]
+    assert_ranks_sum_to_the_whole(build(), [build((rank, 2)) for rank in range(2)])
+
+
+def assert_ranks_sum_to_the_whole(whole: torch.nn.Module, ranks: list[torch.nn.Module]) -> None:
+    """The expert-parallel ranks' partial outputs of 8 tokens add up to one rank's."""
     x = torch.randn(8, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     ids, weights = routing(8, seed=3)
     parts = sum(rank(x, ids, weights, reduce=False).float() for rank in ranks)

@@ -223,22 +223,22 @@ CT_INT4 = {
             None,
             "int4 with act order",
         ),
-        (None, "fp8", "this format"),
         (None, "bitsandbytes", "this format"),
     ],
 )
 def test_experts_quantized_as_they_do_not_run_are_refused(quantization, flag, why, tmp_path):
     """26B-A4B's shape: experts run 16-bit or an int4 checkpoint's without act order, so an act-order
-    checkpoint whose ignore list does not keep them 16-bit (or --quantization fp8 / bitsandbytes on a
-    16-bit MoE) is refused before anything is built, saying why and what runs (int4 experts:
+    checkpoint whose ignore list does not keep them 16-bit (or --quantization bitsandbytes on a 16-bit
+    MoE) is refused before anything is built, saying why and what runs (int4 experts:
     tests/unit/test_gemma4_moe_int4.py)."""
     config = _moe_config(tmp_path, quantization, flag)
     with pytest.raises(ValueError) as error:
         get_model_class(config)(config)
     message = str(error.value)
     assert "Gemma-4 MoE model (Gemma4ForConditionalGeneration, 6 experts)" in message
-    assert f"run 16-bit, int4 (without act order) or FP8 checkpoint weights, not {why}" in message
-    assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
+    assert f"run 16-bit, int4 (without act order) or fp8 weights, not {why}" in message
+    assert "AWQ / GPTQ (desc_act false)" in message
+    assert "16-bit one as it is or with --quantization fp8" in message
 
 
 def test_experts_in_the_ignore_list_build(tmp_path):

@@ -5,7 +5,7 @@ releases store them), whose shared expert, attention and DeltaNet projections ar
 router and shared-expert gate stay 16-bit (in_proj_b / in_proj_a in the ignore list, as the Qwen3.6-27B
 AWQ-INT4 config has them). One whole-sequence forward's logits match HF's, the engine's greedy tokens
 equal HF's, TP 2 (intermediate split and expert parallel) equals TP 1. Refused before loading, naming the
-fix: act order in the experts, fp8 on the MoE; a checkpoint missing an expert's tensors names it.
+fix: act order in the experts, bitsandbytes on the MoE; a checkpoint missing an expert's tensors names it.
 --load-format dummy gives the same model at TP 1 and TP 2."""
 
 from __future__ import annotations
@@ -142,12 +142,12 @@ def test_act_order_experts_are_refused_before_loading(root):
         _engine_greedy(folder, [TOKENS[:4]], load_format="dummy")
 
 
-def test_fp8_on_the_moe_is_refused_before_loading(root):
+def test_bitsandbytes_on_the_moe_is_refused_before_loading(root):
     folder = _with_config(root, "bf16", {"quant_method": ""})
     with pytest.raises(
         ValueError, match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration, 4 experts\).*not this"
     ):
-        _engine_greedy(folder, [TOKENS[:4]], load_format="dummy", quantization="fp8")
+        _engine_greedy(folder, [TOKENS[:4]], load_format="dummy", quantization="bitsandbytes")
 
 
 def test_a_missing_expert_is_refused_naming_it(root, tmp_path):

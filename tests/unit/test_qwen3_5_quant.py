@@ -185,16 +185,16 @@ def test_a_group_size_that_does_not_divide_a_layer_is_refused(tmp_path):
         get_model_class(config)(config)
 
 
-@pytest.mark.parametrize("quant", ["gptq-actorder", "fp8"])
+@pytest.mark.parametrize("quant", ["gptq-actorder", "bitsandbytes"])
 def test_a_moe_quantized_as_its_experts_do_not_run_is_refused(quant, tmp_path):
-    """Qwen3.6-35B-A3B's shape: the fused experts run 16-bit or int4 without act order, so an act-order
-    GPTQ checkpoint (or --quantization fp8 on a 16-bit one) is refused before anything loads, saying what
-    runs instead (int4 MoE checkpoints: tests/unit/test_qwen3_5_moe_int4.py)."""
+    """Qwen3.6-35B-A3B's shape: the fused experts run 16-bit, int4 without act order or fp8, so an
+    act-order GPTQ checkpoint (or --quantization bitsandbytes on a 16-bit one) is refused before anything
+    loads, saying what runs instead (int4 MoE checkpoints: tests/unit/test_qwen3_5_moe_int4.py)."""
     config_hf = make_config(moe=True, conditional=True)
     folder = tmp_path
     build_hf(config_hf, seed=8).save_pretrained(folder)
     config = CheckpointConfig.from_folder(folder)
-    flag = "fp8" if quant == "fp8" else None
+    flag = "bitsandbytes" if quant == "bitsandbytes" else None
     if flag is None:
         config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
     config = with_quantization_flag(config, flag)
@@ -202,9 +202,10 @@ def test_a_moe_quantized_as_its_experts_do_not_run_is_refused(quant, tmp_path):
         get_model_class(config)(config)
     message = str(error.value)
     assert "Qwen3.5 MoE model" in message and "4 experts" in message
-    assert "fused MoE experts run 16-bit, int4 (without act order) or FP8 checkpoint weights" in message
+    assert "fused MoE experts run 16-bit, int4 (without act order) or fp8 weights" in message
     assert ("not int4 with act order" if flag is None else "not this format") in message
-    assert "AWQ / GPTQ (desc_act false)" in message and "16-bit one without --quantization" in message
+    assert "AWQ / GPTQ (desc_act false)" in message
+    assert "16-bit one as it is or with --quantization fp8" in message
 
 
 def _engine_greedy(folder: Path, **kwargs: Any) -> list[int]:

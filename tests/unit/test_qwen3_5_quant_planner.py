@@ -99,7 +99,8 @@ def test_the_27b_awq_model_builds_with_its_ignore_list(tensor_parallel_size):
 def test_an_int4_moe_is_planned_with_its_experts_int4(tmp_path):
     """Qwen3.6-35B-A3B's config with the 27B's quantization_config (compressed-tensors int4, groups of 32):
     the engine's plan check takes it (its experts run int4, layers/moe_int4.py) and counts every expert
-    and the shared expert as int4; --quantization fp8 on the 16-bit MoE is refused naming what runs."""
+    and the shared expert as int4; --quantization bitsandbytes on the 16-bit MoE is refused naming what
+    runs."""
     need(MOE)
     need(AWQ_27B)
     raw = json.loads((MOE / "config.json").read_text())
@@ -122,4 +123,4 @@ def test_an_int4_moe_is_planned_with_its_experts_int4(tmp_path):
         ValueError,
         match=r"Qwen3\.5 MoE model \(Qwen3_5MoeForConditionalGeneration, 256 experts\).*not this format",
     ):
-        check_quantized_checkpoint(inspect_model(str(MOE), load_format="dummy"), "fp8")
+        check_quantized_checkpoint(inspect_model(str(MOE), load_format="dummy"), "bitsandbytes")

@@ -166,15 +166,15 @@ def _awq(config: Any, ignore: list[str] | None = None) -> Any:
 
 
 def test_experts_quantized_in_a_form_they_do_not_run_are_refused_before_building():
-    """fp8 (--quantization on the 16-bit checkpoint) and int4 with act order; an int4 checkpoint builds
-    (tests/unit/test_qwen3_moe_int4.py runs them, test_qwen3_moe_fp8.py FP8 checkpoints)."""
+    """bitsandbytes (--quantization on the 16-bit checkpoint) and int4 with act order; an int4 checkpoint
+    builds (tests/unit/test_qwen3_moe_int4.py runs them, test_qwen3_moe_fp8.py fp8)."""
     from fitserve.layers.moe_int4 import Int4FusedExperts
     from fitserve.layers.quantization.quant_config import with_quantization_flag
 
     with pytest.raises(
-        ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit, int4 .* or FP8 checkpoint weights, not"
+        ValueError, match=r"Qwen3-MoE model \(8 experts\).*16-bit, int4 .* or fp8 weights, not this format"
     ):
-        Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), "fp8"))
+        Qwen3MoeForCausalLM(with_quantization_flag(config_of("renormalised"), "bitsandbytes"))
     act_order = _awq(config_of("renormalised"))
     act_order.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
     with pytest.raises(ValueError, match=r"gptq int4 .*not int4 with act order \(g_idx\).*desc_act false"):
@@ -253,9 +253,9 @@ def test_a_plan_with_quantized_moe_experts_says_fitserve_does_not_run_it(capsys)
     from tests.unit.test_planner_cli import parse
 
     argv = [str(EXAMPLES / "qwen3-30b-a3b"), "--assume-gpus", "1x80@9.0"]
-    assert run_plan(parse("plan", [*argv, "--quantization", "fp8"])) == 0
+    assert run_plan(parse("plan", [*argv, "--quantization", "bitsandbytes"])) == 0
     assert (
-        "planned only: --quantization fp8 (fitserve runs MoE experts 16-bit, and int4 or FP8 checkpoints on"
+        "planned only: --quantization bitsandbytes (fitserve runs MoE experts 16-bit, int4 or fp8"
         in capsys.readouterr().out
     )
     assert run_plan(parse("plan", argv)) == 0

@@ -183,6 +183,99 @@ def test_the_plan_of_qwen3_30b_a3b_fp8_fits_two_24gb_gpus_and_refuses_ampere(cap
     from fitserve.planner.fit_errors import PlanError
 
     with pytest.raises(
-        PlanError, match=r"MoE experts run on GPUs of compute capability 8\.9 and up.*has 8\.6"
+        PlanError, match=r"fp8 MoE experts .* run on GPUs of compute capability 8\.9 and up.*has 8\.6"
     ):
         run_plan(parse("plan", [folder, "--assume-gpus", "2x24@8.6"]))
+
+
+@functools.cache
+def bf16_checkpoint(form: str, root: str) -> tuple[Path, torch.nn.Module]:
+    """A 16-bit checkpoint of the same model, its experts fused (transformers 5's `gate_up_proj`) or one
+    tensor per expert and projection (the hub's form), and the HF reference with what --quantization fp8
+    makes of it: attention and every expert projection rounded to fp8 with one scale a row (written from
+    the format's definition, tests/fp8_checkpoints.py)."""
+    config = tiny_hf_config("Qwen3MoeForCausalLM", **MOE, norm_topk_prob=True)
+    hf_model = build_hf_model(config, seed=3)
+    per_channel = Fp8Spec("ct", "channel")
+    folder = Path(root) / f"bf16-{form}"
+    quantize = fp8_quantizer(per_channel)
+
+    def as_stored(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return {".weight": weight}, quantize(module, weight)[1]  # 16-bit in the file, fp8 in the reference
+
+    write_quantized_moe(folder, hf_model, as_stored, None)
+    tensors = load_file(str(folder / "model.safetensors"))
+    if form == "fused":
+        state = hf_model.state_dict()
+        tensors = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+        tensors.update(
+            {n: t.contiguous() for n, t in state.items() if n.endswith(("gate_up_proj", "down_proj"))}
+        )
+    save_file(tensors, str(folder / "model.safetensors"))
+    reference = write_quantized_moe(
+        Path(root) / f"ref-{form}", hf_model, quantize, quantization_config(per_channel)
+    )
+    return folder, reference
+
+
+@pytest.mark.parametrize("form", ["fused", "per_expert"])
+def test_quantization_fp8_on_a_16bit_moe_quantizes_its_experts_while_loading(root, form):
+    """vLLM's `--quantization fp8` on a bf16 Qwen3-MoE: the experts become fp8 as they load (one scale a
+    row), and the engine decodes as HF does with those weights."""
+    folder, reference = bf16_checkpoint(form, root)
+    llm = make_llm(folder, quantization="fp8")
+    experts = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "Fp8FusedExperts" and experts.w13_scale.shape[-1] == 1
+    assert_follows_the_reference(llm, reference)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["intermediate_split", "expert_parallel"])
+def test_quantization_fp8_experts_of_two_ranks_sum_to_one_ranks(expert_parallel):
+    """The fused 16-bit experts quantized while loading on each of two ranks (each its experts, or its
+    slice of every expert's intermediate columns) give, summed, what one rank's give: each row is quantized
+    whole before it is cut. (The engine's TP 2 differs from TP 1 under --quantization fp8 through the
+    attention's o_proj, whose rows each rank quantizes over its own columns.)"""
+    from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel
+    from fitserve.layers.moe_fp8 import Fp8FusedExperts
+    from fitserve.layers.quantization.fp8_format import on_load_format
+
+    generator = torch.Generator().manual_seed(4)
+    gate_up, down = torch.randn(8, 128, 64, generator=generator), torch.randn(8, 64, 64, generator=generator)
+
+    def loaded(rank: int, size: int) -> Fp8FusedExperts:
+        set_tensor_parallel(TensorParallel(rank, size))
+        try:
+            silu = torch.nn.functional.silu
+            experts = Fp8FusedExperts(8, 64, 64, silu, on_load_format(), "experts", expert_parallel)
+        finally:
+            set_tensor_parallel(TensorParallel())
+        experts.load_fused("gate_up_proj", gate_up)
+        experts.load_fused("down_proj", down)
+        assert experts.missing() == []
+        return experts
+
+    x = torch.randn(5, 64, generator=generator)
+    ids = torch.randint(0, 8, (5, 2), generator=generator)
+    weights = torch.rand(5, 2, generator=generator)
+    whole = loaded(0, 1)(x, ids, weights, reduce=False)
+    parts = sum(loaded(rank, 2)(x, ids, weights, reduce=False) for rank in range(2))
+    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-4)  # a split sum: float32 rounding
+
+
+@pytest.mark.parametrize(("sm", "runs"), [("8.9", True), ("8.6", False)])
+def test_the_plan_offers_quantization_fp8_for_the_bf16_moe_where_it_runs(sm, runs):
+    """The bf16 Qwen3-30B-A3B on one 48 GB GPU does not fit; `--quantization fp8` does (29.11 GiB), and is
+    offered as fitserve's on Ada / Hopper, as vLLM's below compute capability 8.9."""
+    from fitserve.cli.plan import run_plan
+    from fitserve.planner.fit_errors import PlanError
+    from tests.unit.test_planner_cli import parse
+    from tests.unit.test_qwen3_moe import EXAMPLES
+
+    with pytest.raises(PlanError) as error:
+        run_plan(parse("plan", [str(EXAMPLES / "qwen3-30b-a3b"), "--assume-gpus", f"1x48@{sm}"]))
+    line = next(
+        line for line in str(error.value).splitlines() if line.strip().startswith("--quantization fp8")
+    )
+    assert "weights 29.11 GiB per GPU" in line
+    assert ("vLLM runs them" not in line) == runs
+    assert runs or "fp8 MoE experts need compute capability 8.9 and up" in line

@@ -5,8 +5,9 @@ int4. Greedy tokens equal HF's, logprobs within 2e-3 (float32; the attention's C
 steps to float16), the experts' output within 1e-5 of the dequantized experts', with prefix caching and
 chunked prefill; TP 2 (intermediate split and expert parallel) equals TP 1; --load-format dummy runs the
 same model at TP 1 and TP 2. Refused before loading, naming the fix: act order in the experts, a TP split
-of a quantization group, --quantization fp8 on the MoE; a checkpoint missing an expert's tensors is refused
-naming it. The kernels: tests/unit/test_fused_moe_int4_interpret.py."""
+of a quantization group, --quantization bitsandbytes on the MoE (fp8 runs: test_qwen3_moe_fp8.py); a
+checkpoint missing an expert's tensors is refused naming it. The kernels:
+tests/unit/test_fused_moe_int4_interpret.py."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def write_quantized_moe(
-    folder: Path, hf_model: torch.nn.Module, quantize: Quantizer, quantization: dict[str, Any]
+    folder: Path, hf_model: torch.nn.Module, quantize: Quantizer, quantization: dict[str, Any] | None
 ) -> torch.nn.Module:
     """The checkpoint (attention and every expert's projections quantized by `quantize`, one tensor set per
     expert, config.json's quantization_config `quantization`), and the HF model with the dequantized
@@ -61,7 +62,8 @@ def write_quantized_moe(
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_model.config.to_dict()
-    config["quantization_config"] = quantization
+    if quantization is not None:  # None: a 16-bit checkpoint
+        config["quantization_config"] = quantization
     write_config_with_tokenizer(folder, config)
     return reference
 
@@ -206,10 +208,10 @@ def test_a_tp_split_of_a_group_is_refused_naming_expert_parallel(root):
         make_llm(folder, load_format="dummy", tensor_parallel_size=4)
 
 
-def test_fp8_on_the_moe_is_refused_before_loading(root):
+def test_bitsandbytes_on_the_moe_is_refused_before_loading(root):
     base = _config_only(root, "awq", "bf16", quantized=False)
     with pytest.raises(ValueError, match=r"Qwen3-MoE model \(8 experts\).*not this format"):
-        make_llm(base, load_format="dummy", quantization="fp8")
+        make_llm(base, load_format="dummy", quantization="bitsandbytes")
 
 
 def test_a_missing_expert_is_named(root):

@@ -1,0 +1,71 @@
+"""The fp8 fused MoE (fitserve/kernels/fused_moe_fp8.py) on a GPU of compute capability 8.9+ at
+Qwen3-30B-A3B-FP8's expert shape (128 experts, top 8, hidden 2048, intermediate 768), with Qwen's
+[128, 128] block scales and with per-channel scales, against the experts' torch path over the dequantized
+weights (layers/moe_quantized.py QuantizedExperts.reference); replayed in a CUDA graph captured with one
+routing and replayed with another; with expert parallel. Needs CUDA and triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("needs a CUDA GPU of compute capability 8.9 or more", allow_module_level=True)
+
+from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel  # noqa: E402
+from fitserve.layers.moe_fp8 import Fp8FusedExperts  # noqa: E402
+from fitserve.layers.quantization.fp8_format import Fp8Format  # noqa: E402
+from tests.gpu.test_fused_moe_int4_gpu import (  # noqa: E402
+    DEVICE,
+    EXPERTS,
+    HIDDEN,
+    INTER,
+    assert_a_graph_replays_another_routing,
+    assert_kernels_match_the_torch_path,
+    assert_ranks_sum_to_the_whole,
+)
+
+pytestmark = pytest.mark.gpu
+TOKENS = (1, 8, 64, 512)  # the decode-sized tiles up to 64 tokens, the larger ones past them
+FORMATS = {
+    "block": Fp8Format(method="fp8", strategy="block", block=(128, 128)),
+    "channel": Fp8Format(method="compressed-tensors", strategy="channel"),
+}
+
+
+def build(strategy: str, expert_parallel: tuple[int, int] | None = None) -> Fp8FusedExperts:
+    rank, size = expert_parallel or (0, 1)
+    set_tensor_parallel(TensorParallel(rank, size))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            fmt = FORMATS[strategy]
+            silu = torch.nn.functional.silu
+            experts = Fp8FusedExperts(
+                EXPERTS, HIDDEN, INTER, silu, fmt, "test.experts", expert_parallel is not None
+            )
+            experts.initialize_dummy(seed=0, std=0.05)
+    finally:
+        torch.set_default_dtype(previous)
+        set_tensor_parallel(TensorParallel())
+    return experts
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def experts(request) -> Fp8FusedExperts:
+    return build(request.param)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_kernels_match_the_dequantized_torch_path(experts, tokens):
+    assert_kernels_match_the_torch_path(experts, tokens)
+
+
+def test_a_graph_replays_another_routing(experts):
+    assert_a_graph_replays_another_routing(experts)
+
+
+def test_expert_parallel_ranks_sum_to_the_whole():
+    assert_ranks_sum_to_the_whole(build("block"), [build("block", (rank, 2)) for rank in range(2)])
