@@ -11,7 +11,6 @@ bytes from config.json. The kernels: tests/unit/test_fused_moe_fp8_interpret.py.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
@@ -90,13 +89,9 @@ def _copy_without_weights(root: str, name: str, target: str) -> Path:
     return folder
 
 
-def test_dummy_experts_are_the_same_model_at_tp1_and_tp2(root):
-    """The experts' dummy fp8 weights are drawn whole and cut per rank (the attention is kept 16-bit here:
-    a dense fp8 layer's dummy weight is drawn per rank)."""
+def test_dummy_weights_are_the_same_model_at_tp1_and_tp2(root):
+    """Every fp8 weight (attention and experts) is drawn whole and cut per rank, as a checkpoint's is."""
     folder = _copy_without_weights(root, "hf-block", "block-dummy")
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"]["modules_to_not_convert"].append("self_attn")
-    (folder / "config.json").write_text(json.dumps(config))
     want = greedy_outputs(make_llm(folder, load_format="dummy"), PROMPTS)
     two = make_llm(folder, load_format="dummy", tensor_parallel_size=2)
     try:

@@ -219,18 +219,29 @@ class Fp8LinearMethod(QuantizedLinearMethod):
     ) -> None:
         """--load-format dummy: a random fp8 weight (N(0, std) quantized per channel, or per block for a
         block-scaled format) drawn on `device` (default: the layer's) from a generator seeded by `seed`
-        and the layer's name; static activation scales get 1/448 of a unit activation. A bias becomes 0."""
+        and the projection's name; static activation scales get 1/448 of a unit activation. A bias becomes 0.
+
+        The same model at every tensor-parallel size: each projection (shard) is drawn whole and this rank
+        keeps its rows and columns of it and of its scale, as a checkpoint's are cut; a fused layer's shards
+        are stacked."""
         from fitserve.layers.quantization.int4_method import layer_seed
 
         if self.runnable is not None:
             raise ValueError(f"{self.prefix}: dummy weights for a layer that was already loaded")
         home = layer.weight.device
         on = home if device is None else torch.device(device)
-        generator = torch.Generator(device=on).manual_seed(layer_seed(seed, self.prefix))
-        rows, columns = layer.output_size_per_rank, layer.input_size_per_rank
-        group = self.group_k(columns) if self.fmt.strategy == "block" else None
-        weight = random_fp8_weight(rows, columns, group, std, generator, on)
-        weight = Fp8Weight(weight.data.to(home), weight.scale.to(home), weight.group_k)
+        block = self.fmt.strategy == "block"
+        data, scales = [], []
+        for shard_id in tuple(getattr(layer, "shard_ids", ())) or (None,):
+            name = self.prefix if shard_id is None else f"{self.prefix}.{shard_id}"
+            part = rank_slice(layer, shard_id, name)
+            generator = torch.Generator(device=on).manual_seed(layer_seed(seed, name))
+            group = self.group_k(part.whole_columns) if block else None
+            whole = random_fp8_weight(part.whole_rows, part.whole_columns, group, std, generator, on)
+            data.append(take_columns(take_rows(whole.data, 0, part, name), 1, part, name).to(home))
+            scales.append(self._rank_scale(whole.scale, part, name).to(home))
+        columns = layer.input_size_per_rank
+        weight = Fp8Weight(torch.cat(data), torch.cat(scales).contiguous(), self.group_k(columns))
         if layer.bias is not None:
             with torch.no_grad():
                 layer.bias.zero_()
