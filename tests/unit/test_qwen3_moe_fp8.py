@@ -20,11 +20,12 @@ from safetensors.torch import load_file, save_file
 from tests.fp8_checkpoints import Fp8Spec, quantization_config
 from tests.unit.model_helpers import build_hf_model, tiny_hf_config
 from tests.unit.quant_helpers import fp8_quantizer
-from tests.unit.test_engine_vs_hf import PROMPTS, greedy_outputs, make_llm
+from tests.unit.test_engine_vs_hf import make_llm
 from tests.unit.test_qwen3_moe import assert_layout_equals_one_rank
 from tests.unit.test_qwen3_moe_int4 import (
     MOE,
     assert_chunks_and_cached_prefixes_keep_the_tokens,
+    assert_dummy_weights_are_one_model_at_tp1_and_tp2,
     assert_experts_compute_their_dequantized_weights,
     assert_follows_the_reference,
     write_quantized_moe,
@@ -91,14 +92,7 @@ def _copy_without_weights(root: str, name: str, target: str) -> Path:
 
 def test_dummy_weights_are_the_same_model_at_tp1_and_tp2(root):
     """Every fp8 weight (attention and experts) is drawn whole and cut per rank, as a checkpoint's is."""
-    folder = _copy_without_weights(root, "hf-block", "block-dummy")
-    want = greedy_outputs(make_llm(folder, load_format="dummy"), PROMPTS)
-    two = make_llm(folder, load_format="dummy", tensor_parallel_size=2)
-    try:
-        got = greedy_outputs(two, PROMPTS)
-    finally:
-        two.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_dummy_weights_are_one_model_at_tp1_and_tp2(_copy_without_weights(root, "hf-block", "block-dummy"))
 
 
 def test_a_tp_split_inside_a_scale_block_is_refused_naming_expert_parallel(root):

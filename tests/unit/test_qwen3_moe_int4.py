@@ -184,7 +184,11 @@ def _config_only(
 
 
 def test_dummy_weights_are_the_same_model_at_tp1_and_tp2(root):
-    folder = _config_only(root, "awq", "awq-dummy")
+    assert_dummy_weights_are_one_model_at_tp1_and_tp2(_config_only(root, "awq", "awq-dummy"))
+
+
+def assert_dummy_weights_are_one_model_at_tp1_and_tp2(folder: Path) -> None:
+    """--load-format dummy on the folder's config: the same greedy tokens at TP 1 and TP 2."""
     want = greedy_outputs(make_llm(folder, load_format="dummy"), PROMPTS)
     two = make_llm(folder, load_format="dummy", tensor_parallel_size=2)
     try:
