@@ -74,30 +74,17 @@ class Fp8FusedExperts(QuantizedExperts):
 
     def load_tensor(self, expert: int, projection: str, name: str, tensor: torch.Tensor) -> None:
         """One checkpoint tensor of expert `expert` (global id), `projection` (gate_proj, up_proj, down_proj)
-        named as the format names it (weight, weight_scale_inv / weight_scale, input_scale). ValueError for
-        a name the format does not have, a dtype or a shape that does not fit, naming the tensor."""
+        named as the format names it (weight, weight_scale_inv / weight_scale, input_scale), or under
+        --quantization fp8 a 16-bit `weight`, quantized whole as it arrives (one scale a row, round to
+        nearest of w / (amax / 448)) on the experts' device, so the 16-bit experts never sit there.
+        ValueError for a name the format does not have, a dtype or a shape that does not fit, naming it."""
         what = f"{self.prefix}.{expert}.{projection}.{name}"
-        if self.fmt.quantize_on_load:
-            self._quantize_on_load(expert, projection, name, tensor, what)
-            return
-        names = {"weight", self.fmt.scale_name, "input_scale"}
-        if name not in names or projection not in PROJECTIONS or not 0 <= expert < self.num_experts:
+        if projection not in PROJECTIONS or not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {what}: not a tensor of {self.fmt.describe()} experts")
-        in_features, out_features = self._shape(projection)
-        expected = {"weight": (out_features, in_features), self.fmt.scale_name: self._scale_shape(projection)}
-        if name == "input_scale" or (name == self.fmt.scale_name and self.fmt.strategy == "tensor"):
-            if tensor.numel() != 1 or not float(tensor.float().reshape(())) > 0:
-                raise ValueError(f"{what}: expected one positive scale, got {tuple(tensor.shape)} {tensor}")
-        elif tuple(tensor.shape) not in (expected[name], (*expected[name][:1],)):
-            raise ValueError(
-                f"quantized tensor {what} has shape {tuple(tensor.shape)}, expected {expected[name]} for "
-                f"{self.fmt.describe()}: the checkpoint is truncated or does not match config.json"
-            )
-        if name == "weight" and tensor.dtype != FP8:
-            raise ValueError(
-                f"quantized tensor {what} is {tensor.dtype}, expected float8_e4m3fn for "
-                f"{self.fmt.describe()}: the checkpoint does not match config.json's quantization_config"
-            )
+        if self.fmt.quantize_on_load:
+            self._check_16bit(projection, name, tensor, what)
+        else:
+            self._check_fp8(projection, name, tensor, what)
         if name == "input_scale":
             return  # the experts run weight-only: activations stay 16-bit
         local = expert - self.first_expert
@@ -105,21 +92,46 @@ class Fp8FusedExperts(QuantizedExperts):
             if name == "weight":
                 self._done.add((expert, projection))
             return  # another rank's expert (expert parallel): counted, not kept
+        if self.fmt.quantize_on_load:
+            quantized = quantize_fp8(tensor.to(self.w13.device))
+            self.store(local, projection, quantized.data, quantized.scale)
+            return
         pending = self._pending.setdefault((expert, projection), {})
         pending[name] = tensor
         if {"weight", self.fmt.scale_name} - set(pending):
             return  # the weight or its scale is still to come
         del self._pending[(expert, projection)]
+        in_features, out_features = self._shape(projection)
         scale = self._canonical_scale(pending[self.fmt.scale_name].float(), out_features, in_features)
         self.store(local, projection, pending["weight"], scale)
 
-    def _quantize_on_load(
-        self, expert: int, projection: str, name: str, tensor: torch.Tensor, what: str
-    ) -> None:
-        """--quantization fp8: a 16-bit expert weight quantized whole as it arrives, one scale a row (round to
-        nearest of w / (amax / 448)), on the experts' device, so the 16-bit experts never sit there."""
+    def _check_fp8(self, projection: str, name: str, tensor: torch.Tensor, what: str) -> None:
+        """An FP8 checkpoint's tensor: one of the format's names, its shape (a per-channel scale [N] or
+        [N, 1]), an e4m3 weight, a positive single value for a per-tensor or input scale."""
+        if name not in {"weight", self.fmt.scale_name, "input_scale"}:
+            raise ValueError(f"checkpoint tensor {what}: not a tensor of {self.fmt.describe()} experts")
         in_features, out_features = self._shape(projection)
-        if name != "weight" or projection not in PROJECTIONS or not 0 <= expert < self.num_experts:
+        if name == "input_scale" or (name == self.fmt.scale_name and self.fmt.strategy == "tensor"):
+            if tensor.numel() != 1 or not float(tensor.float().reshape(())) > 0:
+                raise ValueError(f"{what}: expected one positive scale, got {tuple(tensor.shape)} {tensor}")
+            return
+        expected = (out_features, in_features) if name == "weight" else self._scale_shape(projection)
+        channel_vector = name != "weight" and self.fmt.strategy == "channel" and tensor.dim() == 1
+        if tuple(tensor.shape) != (expected[:1] if channel_vector else expected):
+            raise ValueError(
+                f"quantized tensor {what} has shape {tuple(tensor.shape)}, expected {expected} for "
+                f"{self.fmt.describe()}: the checkpoint is truncated or does not match config.json"
+            )
+        if name == "weight" and tensor.dtype != FP8:
+            raise ValueError(
+                f"quantized tensor {what} is {tensor.dtype}, expected float8_e4m3fn for "
+                f"{self.fmt.describe()}: the checkpoint does not match config.json's quantization_config"
+            )
+
+    def _check_16bit(self, projection: str, name: str, tensor: torch.Tensor, what: str) -> None:
+        """A 16-bit checkpoint's expert weight under --quantization fp8: a float weight of the full shape."""
+        in_features, out_features = self._shape(projection)
+        if name != "weight":
             raise ValueError(f"checkpoint tensor {what}: not a tensor of 16-bit MoE experts")
         if not tensor.is_floating_point() or tensor.dtype == FP8:
             raise ValueError(
@@ -131,12 +143,6 @@ class Fp8FusedExperts(QuantizedExperts):
                 f"checkpoint tensor {what} has shape {tuple(tensor.shape)}, expected "
                 f"{(out_features, in_features)}: the checkpoint is truncated or does not match config.json"
             )
-        local = expert - self.first_expert
-        if not 0 <= local < self.local_experts:
-            self._done.add((expert, projection))
-            return  # another rank's expert (expert parallel): counted, not kept
-        quantized = quantize_fp8(tensor.to(self.w13.device))
-        self.store(local, projection, quantized.data, quantized.scale)
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
         """transformers 5's fused form of a 16-bit checkpoint's experts (`gate_up_proj` [E, 2I, hidden] or

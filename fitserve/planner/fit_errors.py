@@ -162,16 +162,18 @@ def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec], quantization
     """PlanError for fp8 MoE experts (layers/moe_fp8.py: an FP8 checkpoint's, or --quantization fp8's) on
     a GPU below compute capability 8.9, whose Triton has no e4m3 conversion for their kernels: before
     anything loads."""
-    from fitserve.layers.quantization.fp8_format import Fp8Format
-    from fitserve.layers.quantization.quant_config import int4_format
+    from fitserve.layers.quantization.quant_config import quant_format
+    from fitserve.models.moe_experts_format import GEMMA_EXPERTS, QWEN_EXPERTS, fp8_experts
 
     if not model.shape.num_experts:
         return
     try:
-        fmt = int4_format(model.hf_config, quantization)  # the checkpoint's format, or the flag's
+        fmt = quant_format(model.hf_config, quantization)  # the checkpoint's format, or the flag's
     except ValueError:  # refused with its own message where the format is checked
         return
-    if not isinstance(fmt, Fp8Format) or not fmt.quantizes("model.layers.0.mlp.experts.0.gate_proj"):
+    layers = range(model.shape.num_layers)
+    blocks = (QWEN_EXPERTS, GEMMA_EXPERTS)  # where Qwen's and Gemma-4's checkpoints keep a layer's experts
+    if not any(fp8_experts(model.hf_config, fmt, i, block) for i in layers for block in blocks):
         return
     old = [d for d in used if d.capability is not None and d.capability < FP8_EXPERTS_MIN_CAPABILITY]
     if old:

@@ -186,8 +186,8 @@ def _memory_table(plan: MemoryPlan) -> list[str]:
         # a quantized checkpoint: packed codes, zeros, g_idx, fp8 weights and scales as stored; the rest
         # in the dtype
         method = inputs.weights.checkpoint_quantization
-        fp8 = "F8_E4M3" in inputs.weights.file_tensor_types or method == "fp8"
-        label = "fp8" if method == "fp8" else f"{method} {'fp8' if fp8 else 'int4'}"
+        fp8 = "F8_E4M3" in inputs.weights.file_tensor_types
+        label = method if method == "fp8" else f"{method} {'fp8' if fp8 else 'int4'}"
         weights += f"; {label} {stored / GiB:.2f} GiB as stored"
     if ranks > 1:
         weights += f", 1/{ranks} per {'GPU' if inputs.on_gpu else 'rank'}"

@@ -268,3 +268,22 @@ def test_the_plan_offers_quantization_fp8_for_the_bf16_moe_where_it_runs(sm, run
     assert "weights 29.11 GiB per GPU" in line
     assert ("vLLM runs them" not in line) == runs
     assert runs or "fp8 MoE experts need compute capability 8.9 and up" in line
+
+
+def test_expert_tensors_of_the_wrong_shape_are_refused_naming_them():
+    """A weight must be [N, K], a block scale [N / bn, K / bk]; only a per-channel scale may be [N]."""
+    from fitserve.layers.moe_fp8 import Fp8FusedExperts
+    from fitserve.layers.quantization.fp8_format import Fp8Format
+
+    silu = torch.nn.functional.silu
+    block = Fp8FusedExperts(8, 64, 64, silu, Fp8Format("fp8", "block", (32, 32)), "experts")
+    with pytest.raises(
+        ValueError, match=r"experts\.0\.gate_proj\.weight has shape \(64,\), expected \(64, 64\)"
+    ):
+        block.load_tensor(0, "gate_proj", "weight", torch.zeros(64, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(2,\), expected \(2, 2\)"):
+        block.load_tensor(0, "gate_proj", "weight_scale_inv", torch.ones(2))
+    channel = Fp8FusedExperts(8, 64, 64, silu, Fp8Format("compressed-tensors", "channel"), "experts")
+    channel.load_tensor(0, "down_proj", "weight", torch.zeros(64, 64, dtype=torch.float8_e4m3fn))
+    channel.load_tensor(0, "down_proj", "weight_scale", torch.full((64,), 0.5))  # [N]: taken as [N, 1]
+    assert (channel.w2_scale[0] == 0.5).all() and "experts.0.down_proj" not in channel.missing()
