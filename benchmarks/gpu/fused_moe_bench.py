@@ -29,6 +29,7 @@ from fitserve.layers.moe import FusedExperts
 SHAPES = {  # experts, top_k, hidden, moe_intermediate, activation
     "gemma4-26b-a4b": (128, 8, 2816, 704, lambda x: F.gelu(x, approximate="tanh")),
     "qwen3.6-35b-a3b": (256, 8, 2048, 512, F.silu),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, F.silu),  # fused_moe_fp8_bench.py's shape
 }
 TOKENS = (1, 8, 64, 512, 4096)
 DTYPE = torch.bfloat16
@@ -181,7 +182,7 @@ def measure_models(
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=list(SHAPES)[:2], choices=list(SHAPES))
     args = parser.parse_args()
     copy_bandwidth = copy_bandwidth_bytes_per_s()
     results = []

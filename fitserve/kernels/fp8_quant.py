@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.fp8_bits import float32_to_e4m3_bits
+from fitserve.kernels.moe_parts import INTERPRETING
+
 FP8_MAX = 448.0
 # amax * (1 / 448) rounded to float32: what torch's CUDA division by a scalar computes (the reference)
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
@@ -76,7 +79,19 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, GROUP: tl.constexpr):
+def to_e4m3(quantized, EXACT_BITS: tl.constexpr):
+    """float32 values within +-448 -> e4m3, rounded to nearest even. EXACT_BITS (the CPU interpreter,
+    whose conversion loses a rounding carry into the exponent: 1.95 became 1.0) rounds with
+    fp8_bits' integer operations instead: the same bytes as the GPU's conversion and torch's."""
+    if EXACT_BITS:
+        return float32_to_e4m3_bits(quantized).to(tl.float8e4nv, bitcast=True)
+    return quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, GROUP: tl.constexpr, EXACT_BITS: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1).to(tl.int64)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -84,7 +99,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, GROU
     scale = tl.maximum(tl.max(tl.abs(values), axis=0) * INV_FP8_MAX, 1e-12)
     tl.store(scale_ptr + group * M + row, scale)
     quantized = tl.minimum(tl.maximum(tl.div_rn(values, scale), -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + cols, quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne"))
+    tl.store(q_ptr + row * stride_q + cols, to_e4m3(quantized, EXACT_BITS))
 
 
 def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,5 +134,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((k // GROUP, m), dtype=torch.float32, device=x.device)
     if m:
-        _quantize_groups_kernel[(m, k // GROUP)](x, quantized, scale, m, x.stride(0), k, GROUP=GROUP)
+        _quantize_groups_kernel[(m, k // GROUP)](
+            x, quantized, scale, m, x.stride(0), k, GROUP=GROUP, EXACT_BITS=INTERPRETING
+        )
     return quantized, scale.t()

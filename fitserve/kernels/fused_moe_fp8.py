@@ -1,24 +1,30 @@
 """Fused mixture-of-experts over fp8 experts (an FP8 checkpoint's: Qwen3-30B-A3B-FP8, Qwen3.6-35B-A3B-FP8,
-compressed-tensors FP8 MoE releases): kernels/fused_moe.py's grouped path with 1-byte weights, dequantized
-in the kernel (weight-only: the activations stay 16-bit, W8A16).
+compressed-tensors FP8 MoE releases): kernels/fused_moe.py's grouped path with 1-byte weights.
 
 The routing (`fused_moe.moe_route`) and the sum of each token's k rows (`fused_moe.sum_pair_rows`) are
-fused_moe.py's; the two GEMMs are its kernels with the weight tile loaded as float8 e4m3, converted to the
-activation dtype (exact: every e4m3 value is a bfloat16 and a float16) and scaled in float32:
+fused_moe.py's; the two GEMMs are its kernels with the weight tile loaded as float8 e4m3, in the canonical
+fp8 form (layers/quantization/fp8_weight.py) per expert:
 
     w[e, n, k] = float(data[e, n, k]) * scale[e, n, k // GROUP_K]
 
-the canonical fp8 form (layers/quantization/fp8_weight.py) per expert: GROUP_K = K with one scale a row
-(per-tensor and per-channel checkpoints), or the block's columns (128 for Qwen's and DeepSeek's
-[128, 128] blocks, each block's scale repeated over its rows). With one scale a row the accumulator is
-scaled once at the end; with column groups each BLOCK_K step (BLOCK_K divides GROUP_K) multiplies its
-partial product by its group's scale before adding it.
+GROUP_K = K with one scale a row (per-tensor and per-channel checkpoints), or the block's columns (128 for
+Qwen's and DeepSeek's [128, 128] blocks, each block's scale repeated over its rows). Two arithmetics
+(moe_parts.scaled_step):
+- W8A8 (the default where the hidden size is whole A_GROUP-column groups, as vLLM runs these checkpoints):
+  x quantized per token and A_GROUP columns (kernels/fp8_quant.quantize_groups, amax / 448), each BLOCK_K
+  step an fp8 x fp8 product (Hopper's fp8 wgmma; mma on Ada) times the rows' activation scales and, with
+  column groups, the weight's; the gate_up kernel quantizes its act(gate) * up tile (A_GROUP columns, one
+  group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`).
+- W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16),
+  the partial products scaled in float32; the activations stay 16-bit.
+With one scale a row the weight's scale multiplies the accumulator once at the end; with column groups
+each step (BLOCK_K divides GROUP_K and A_GROUP) is scaled before it is added.
 
 Weights as layers/moe_fp8.py keeps them: gate_up [E, 2I, hidden] (gate rows then up rows) with its scale
-[E, 2I, G_hidden], down [E, hidden, I] with [E, hidden, G_I]. Every batch size runs these kernels (no
-decode-sized variant yet: at one token the tiles are fused_moe.py's small-batch ones). Needs a GPU whose
-Triton converts float8 e4m3 (compute capability 8.9 and up: `fp8_experts_run_on`); the CPU and the Triton
-interpreter run the same arithmetic. No host sync, so CUDA graphs capture it for any routing.
+[E, 2I, G_hidden], down [E, hidden, I] with [E, hidden, G_I]. One token takes kernels/moe_decode.py's
+kernels instead (layers/moe_fp8.py). Needs a GPU whose Triton converts float8 e4m3 (compute capability 8.9
+and up: `fp8_experts_run_on`); the Triton interpreter runs the same arithmetic (tests). No host sync, so
+CUDA graphs capture it for any routing.
 
 Reference: layers/moe_fp8.py Fp8FusedExperts.reference (tests/unit/test_fused_moe_fp8_interpret.py).
 """
@@ -26,33 +32,25 @@ Reference: layers/moe_fp8.py Fp8FusedExperts.reference (tests/unit/test_fused_mo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import kernel_capability
+from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
-from fitserve.kernels.fused_moe import choose_config, moe_route, sum_pair_rows
+from fitserve.kernels.fp8_quant import INV_FP8_MAX, quantize_groups, to_e4m3
+from fitserve.kernels.fused_moe import FusedMoeConfig, choose_config, moe_route, sum_pair_rows
 from fitserve.kernels.grid_math import cdiv
-from fitserve.kernels.moe_parts import ACTIVATIONS
+from fitserve.kernels.moe_parts import ACTIVATIONS, INTERPRETING, Fp8Experts  # noqa: F401 (re-exported)
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.moe_parts import pair_block as _pair_block
+from fitserve.kernels.moe_parts import scaled_step as _scaled_step
 
 FP8 = torch.float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class Fp8Experts:
-    """One projection of every local expert: data float8_e4m3fn [E, N, K], scale float32 [E, N, G] with
-    G = ceil(K / group_k) (1 for a scale a row)."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    group_k: int
+A_GROUP = 128  # W8A8: activation columns per scale (the layer's input and the intermediate alike)
 
 
 def fp8_experts_run_on(device: torch.device) -> bool:
@@ -63,23 +61,34 @@ def fp8_experts_run_on(device: torch.device) -> bool:
 
 
 @triton.jit
-def _scaled_step(acc, a, w_tile, s_rows, k, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, n_ok):
-    """acc + a @ dequantized(w_tile).T for one BLOCK_K step at column k: the tile's e4m3 values in a's
-    dtype, and with column groups the step's partial product times its group's scale (per row: later)."""
-    w = w_tile.to(a.dtype)
-    if PER_ROW:
-        return tl.dot(a, tl.trans(w), acc)
-    scale = tl.load(s_rows + k // GROUP_K, mask=n_ok, other=0.0)
-    return acc + tl.dot(a, tl.trans(w)) * scale[None, :]
+def _row_scales(scale_rows, stride_group, k, A_FP8: tl.constexpr, A_GROUP: tl.constexpr, row_ok):
+    """W8A8: the rows' activation scales of column k's group (scale_rows: each row's first); else unused."""
+    if A_FP8:
+        scales = tl.load(scale_rows + (k // A_GROUP) * stride_group, mask=row_ok, other=0.0)
+    else:
+        scales = row_ok.to(tl.float32)  # W8A16 reads nothing of it
+    return scales
+
+
+@triton.jit
+def _store_quantized(values, q_ptrs, scale_ptrs, mask, row_ok, EXACT_BITS: tl.constexpr):
+    """W8A8's intermediate: each row of the [BLOCK_M, BLOCK_N] tile (one activation group) as e4m3 with
+    its scale amax / 448 (at least 1e-12), as kernels/fp8_quant.py quantizes the layer's input."""
+    scale = tl.maximum(tl.max(tl.abs(values), axis=1) * INV_FP8_MAX, 1e-12)
+    quantized = tl.minimum(tl.maximum(tl.div_rn(values, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptrs, to_e4m3(quantized, EXACT_BITS), mask=mask)
+    tl.store(scale_ptrs, scale, mask=row_ok)
 
 
 @_host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_fp8_gate_up_kernel(
     x_ptr,
+    x_scale_ptr,
     w_ptr,
     s_ptr,
     mid_ptr,
+    mid_scale_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
     num_blocks_ptr,
@@ -88,14 +97,20 @@ def _moe_fp8_gate_up_kernel(
     hidden,
     intermediate,
     stride_xm,
+    stride_xsm,
+    stride_xsg,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
     stride_mm,
+    stride_msm,
     ACTIVATION: tl.constexpr,
     GROUP_K: tl.constexpr,
     PER_ROW: tl.constexpr,
+    A_FP8: tl.constexpr,
+    A_GROUP: tl.constexpr,
+    EXACT_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,6 +130,7 @@ def _moe_fp8_gate_up_kernel(
     rows64 = offs_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + token[:, None] * stride_xm
+    x_scales = x_scale_ptr + token * stride_xsm
     gate_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
     up_rows = gate_rows + intermediate * stride_wn
     gate_scales = s_ptr + expert * stride_se + rows64 * stride_sn
@@ -127,20 +143,27 @@ def _moe_fp8_gate_up_kernel(
         w_mask = n_ok[:, None] & k_ok[None, :]
         w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
         w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
-        gate = _scaled_step(gate, a, w_gate, gate_scales, k, GROUP_K, PER_ROW, n_ok)
-        up = _scaled_step(up, a, w_up, up_scales, k, GROUP_K, PER_ROW, n_ok)
+        a_scale = _row_scales(x_scales, stride_xsg, k, A_FP8, A_GROUP, row_ok)
+        gate = _scaled_step(gate, a, a_scale, w_gate, gate_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+        up = _scaled_step(up, a, a_scale, w_up, up_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
     if PER_ROW:
         gate *= tl.load(gate_scales, mask=n_ok, other=0.0)[None, :]
         up *= tl.load(up_scales, mask=n_ok, other=0.0)[None, :]
     mid = _activation(gate, ACTIVATION) * up
     out = mid_ptr + rows.to(tl.int64)[:, None] * stride_mm + offs_n[None, :]
-    tl.store(out, mid.to(mid_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    mask = row_ok[:, None] & n_ok[None, :]
+    if A_FP8:  # the tile's BLOCK_N columns are one group of the down kernel's fp8 input
+        scales = mid_scale_ptr + rows.to(tl.int64) * stride_msm + pid % blocks_n
+        _store_quantized(tl.where(mask, mid, 0.0), out, scales, mask, row_ok, EXACT_BITS)
+    else:
+        tl.store(out, mid.to(mid_ptr.dtype.element_ty), mask=mask)
 
 
 @_host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_fp8_down_kernel(
     mid_ptr,
+    mid_scale_ptr,
     w_ptr,
     s_ptr,
     topk_weights_ptr,
@@ -152,6 +175,7 @@ def _moe_fp8_down_kernel(
     hidden,
     intermediate,
     stride_mm,
+    stride_msm,
     stride_we,
     stride_wn,
     stride_se,
@@ -159,6 +183,8 @@ def _moe_fp8_down_kernel(
     stride_pm,
     GROUP_K: tl.constexpr,
     PER_ROW: tl.constexpr,
+    A_FP8: tl.constexpr,
+    A_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -177,6 +203,7 @@ def _moe_fp8_down_kernel(
     rows64 = offs_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = mid_ptr + rows.to(tl.int64)[:, None] * stride_mm
+    a_scales = mid_scale_ptr + rows.to(tl.int64) * stride_msm
     w_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
     scales = s_ptr + expert * stride_se + rows64 * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -184,7 +211,8 @@ def _moe_fp8_down_kernel(
         k_ok = (k + offs_k) < intermediate
         a = tl.load(a_rows + (k + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _scaled_step(acc, a, w, scales, k, GROUP_K, PER_ROW, n_ok)
+        a_scale = _row_scales(a_scales, 1, k, A_FP8, A_GROUP, row_ok)
+        acc = _scaled_step(acc, a, a_scale, w, scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
     if PER_ROW:
         acc *= tl.load(scales, mask=n_ok, other=0.0)[None, :]
     pair = tl.where(row_ok, pair, 0)
@@ -225,16 +253,38 @@ def check_inputs(x: torch.Tensor, gate_up: Fp8Experts, down: Fp8Experts, topk_id
         raise ValueError(f"fused_moe_fp8: {problem}")
 
 
-def _step_k(tile_k: int, part: Fp8Experts) -> tuple[int, bool]:
-    """(BLOCK_K, PER_ROW): with column groups the largest power of two up to the tile's that divides the
-    group, so that a step never straddles two scales."""
+def _step_k(tile_k: int, part: Fp8Experts, w8a8: bool) -> tuple[int, bool]:
+    """(BLOCK_K, PER_ROW): with column groups (of the weight, or W8A8's activation groups of A_GROUP) the
+    largest power of two up to the tile's that divides them, so that a step never straddles two scales."""
     cols = part.data.shape[2]
-    if part.group_k >= cols:
-        return tile_k, True
+    per_row = part.group_k >= cols
+    groups = ([] if per_row else [part.group_k]) + ([A_GROUP] if w8a8 else [])
     block_k = tile_k
-    while part.group_k % block_k:
+    while any(group % block_k for group in groups):
         block_k //= 2
-    return block_k, False
+    return block_k, per_row
+
+
+def _stages_that_fit(stages: int, stage_bytes: int, device: torch.device) -> int:
+    """At most `stages` pipeline stages, as many as a block's shared memory holds (kernels/capability.py:
+    99 KiB a block on sm_89, 227 on Hopper) with Triton's stages - 1 buffers of stage_bytes and ~4 KiB of
+    the kernel's own; at least 2."""
+    budget = shared_memory_per_block(kernel_capability(device)) - 4096
+    return max(2, min(stages, 1 + budget // stage_bytes))
+
+
+def w8a8_block_m(num_pairs: int, local_experts: int) -> int:
+    """W8A8's rows a tile by the pairs an expert gets on average: a tile of 64 rows over an expert's 8 runs
+    mostly padding. Measured on an H200 at Qwen3-30B-A3B's shape (benchmarks/results/
+    h200_fused_moe_fp8.json): 128 tokens (8 pairs an expert) 185 us at 16 rows against 310 at 64; 512
+    tokens (32 an expert) 290 us at 32 rows, 311 at 16, 322 at 64."""
+    pairs_per_expert = num_pairs / local_experts
+    return 16 if pairs_per_expert < 24 else 32 if pairs_per_expert < 96 else 64
+
+
+def runs_w8a8(x: torch.Tensor) -> bool:
+    """Whether fused_moe_fp8 quantizes the activations (W8A8): a hidden size of whole A_GROUP groups."""
+    return x.shape[-1] % A_GROUP == 0
 
 
 def fused_moe_fp8(
@@ -245,12 +295,26 @@ def fused_moe_fp8(
     topk_weights: torch.Tensor,
     activation: str,
     first_expert: int = 0,
+    w8a8: bool | None = None,
+    config: FusedMoeConfig | None = None,
 ) -> torch.Tensor:
     """x [T, hidden] (bfloat16 / float16), this rank's experts first_expert .. first_expert + E - 1,
-    topk_ids / topk_weights [T, k] -> this rank's share of the MoE output [T, hidden] in x's dtype."""
+    topk_ids / topk_weights [T, k] -> this rank's share of the MoE output [T, hidden] in x's dtype.
+
+    w8a8 (default: `runs_w8a8`): x quantized per token and A_GROUP columns (fp8_quant's
+    quantize_groups, vLLM's and DeepGEMM's dynamic 1 x 128 scheme) and the intermediate per
+    row of each gate_up tile (A_GROUP columns), the products fp8 x fp8 on the tensor cores; else W8A16.
+    config: the tiles as given (benchmarks/gpu/fused_moe_fp8_bench.py's sweep; under W8A8 gate_up's
+    block_n must be A_GROUP), else fused_moe.choose_config's with W8A8's gate_up tile."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe_fp8: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     check_inputs(x, gate_up, down, topk_ids)
+    w8a8 = runs_w8a8(x) if w8a8 is None else w8a8
+    if w8a8 and not runs_w8a8(x):
+        raise ValueError(
+            f"fused_moe_fp8: W8A8 needs a hidden size of whole {A_GROUP}-column groups, got {x.shape[1]}: "
+            "pass w8a8=False"
+        )
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -261,7 +325,10 @@ def fused_moe_fp8(
     x = x if x.stride(1) == 1 else x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
-    config = choose_config(num_tokens, hidden, intermediate, top_k, local_experts)
+    tuned = config is None
+    config = config or choose_config(num_tokens, hidden, intermediate, top_k, local_experts)
+    if tuned and w8a8:
+        config = dataclasses.replace(config, block_m=w8a8_block_m(num_tokens * top_k, local_experts))
     block_m = config.block_m
     num_pairs = num_tokens * top_k
     sorted_pairs, block_expert, num_blocks = moe_route(
@@ -270,26 +337,40 @@ def fused_moe_fp8(
     blocks = block_expert.shape[0]
     device = x.device
 
-    mid = torch.empty((blocks * block_m, intermediate), dtype=x.dtype, device=device)
     tile = config.gate_up
-    block_k, per_row = _step_k(tile.block_k, gate_up)
-    if not per_row and block_m >= 64:  # each scaled step's two partial products need the registers
+    if w8a8 and tuned:  # the tile's columns are one group of the intermediate's fp8 scales
+        tile = dataclasses.replace(
+            tile,
+            block_n=A_GROUP,
+            block_k=128,
+            num_warps=8 if block_m >= 64 else 4,
+            num_stages=_stages_that_fit(tile.num_stages, block_m * 128 + 2 * A_GROUP * 128, device),
+        )
+    elif w8a8 and tile.block_n != A_GROUP:
+        raise ValueError(f"fused_moe_fp8: W8A8's gate_up block_n must be {A_GROUP}, got {tile.block_n}")
+    if w8a8:
+        x_q, x_scale = quantize_groups(x)
+        mid_dtype, mid_groups = FP8, cdiv(intermediate, A_GROUP)
+    else:
+        x_q, x_scale = x, x.new_empty((1, 1), dtype=torch.float32)
+        mid_dtype, mid_groups = x.dtype, 1
+    mid = torch.empty((blocks * block_m, intermediate), dtype=mid_dtype, device=device)
+    mid_scale = torch.empty((blocks * block_m, mid_groups), dtype=torch.float32, device=device)
+    block_k, per_row = _step_k(tile.block_k, gate_up, w8a8)
+    if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
     data, scale = gate_up.data, gate_up.scale
-    args = (x, data, scale, mid, sorted_pairs, block_expert, num_blocks, num_pairs, top_k, hidden)
-    args += (
-        intermediate,
-        x.stride(0),
-        data.stride(0),
-        data.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        mid.stride(0),
-    )
+    args = (x_q, x_scale, data, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
+    args += (top_k, hidden, intermediate, x_q.stride(0), x_scale.stride(0), x_scale.stride(1))
+    args += (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1), mid.stride(0))
+    args += (mid_scale.stride(0),)
     constexprs = {
         "ACTIVATION": ACTIVATIONS[activation],
         "GROUP_K": gate_up.group_k,
         "PER_ROW": per_row,
+        "A_FP8": w8a8,
+        "A_GROUP": A_GROUP,
+        "EXACT_BITS": INTERPRETING,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,
@@ -300,14 +381,18 @@ def fused_moe_fp8(
 
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
     tile = config.down
-    block_k, per_row = _step_k(tile.block_k, down)
+    if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows
+        tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
+    block_k, per_row = _step_k(tile.block_k, down, w8a8)
     data, scale = down.data, down.scale
-    args = (mid, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks, num_pairs)
-    args += (hidden, intermediate, mid.stride(0), data.stride(0), data.stride(1), scale.stride(0))
-    args += (scale.stride(1), per_pair.stride(0))
+    args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
+    args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))
+    args += (data.stride(1), scale.stride(0), scale.stride(1), per_pair.stride(0))
     constexprs = {
         "GROUP_K": down.group_k,
         "PER_ROW": per_row,
+        "A_FP8": w8a8,
+        "A_GROUP": A_GROUP,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,

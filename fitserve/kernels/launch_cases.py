@@ -308,7 +308,8 @@ def _fused_moe_int4(target: Target, full: bool) -> None:
         for dtype in activation_dtypes(target, full):
             gate_up = packed(experts, 2 * intermediate, hidden, group, dtype)
             down = packed(experts, hidden, intermediate, group, dtype)
-            for tokens in (1, 256):
+            # W8A8's tile rows by the pairs an expert gets (fused_moe_fp8.w8a8_block_m): 16, 32 and 64
+            for tokens in (1, 256, 1024, 2048) if full else (1, 256):
                 topk_ids = torch.zeros(tokens, top_k, dtype=torch.int32)
                 weights = torch.ones(tokens, top_k, dtype=torch.float32)
                 x = _empty(tokens, hidden, dtype=dtype)
@@ -316,6 +317,7 @@ def _fused_moe_int4(target: Target, full: bool) -> None:
 
 
 def _fused_moe_fp8(target: Target, full: bool) -> None:
+    from fitserve.kernels import moe_decode
     from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fp8_experts_run_on, fused_moe_fp8
 
     if not fp8_experts_run_on(torch.device("cuda")):
@@ -333,11 +335,14 @@ def _fused_moe_fp8(target: Target, full: bool) -> None:
         for dtype in activation_dtypes(target, full):
             gate_up = experts(count, 2 * intermediate, hidden, group)
             down = experts(count, hidden, intermediate, group)
-            for tokens in (1, 256):
+            # W8A8's tile rows by the pairs an expert gets (fused_moe_fp8.w8a8_block_m): 16, 32 and 64
+            for tokens in (1, 256, 1024, 2048) if full else (1, 256):
                 topk_ids = torch.zeros(tokens, top_k, dtype=torch.int32)
                 weights = torch.ones(tokens, top_k, dtype=torch.float32)
                 x = _empty(tokens, hidden, dtype=dtype)
                 fused_moe_fp8(x, gate_up, down, topk_ids, weights, activation)
+                if moe_decode.takes(tokens):  # layers/moe_fp8.py's path for one token
+                    moe_decode.moe_decode(x, gate_up, down, topk_ids, weights, activation)
 
 
 def _gemma_moe(target: Target, full: bool) -> None:

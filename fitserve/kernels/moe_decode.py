@@ -25,6 +25,9 @@ modules round it (gate and up rounded, silu rounded, their product rounded, the 
 its gate as kernels/shared_expert_gate.py computes it (the same one-block dot product, torch's sigmoid
 rounded), and the end as that kernel does: round(routed + round(gate * shared)).
 
+fp8 experts (layers/moe_fp8.py sends one token here): the same two kernels stream the e4m3 weights and
+scale each BLOCK_K step by its float32 scales (moe_parts.scaled_step, W8A16), without a shared expert.
+
 Expert parallel: a slot whose expert another rank holds contributes nothing (its loads are masked off, so
 its weights are never read). Tensor parallel: I is this rank's slice, for the routed and shared experts
 alike (the caller checks that the two widths match). Nothing syncs with the host and the launches depend
@@ -46,7 +49,7 @@ from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.capability import sm_count
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-from fitserve.kernels.moe_parts import ACTIVATIONS, GemmTile
+from fitserve.kernels.moe_parts import ACTIVATIONS, Fp8Experts, GemmTile, scaled_step
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
 from fitserve.kernels.moe_parts import host_launched as _host_launched
@@ -124,6 +127,7 @@ def slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: t
 def _decode_gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_scale_ptr,
     shared_w_ptr,
     mid_ptr,
     topk_ids_ptr,
@@ -134,12 +138,16 @@ def _decode_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_wse,
+    stride_wsn,
     stride_sn,
     stride_mm,
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP32: tl.constexpr,
+    W_FP8: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -160,6 +168,8 @@ def _decode_gate_up_kernel(
             shared, shared_w_ptr + rows64 * stride_sn, w_ptr + expert * stride_we + rows64 * stride_wn
         )
         up_rows = gate_rows + intermediate * tl.where(shared, stride_sn, stride_wn)
+        gate_scales = w_scale_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn  # W_FP8 only
+        up_scales = gate_scales + intermediate * stride_wsn
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         x_row = x_ptr + token.to(tl.int64) * stride_xm + 0 * offs_m[:, None]  # one real row of the tile
@@ -172,8 +182,12 @@ def _decode_gate_up_kernel(
             w_mask = n_ok[:, None] & k_ok[None, :]
             w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
             w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
-            gate = _dot(a, tl.trans(w_gate), gate, FP32)
-            up = _dot(a, tl.trans(w_up), up, FP32)
+            if W_FP8:  # e4m3 rows and their scales (no shared slot: the launcher refuses one)
+                gate = scaled_step(gate, a, a, w_gate, gate_scales, k, GROUP_K, False, False, n_ok)
+                up = scaled_step(up, a, a, w_up, up_scales, k, GROUP_K, False, False, n_ok)
+            else:
+                gate = _dot(a, tl.trans(w_gate), gate, FP32)
+                up = _dot(a, tl.trans(w_up), up, FP32)
         gate = tl.sum(gate, axis=0)  # the padding rows are zeros
         up = tl.sum(up, axis=0)
         dtype = mid_ptr.dtype.element_ty
@@ -273,6 +287,7 @@ def sum_split_partials(routed, shared, part_ptr, counter_ptr, token, pid_n, offs
 def _decode_down_kernel(
     mid_ptr,
     w_ptr,
+    w_scale_ptr,
     shared_w_ptr,
     x_ptr,
     shared_gate_ptr,
@@ -291,6 +306,8 @@ def _decode_down_kernel(
     stride_mm,
     stride_we,
     stride_wn,
+    stride_wse,
+    stride_wsn,
     stride_sn,
     stride_xm,
     stride_om,
@@ -298,6 +315,8 @@ def _decode_down_kernel(
     SLOTS: tl.constexpr,
     SLOTS_POW2: tl.constexpr,
     FP32: tl.constexpr,
+    W_FP8: tl.constexpr,
+    GROUP_K: tl.constexpr,
     GATE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -339,7 +358,11 @@ def _decode_down_kernel(
         mid_row = mid_ptr + (token * SLOTS + slot).to(tl.int64) * stride_mm + 0 * offs_m[:, None]
         a = tl.load(mid_row + (k + offs_k)[None, :], mask=first_row & k_ok[None, :] & mine, other=0.0)
         w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :] & mine, other=0.0)
-        acc = _dot(a, tl.trans(w), acc, FP32)
+        if W_FP8:
+            w_scales = w_scale_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
+            acc = scaled_step(acc, a, a, w, w_scales, k, GROUP_K, False, False, n_ok & mine)
+        else:
+            acc = _dot(a, tl.trans(w), acc, FP32)
         # the slot's last chunk: weight its row and round it (a routed slot), or keep it (the shared one)
         last = k + BLOCK_K >= intermediate
         weighted = (acc * weight).to(dtype).to(tl.float32)
@@ -384,8 +407,8 @@ def check_shared(shared: SharedExpert, x: torch.Tensor, intermediate: int) -> No
 
 def moe_decode(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Fp8Experts,
+    down_proj: torch.Tensor | Fp8Experts,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     activation: str,
@@ -396,11 +419,17 @@ def moe_decode(
     """fused_moe's result (this rank's share of the MoE output [T, hidden] in x's dtype) in two kernels,
     plus the gated shared expert when given. The inputs as fused_moe takes them; fused_moe.check_inputs
     has checked them (fused_moe sends decode-sized batches here). A shared expert's slices must have the
-    routed experts' intermediate width and x's dtype (`check_shared`)."""
+    routed experts' intermediate width and x's dtype (`check_shared`). fp8 experts (Fp8Experts, as
+    fused_moe_fp8.check_inputs checks them; layers/moe_fp8.py sends one token here) are streamed as e4m3
+    and scaled in float32 per BLOCK_K step (W8A16: x and the intermediate stay 16-bit), with no shared
+    expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_decode: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     if x.shape[0] == 0:
         return torch.empty_like(x)
+    fp8 = isinstance(gate_up_proj, Fp8Experts)
+    if fp8 and shared is not None:
+        raise ValueError("moe_decode: fp8 experts take no shared expert here (run it beside them)")
     if shared is not None:
         check_shared(shared, x, gate_up_proj.shape[1] // 2)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -411,9 +440,24 @@ def moe_decode(
     return decode_down(mid, x, down_proj, topk_ids, topk_weights, first_expert, shared, config)
 
 
+def _weights(
+    projection: torch.Tensor | Fp8Experts, tile: GemmTile
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(data, scale, constexprs) of a projection: 16-bit weights pass themselves as their unread scale;
+    fp8 ones their scale, and a BLOCK_K that divides their column groups (a step has one scale)."""
+    if not isinstance(projection, Fp8Experts):
+        return projection, projection, {"W_FP8": False, "GROUP_K": 1, "BLOCK_K": tile.block_k}
+    block_k = tile.block_k
+    if projection.group_k < projection.data.shape[2]:
+        while projection.group_k % block_k:
+            block_k //= 2
+    constexprs = {"W_FP8": True, "GROUP_K": projection.group_k, "BLOCK_K": block_k}
+    return projection.data, projection.scale, constexprs
+
+
 def decode_gate_up(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | Fp8Experts,
     topk_ids: torch.Tensor,
     activation: str,
     first_expert: int,
@@ -423,23 +467,24 @@ def decode_gate_up(
     """moe_decode's first kernel: mid [T * slots, I], each slot's act(gate) * up (checked inputs)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    local_experts, double_width, _ = gate_up_proj.shape
+    weight, scale, weight_constexprs = _weights(gate_up_proj, tile)
+    local_experts, double_width, _ = weight.shape
     intermediate = double_width // 2
     slots = top_k + (shared is not None)
     # without a shared expert its pointers are never read (every slot is routed): pass the routed ones
-    shared_gate_up = shared.gate_up_proj if shared is not None else gate_up_proj
+    shared_gate_up = shared.gate_up_proj if shared is not None else weight
     mid = torch.empty((num_tokens * slots, intermediate), dtype=x.dtype, device=x.device)
-    args = (x, gate_up_proj, shared_gate_up, mid, topk_ids, hidden, intermediate, first_expert, local_experts)
-    args += (x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), shared_gate_up.stride(0))
-    args += (mid.stride(0),)
+    args = (x, weight, scale, shared_gate_up, mid, topk_ids, hidden, intermediate, first_expert)
+    args += (local_experts, x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1))
+    args += (shared_gate_up.stride(0), mid.stride(0))
     constexprs = {
         "TOP_K": top_k,
         "SLOTS": slots,
         "ACTIVATION": ACTIVATIONS[activation],
         "FP32": x.dtype == torch.float32,
+        **weight_constexprs,
         "BLOCK_M": TILE_ROWS,
         "BLOCK_N": tile.block_n,
-        "BLOCK_K": tile.block_k,
         "NUM_STAGES": tile.num_stages,
     }
     grid = (cdiv(intermediate, tile.block_n), num_tokens * slots)
@@ -450,7 +495,7 @@ def decode_gate_up(
 def decode_down(
     mid: torch.Tensor,
     x: torch.Tensor,
-    down_proj: torch.Tensor,
+    down_proj: torch.Tensor | Fp8Experts,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     first_expert: int,
@@ -461,13 +506,14 @@ def decode_down(
     float32)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    local_experts, _, intermediate = down_proj.shape
+    tile = config.down
+    weight, scale, weight_constexprs = _weights(down_proj, tile)
+    local_experts, _, intermediate = weight.shape
     slots = top_k + (shared is not None)
     device = x.device
-    shared_down = shared.down_proj if shared is not None else down_proj
+    shared_down = shared.down_proj if shared is not None else weight
     shared_gate = shared.gate_weight if shared is not None else x
     out = torch.empty_like(x)
-    tile = config.down
     tiles = cdiv(hidden, tile.block_n)
     splits, per_split = down_splits(tiles, num_tokens, slots, sm_count(device), config.down_programs_per_sm)
     if config.down_slots_per_split is not None:
@@ -476,19 +522,19 @@ def decode_down(
     part_shape = (splits, 2, num_tokens, hidden) if splits > 1 else (1,)
     parts = torch.empty(part_shape, dtype=torch.float32, device=device)
     counters = device_counters("moe_decode", device, COUNTER_SLOTS)
-    args = (mid, down_proj, shared_down, x, shared_gate, topk_ids, topk_weights, out, parts, counters)
+    args = (mid, weight, scale, shared_down, x, shared_gate, topk_ids, topk_weights, out, parts, counters)
     args += (num_tokens, hidden, intermediate, first_expert, local_experts, splits, per_split)
-    args += (mid.stride(0), down_proj.stride(0), down_proj.stride(1), shared_down.stride(0), x.stride(0))
-    args += (out.stride(0),)
+    args += (mid.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1))
+    args += (shared_down.stride(0), x.stride(0), out.stride(0))
     constexprs = {
         "TOP_K": top_k,
         "SLOTS": slots,
         "SLOTS_POW2": next_power_of_2(slots),
         "FP32": x.dtype == torch.float32,
+        **weight_constexprs,
         "GATE_BLOCK": next_power_of_2(hidden),
         "BLOCK_M": TILE_ROWS,
         "BLOCK_N": tile.block_n,
-        "BLOCK_K": tile.block_k,
         "NUM_STAGES": tile.num_stages,
     }
     _launch(_decode_down_kernel, (tiles, num_tokens, splits), args, constexprs, device, tile.num_warps)

@@ -67,3 +67,41 @@ def launch(kernel, grid, args, constexprs: dict, device: torch.device, num_warps
         kernel[grid](*args, **constexprs, USE_PDL=False)
         return
     kernel[grid](*args, **constexprs, num_warps=num_warps, **pdl_kwargs(device))
+
+
+@triton.jit
+def scaled_step(
+    acc, a, a_scale, w_tile, s_rows, k, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, A_FP8: tl.constexpr, ok
+):
+    """acc + a @ dequantized(w_tile).T for one BLOCK_K step at column k of fp8 weights (Fp8Experts' rows
+    from s_rows, each row's first scale; ok: which rows are real). W8A16: the tile's e4m3 values in
+    a's dtype, and with column groups the step's partial product times its group's scale (per row:
+    later). W8A8 (A_FP8: a fp8, a_scale [BLOCK_M] its rows' scales of this step's group): the fp8 product
+    on the tensor cores, times the rows' scales and, with column groups, the weight's."""
+    # if / else throughout: Triton compiles the statements after a returning `if` even when a constexpr
+    # condition took it (an fp8 x bf16 tl.dot there does not compile)
+    if A_FP8:
+        part = tl.dot(a, tl.trans(w_tile))
+        if PER_ROW:
+            acc = acc + part * a_scale[:, None]
+        else:
+            scale = tl.load(s_rows + k // GROUP_K, mask=ok, other=0.0)
+            acc = acc + part * (a_scale[:, None] * scale[None, :])
+    else:
+        w = w_tile.to(a.dtype)
+        if PER_ROW:
+            acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            scale = tl.load(s_rows + k // GROUP_K, mask=ok, other=0.0)
+            acc = acc + tl.dot(a, tl.trans(w)) * scale[None, :]
+    return acc
+
+
+@dataclass(frozen=True)
+class Fp8Experts:
+    """One projection of every local expert in fp8 (kernels/fused_moe_fp8.py, moe_decode.py): data
+    float8_e4m3fn [E, N, K], scale float32 [E, N, G] with G = ceil(K / group_k) (1 for a scale a row)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group_k: int

@@ -1,18 +1,23 @@
 """MoE experts of an FP8 checkpoint (Qwen3-30B-A3B-FP8 and Qwen3.6-35B-A3B-FP8 with [128, 128] block scales,
 compressed-tensors FP8 with per-channel or per-tensor scales): the experts of layers/moe.py with 1-byte
-weights, run weight-only (W8A16) by kernels/fused_moe_fp8.py on GPUs of compute capability 8.9 and up.
+weights, on GPUs of compute capability 8.9 and up. One token (decode at batch 1) runs weight-only
+(W8A16) through kernels/moe_decode.py's two kernels, its k experts streamed once; more tokens run
+kernels/fused_moe_fp8.py's grouped kernels W8A8 as vLLM runs FP8 MoE checkpoints: the input and the
+intermediate quantized per token and 128 columns (dynamic, amax / 448), the products fp8 x fp8 on the
+tensor cores (a hidden size that is not whole 128-column groups stays W8A16).
 
 Each expert's projections load from the checkpoint's per-expert tensors (`experts.<e>.gate_proj.weight`
 float8_e4m3fn, its `weight_scale_inv` or `weight_scale`; a static `input_scale` is checked and not used:
-the activations stay 16-bit), each scale becoming the canonical float32 [rows, G] form of
+activations are quantized dynamically), each scale becoming the canonical float32 [rows, G] form of
 layers/quantization/fp8_weight.py (G = 1 for a scale a row, else the block's columns; a block's scale
 repeated over its rows), cut to this rank's part as FusedExperts cuts 16-bit experts (its experts under
 expert parallel, else every expert's intermediate slice: gate and up rows, down's columns and, for block
 scales, their whole blocks), into buffers that hold every local expert:
   w13 float8 [E, 2W, hidden], w13_scale float32 [E, 2W, G(hidden)]
   w2  float8 [E, hidden, W],  w2_scale  float32 [E, hidden, G(W)]
-The CPU path dequantizes the chosen experts and runs FusedExperts' torch arithmetic on them (the kernels'
-reference).
+The CPU path dequantizes the chosen experts and runs FusedExperts' torch arithmetic on them with 16-bit
+activations; `reference` is that arithmetic with the activations quantized as the kernels quantize them
+(`fake_quantize_groups`) wherever they run W8A8: the GPU tests' reference.
 """
 
 from __future__ import annotations
@@ -59,9 +64,9 @@ class Fp8FusedExperts(QuantizedExperts):
         local = self.local_experts
         groups_up, groups_down = -(-hidden_size // self.group_up), -(-width // self.group_down)
         self.register_buffer("w13", torch.zeros(local, 2 * width, hidden_size, dtype=FP8))
-        self.register_buffer("w13_scale", torch.ones(local, 2 * width, groups_up))
+        self.register_buffer("w13_scale", torch.ones(local, 2 * width, groups_up, dtype=torch.float32))
         self.register_buffer("w2", torch.zeros(local, hidden_size, width, dtype=FP8))
-        self.register_buffer("w2_scale", torch.ones(local, hidden_size, groups_down))
+        self.register_buffer("w2_scale", torch.ones(local, hidden_size, groups_down, dtype=torch.float32))
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     # --- loading -----------------------------------------------------------------------------------------
@@ -202,13 +207,15 @@ class Fp8FusedExperts(QuantizedExperts):
                 generator = torch.Generator(device=on)
                 generator.manual_seed(layer_seed(seed, f"{self.prefix}.{expert}.{projection}"))
                 group = self.block_cols or None
-                weight = random_fp8_weight(out_features, in_features, group, std, generator, on)
+                block_rows = self.fmt.block[0] if self.block_cols else 1
+                weight = random_fp8_weight(out_features, in_features, group, std, generator, on, block_rows)
                 self.store(expert - self.first_expert, projection, weight.data, weight.scale)
 
     # --- running -----------------------------------------------------------------------------------------
 
     def run_kernels(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fp8_experts_run_on, fused_moe_fp8
+        from fitserve.kernels import moe_decode
+        from fitserve.kernels.fused_moe_fp8 import Fp8Experts, check_inputs, fp8_experts_run_on, fused_moe_fp8
 
         if not fp8_experts_run_on(x.device) or self.kernel_activation is None:
             raise ValueError(
@@ -218,7 +225,25 @@ class Fp8FusedExperts(QuantizedExperts):
             )
         gate_up = Fp8Experts(self.w13, self.w13_scale, self.group_up)
         down = Fp8Experts(self.w2, self.w2_scale, self.group_down)
-        return fused_moe_fp8(x, gate_up, down, ids, weights, self.kernel_activation, self.first_expert)
+        routing = (ids, weights, self.kernel_activation, self.first_expert)
+        if moe_decode.takes(x.shape[0]):  # one token: its k experts streamed in two kernels (W8A16)
+            check_inputs(x, gate_up, down, ids)
+            return moe_decode.moe_decode(x, gate_up, down, *routing)
+        return fused_moe_fp8(x, gate_up, down, *routing)
+
+    def quantizes_activations(self, x: torch.Tensor) -> bool:
+        """Whether the kernels run x W8A8 (fused_moe_fp8's grouped path past a decode-sized batch, with a
+        hidden size of whole groups); the decode kernels and the CPU keep the activations 16-bit."""
+        from fitserve.kernels import moe_decode
+        from fitserve.kernels.fused_moe_fp8 import runs_w8a8
+
+        return x.is_cuda and not moe_decode.takes(x.shape[0]) and runs_w8a8(x)
+
+    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The torch path (QuantizedExperts.reference), with x and the intermediate quantized as the
+        kernels quantize them where they run W8A8 (`quantizes_activations`)."""
+        seen = fake_quantize_groups if self.quantizes_activations(x) else None
+        return super().reference(x, topk_ids, topk_weights, seen)
 
     def dequantized(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `local`'s (gate_up [2W, hidden], down [hidden, W]) in float32."""
@@ -226,3 +251,19 @@ class Fp8FusedExperts(QuantizedExperts):
         width = self.intermediate_per_rank
         w2 = self.w2[local].float() * expand_scale(self.w2_scale[local], self.group_down, width)
         return w13, w2
+
+
+def fake_quantize_groups(values: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """values [..., K] quantized to e4m3 per `group` columns and dequantized, in values' dtype (float32 in
+    QuantizedExperts.reference): each group's
+    scale its amax times float32(1 / 448) (the kernels' and torch's CUDA arithmetic; at least 1e-12), a
+    partial last group on its own. What W8A8's GEMMs see of their activations."""
+    floats = values.float()
+    out = torch.empty_like(floats)
+    inverse = torch.tensor(1 / 448, dtype=torch.float32, device=values.device)
+    for start in range(0, floats.shape[-1], group):
+        part = floats[..., start : start + group]
+        scale = (part.abs().amax(dim=-1, keepdim=True) * inverse).clamp(min=1e-12)
+        quantized = (part / scale).clamp(-448, 448).to(FP8)
+        out[..., start : start + group] = quantized.float() * scale
+    return out.to(values.dtype)

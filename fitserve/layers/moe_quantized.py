@@ -80,10 +80,20 @@ class QuantizedExperts(nn.Module):
         """Local expert `local`'s (gate_up [2W, hidden], down [hidden, W]) in float32."""
         raise NotImplementedError
 
-    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def reference(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        seen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """This rank's partial output in torch: each (token, slot) pair of a local expert through that
         expert's dequantized weights (rounded to x's dtype), weighted and rounded, then each token's k rows
-        summed (FusedExperts.reference's arithmetic)."""
+        summed (FusedExperts.reference's arithmetic). `seen`: what W8A8's GEMMs see of their inputs (x and
+        the float32 intermediate, quantized): then the products run in float32 on the float32 weights, as
+        the kernels' fp8 x fp8 products do, and the intermediate is not rounded to x's dtype."""
+        dtype = x.dtype if seen is None else torch.float32
+        seen = seen or (lambda values: values)
         num_tokens, top_k = topk_ids.shape
         rows = torch.zeros(num_tokens * top_k, self.hidden_size, dtype=x.dtype, device=x.device)
         flat = topk_ids.reshape(-1) - self.first_expert
@@ -93,9 +103,9 @@ class QuantizedExperts(nn.Module):
                 continue
             pairs = (flat == local).nonzero().squeeze(1)
             w13, w2 = self.dequantized(local)
-            block = x.index_select(0, pairs // top_k)
-            gate, up = torch.nn.functional.linear(block, w13.to(x.dtype)).chunk(2, dim=-1)
-            result = torch.nn.functional.linear(self.activation(gate) * up, w2.to(x.dtype))
+            block = seen(x.index_select(0, pairs // top_k).to(dtype))
+            gate, up = torch.nn.functional.linear(block, w13.to(dtype)).chunk(2, dim=-1)
+            result = torch.nn.functional.linear(seen(self.activation(gate) * up), w2.to(dtype))
             rows[pairs] = (result * weights[pairs]).to(x.dtype)
         return rows.view(num_tokens, top_k, self.hidden_size).sum(dim=1)
 

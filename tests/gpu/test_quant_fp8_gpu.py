@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import fitserve.layers.quantization.fp8_compute as fp8_compute  # noqa: E402
+from fitserve.kernels.fp8_w8a16 import MAX_ROWS  # noqa: E402
 from fitserve.layers.quantization.fp8_block import quantize_activation_groups_reference  # noqa: E402
 from fitserve.layers.quantization.fp8_weight import dequantize, random_fp8_weight  # noqa: E402
 
@@ -104,9 +105,13 @@ def test_block_w8a8_matches_reference(k, n, rows) -> None:
         layer, weight, None, torch.bfloat16, "dynamic", "test", torch.device("cuda")
     )
     assert method.path == "w8a8-block", "torch's block-scaled scaled_mm did not run (see the log)"
+    assert method.decode_kernel  # up to 16 rows run kernels/fp8_w8a16.py: the activations stay 16-bit
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    x_q, x_scale = quantize_activation_groups_reference(x)
-    x_deq = (x_q.float().view(rows, -1, 128) * x_scale.unsqueeze(-1)).view(rows, k)
+    if rows <= MAX_ROWS:
+        x_deq = x.float()
+    else:
+        x_q, x_scale = quantize_activation_groups_reference(x)
+        x_deq = (x_q.float().view(rows, -1, 128) * x_scale.unsqueeze(-1)).view(rows, k)
     expected = x_deq @ dequantize(weight).t()
     assert _error(method.apply(layer, x), expected) <= TOLERANCE
 

@@ -5,7 +5,9 @@ rounded, each weighted row rounded, a token's rows summed in float32).
 Cases: a scale a row (per-tensor / per-channel checkpoints), 128-column block scales (Qwen's FP8 releases)
 with K a multiple of the block and with a partial last block, 32-column groups (BLOCK_K cut to the group),
 the decode-sized and the larger tiles, float16, gelu-tanh (Gemma-4), expert parallel. Experts no pair
-chose get NaN scales: the result stays finite only if nothing reads them."""
+chose get NaN scales: the result stays finite only if nothing reads them. W8A8 (the activations quantized
+per token and 128 columns) against the same arithmetic on layers/moe_fp8.fake_quantize_groups' activations;
+kernels/moe_decode.py's kernels over fp8 experts (one token's path) against the W8A16 arithmetic."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_fused_moe_int4_interpret import _reference
+from tests.unit.test_fused_moe_int4_interpret import ACTIVATIONS, _reference
 from tests.unit.triton_interpreter import (
     answer_cases,
     assert_case_matches,
@@ -31,7 +33,7 @@ def case(
     tokens: int, dtype: str = "bfloat16", hidden: int = 256, inter: int = 128, group=None, **extra
 ) -> dict:
     return {"tokens": tokens, "dtype": dtype, "hidden": hidden, "inter": inter, "group": group, "top_k": 2,
-            "act": "silu", "ep": None, **extra}  # fmt: skip
+            "act": "silu", "ep": None, "w8a8": False, "decode": False, **extra}  # fmt: skip
 
 
 CASES = [
@@ -41,6 +43,19 @@ CASES = [
     case(4, hidden=128, inter=64, group=32, act="gelu_tanh"),  # groups narrower than the tile's BLOCK_K
     case(70, hidden=128, inter=64, group=64),  # the larger tiles (BLOCK_M 64)
     case(5, group=128, ep=[1, 2]),  # expert parallel: the second half of the experts
+    # W8A8: the activations quantized per token and 128 columns (the layer's input and the intermediate)
+    case(1, w8a8=True),  # a scale a row
+    case(3, group=128, w8a8=True),  # 128-column blocks
+    case(2, "float16", inter=192, group=128, w8a8=True),  # a partial last group of I
+    case(4, hidden=128, inter=64, group=32, act="gelu_tanh", w8a8=True),  # weight groups below BLOCK_K
+    case(70, hidden=128, inter=192, group=64, w8a8=True),  # the larger tiles (BLOCK_M 64)
+    case(5, group=128, ep=[1, 2], w8a8=True),
+    # kernels/moe_decode.py's two kernels over fp8 experts (W8A16; layers/moe_fp8.py sends one token there)
+    case(1, decode=True),  # a scale a row
+    case(1, group=128, decode=True),  # 128-column blocks
+    case(2, "float16", hidden=320, inter=192, group=128, decode=True),  # partial last blocks
+    case(1, hidden=128, inter=64, group=32, act="gelu_tanh", decode=True),  # groups below BLOCK_K
+    case(3, group=128, ep=[1, 2], decode=True),
 ]
 
 
@@ -59,6 +74,7 @@ def _experts(count: int, rows: int, cols: int, group: int | None, seed: int):
 
 def run_case(spec: dict) -> dict:
     from fitserve.kernels.fused_moe_fp8 import fused_moe_fp8
+    from fitserve.kernels.moe_decode import moe_decode
 
     dtype = getattr(torch, spec["dtype"])
     experts, hidden, inter, top_k = 8, spec["hidden"], spec["inter"], spec["top_k"]
@@ -77,9 +93,35 @@ def run_case(spec: dict) -> dict:
         if first + expert not in chosen:
             w13.scale[expert] = float("nan")
             w2.scale[expert] = float("nan")
-    out = fused_moe_fp8(x, w13, w2, ids, weights, spec["act"], first_expert=first)
-    ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
+    if spec["decode"]:
+        out = moe_decode(x, w13, w2, ids, weights, spec["act"], first_expert=first)
+    else:
+        out = fused_moe_fp8(x, w13, w2, ids, weights, spec["act"], first_expert=first, w8a8=spec["w8a8"])
+    if spec["w8a8"]:
+        ref = _w8a8_reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
+    else:
+        ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
     return case_result(spec, out, ref, x)
+
+
+def _w8a8_reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> torch.Tensor:
+    """As _reference, with x and each pair's act(gate) * up (float32, not rounded) quantized by
+    layers/moe_fp8.fake_quantize_groups before their products."""
+    from fitserve.layers.moe_fp8 import fake_quantize_groups
+
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    intermediate = w13.shape[1] // 2
+    x_seen = fake_quantize_groups(x.float())
+    for token in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = int(ids[token, slot]) - first_expert
+            if not 0 <= expert < local_experts:
+                continue
+            gate_up = x_seen[token] @ w13[expert].float().t()
+            mid = fake_quantize_groups(ACTIVATIONS[act](gate_up[:intermediate]) * gate_up[intermediate:])
+            row = (mid @ w2[expert].float().t()) * weights[token, slot]
+            out[token] += row.to(x.dtype).float()
+    return out.to(x.dtype)
 
 
 @pytest.fixture(scope="module")

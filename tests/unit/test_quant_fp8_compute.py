@@ -172,3 +172,22 @@ def test_block_scales_are_recovered_only_from_whole_128_blocks() -> None:
     assert x_scale.shape == (5, 3) and x_scale.stride() == (1, 5)  # token-major, as cuBLASLt wants
     restored = x_q.float().view(5, 3, 128) * x_scale.unsqueeze(-1)
     assert torch.allclose(restored.view(5, 384), x, rtol=2**-4, atol=0)
+
+
+def test_a_block_scale_covers_128_rows_across_chunk_edges(monkeypatch) -> None:
+    """quantize_fp8 with group_rows: one scale per [128, 128] block (its amax / 448) repeated over the
+    block's rows, also when the rows are quantized in chunks (here 200 rows a chunk, cut to 128) and the
+    last block is partial; --load-format dummy draws block-scaled layers this way, so they take the
+    block-scaled GEMM (block_scales) as a checkpoint's do."""
+    from fitserve.layers.quantization import fp8_weight
+    from fitserve.layers.quantization.fp8_block import block_scales
+
+    monkeypatch.setattr(fp8_weight, "_CHUNK_ELEMENTS", 200 * 256)
+    weight = torch.randn(300, 256, generator=torch.Generator().manual_seed(5))
+    quantized = quantize_fp8(weight, 128, group_rows=128)
+    for first in range(0, 300, 128):
+        block = weight[first : first + 128].view(-1, 2, 128).abs().amax(dim=(0, 2)) / 448
+        assert torch.equal(quantized.scale[first : first + 128], block.expand(min(128, 300 - first), 2))
+    assert torch.allclose(dequantize(quantized), weight, rtol=2**-3, atol=2e-3 * 8)
+    generator = torch.Generator().manual_seed(3)
+    assert block_scales(random_fp8_weight(256, 384, 128, 0.05, generator, group_rows=128)) is not None

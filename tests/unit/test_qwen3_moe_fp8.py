@@ -287,3 +287,25 @@ def test_expert_tensors_of_the_wrong_shape_are_refused_naming_them():
     channel.load_tensor(0, "down_proj", "weight", torch.zeros(64, 64, dtype=torch.float8_e4m3fn))
     channel.load_tensor(0, "down_proj", "weight_scale", torch.full((64,), 0.5))  # [N]: taken as [N, 1]
     assert (channel.w2_scale[0] == 0.5).all() and "experts.0.down_proj" not in channel.missing()
+
+
+def test_expert_scales_stay_float32_in_a_16bit_model():
+    """The loader builds a bf16 model with bf16 as torch's default dtype; the kernels read float32 scales
+    (fused_moe_fp8.check_inputs refuses any other), so the scale buffers must not follow the default."""
+    from fitserve.kernels.fused_moe_fp8 import Fp8Experts, check_inputs
+    from fitserve.layers.moe_fp8 import Fp8FusedExperts
+    from fitserve.layers.quantization.fp8_format import Fp8Format
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        silu = torch.nn.functional.silu
+        experts = Fp8FusedExperts(8, 64, 64, silu, Fp8Format("fp8", "block", (32, 32)), "experts")
+        experts.initialize_dummy(seed=0, std=0.05)
+    finally:
+        torch.set_default_dtype(previous)
+    assert experts.w13_scale.dtype == experts.w2_scale.dtype == torch.float32
+    gate_up = Fp8Experts(experts.w13, experts.w13_scale, experts.group_up)
+    down = Fp8Experts(experts.w2, experts.w2_scale, experts.group_down)
+    tokens = torch.zeros(3, 64, dtype=torch.bfloat16)
+    check_inputs(tokens, gate_up, down, torch.zeros(3, 2, dtype=torch.int32))  # raises on a bf16 scale

@@ -63,9 +63,20 @@ def quantize_activation_groups_reference(x: torch.Tensor) -> tuple[torch.Tensor,
 class Fp8BlockW8A8Method:
     path = "w8a8-block"
 
+    def __init__(self, decode_kernel: bool = False) -> None:
+        self.decode_kernel = decode_kernel  # up to 16 rows through kernels/fp8_w8a16.py (fp8_compute.py)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         m = rows.shape[0]
+        if self.decode_kernel:
+            from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, w8a16_rows_ok
+
+            if w8a16_rows_ok(rows):
+                out = fp8_w8a16_linear(rows, layer.fp8_weight, layer.fp8_scale, counters=layer.fp8_counters)
+                if layer.bias is not None:
+                    out = out + layer.bias.to(out.dtype)
+                return out.view(*x.shape[:-1], out.shape[-1])
         if m % 4:
             rows = F.pad(rows, (0, 0, 0, -m % 4))
         x_q, x_scale = quantize_activation_groups(rows)

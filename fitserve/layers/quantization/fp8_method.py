@@ -237,7 +237,10 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             part = rank_slice(layer, shard_id, name)
             generator = torch.Generator(device=on).manual_seed(layer_seed(seed, name))
             group = self.group_k(part.whole_columns) if block else None
-            whole = random_fp8_weight(part.whole_rows, part.whole_columns, group, std, generator, on)
+            block_rows = self.fmt.block[0] if block else 1
+            whole = random_fp8_weight(
+                part.whole_rows, part.whole_columns, group, std, generator, on, block_rows
+            )
             data.append(take_columns(take_rows(whole.data, 0, part, name), 1, part, name).to(home))
             scales.append(self._rank_scale(whole.scale, part, name).to(home))
         columns = layer.input_size_per_rank

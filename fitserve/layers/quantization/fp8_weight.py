@@ -71,15 +71,18 @@ def rows_per_chunk(in_features: int, elements: int = _CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(1, in_features))
 
 
-def quantize_fp8(weight: torch.Tensor, group_k: int | None = None) -> Fp8Weight:
+def quantize_fp8(weight: torch.Tensor, group_k: int | None = None, group_rows: int = 1) -> Fp8Weight:
     """Round-to-nearest fp8 of a float weight [N, K]: one float32 scale per row (group_k None) or per
-    row and `group_k` columns, amax / 448, on the weight's device, a chunk of rows at a time."""
+    row and `group_k` columns, amax / 448, on the weight's device, a chunk of rows at a time. With
+    `group_rows` > 1 a scale covers that many rows too (a checkpoint's [128, 128] blocks), kept in the
+    canonical form: each block's scale repeated over its rows."""
     rows, cols = weight.shape
     group = cols if group_k is None else group_k
     groups = -(-cols // group)
     data = torch.empty((rows, cols), dtype=FP8, device=weight.device)
     scale = torch.empty((rows, groups), dtype=torch.float32, device=weight.device)
     step = rows_per_chunk(cols)
+    step = max(group_rows, step - step % group_rows)  # chunks end on block edges
     for start in range(0, rows, step):
         chunk = weight[start : start + step].to(torch.float32, copy=True)
         if groups == 1:
@@ -87,11 +90,21 @@ def quantize_fp8(weight: torch.Tensor, group_k: int | None = None) -> Fp8Weight:
         else:
             padded = torch.nn.functional.pad(chunk, (0, groups * group - cols))
             amax = padded.view(chunk.shape[0], groups, group).abs().amax(dim=-1)
+        if group_rows > 1:
+            amax = _block_amax(amax, group_rows)
         chunk_scale = amax.div_(FP8_MAX).clamp_(min=_MIN_SCALE)
         scale[start : start + step] = chunk_scale
         scaled = chunk.div_(chunk_scale if groups == 1 else expand_scale(chunk_scale, group, cols))
         data[start : start + step] = scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data, scale, group)
+
+
+def _block_amax(amax: torch.Tensor, group_rows: int) -> torch.Tensor:
+    """[R, G] amax of each row's groups -> the amax of each group_rows-row block, repeated over its rows."""
+    rows = amax.shape[0]
+    padded = torch.nn.functional.pad(amax, (0, 0, 0, -rows % group_rows))  # amax >= 0: zeros change nothing
+    blocks = padded.view(-1, group_rows, amax.shape[1]).amax(dim=1)
+    return blocks.repeat_interleave(group_rows, dim=0)[:rows]
 
 
 def random_fp8_weight(
@@ -101,17 +114,19 @@ def random_fp8_weight(
     std: float,
     generator: torch.Generator,
     device: torch.device | str | None = None,
+    group_rows: int = 1,
 ) -> Fp8Weight:
-    """A random Fp8Weight on `device` (the generator's): N(0, std) values quantized as quantize_fp8 does,
-    drawn a chunk of rows at a time (at most _CHUNK_ELEMENTS float32 at once). Reproducible for a
-    generator state."""
+    """A random Fp8Weight on `device` (the generator's): N(0, std) values quantized as quantize_fp8 does
+    (with `group_rows`, in blocks of that many rows, as block-scaled checkpoints are), drawn a chunk of
+    rows at a time (at most _CHUNK_ELEMENTS float32 at once). Reproducible for a generator state."""
     group = in_features if group_k is None else group_k
     parts = []
     step = rows_per_chunk(in_features)
+    step = max(group_rows, step - step % group_rows)
     for start in range(0, out_features, step):
         rows = min(step, out_features - start)
         drawn = torch.empty((rows, in_features), device=device).normal_(0.0, std, generator=generator)
-        parts.append(quantize_fp8(drawn, group))
+        parts.append(quantize_fp8(drawn, group, group_rows))
     data = torch.cat([part.data for part in parts])
     scale = torch.cat([part.scale for part in parts])
     return Fp8Weight(data, scale, group)
