@@ -329,6 +329,10 @@ def fused_moe_fp8(
     config = config or choose_config(num_tokens, hidden, intermediate, top_k, local_experts)
     if tuned and w8a8:
         config = dataclasses.replace(config, block_m=w8a8_block_m(num_tokens * top_k, local_experts))
+    elif w8a8 and config.gate_up.block_n != A_GROUP:  # its tile is one group of the intermediate's scales
+        raise ValueError(
+            f"fused_moe_fp8: W8A8's gate_up block_n must be {A_GROUP}, got {config.gate_up.block_n}"
+        )
     block_m = config.block_m
     num_pairs = num_tokens * top_k
     sorted_pairs, block_expert, num_blocks = moe_route(
@@ -346,8 +350,6 @@ def fused_moe_fp8(
             num_warps=8 if block_m >= 64 else 4,
             num_stages=_stages_that_fit(tile.num_stages, block_m * 128 + 2 * A_GROUP * 128, device),
         )
-    elif w8a8 and tile.block_n != A_GROUP:
-        raise ValueError(f"fused_moe_fp8: W8A8's gate_up block_n must be {A_GROUP}, got {tile.block_n}")
     if w8a8:
         x_q, x_scale = quantize_groups(x)
         mid_dtype, mid_groups = FP8, cdiv(intermediate, A_GROUP)

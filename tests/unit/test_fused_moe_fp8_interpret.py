@@ -141,7 +141,9 @@ def test_kernels_match_the_dequantized_experts(results: list[dict], index: int) 
 
 @needs_triton
 def test_bad_inputs_are_refused() -> None:
+    from fitserve.kernels.fused_moe import FusedMoeConfig, GemmTile
     from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fused_moe_fp8
+    from fitserve.kernels.moe_decode import SharedExpert, moe_decode
 
     data = torch.zeros(2, 64, 64, dtype=torch.float8_e4m3fn)
     w13 = Fp8Experts(data, torch.ones(2, 64, 1), 64)
@@ -160,6 +162,17 @@ def test_bad_inputs_are_refused() -> None:
         fused_moe_fp8(x, Fp8Experts(data, torch.ones(2, 64, 2), 40), w2, ids, weights, "silu")
     with pytest.raises(ValueError, match="activation 'relu'"):
         fused_moe_fp8(x, w13, w2, ids, weights, "relu")
+    with pytest.raises(ValueError, match="W8A8 needs a hidden size of whole 128-column groups, got 64"):
+        fused_moe_fp8(x, w13, w2, ids, weights, "silu", w8a8=True)
+    x128 = torch.zeros(2, 128, dtype=torch.bfloat16)
+    w13_128 = Fp8Experts(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 64, 1), 128)
+    tiles = FusedMoeConfig(16, GemmTile(64, 128), GemmTile(64, 128))
+    with pytest.raises(ValueError, match="W8A8's gate_up block_n must be 128, got 64"):
+        fused_moe_fp8(x128, w13_128, Fp8Experts(torch.zeros(2, 128, 32, dtype=torch.float8_e4m3fn),
+                      torch.ones(2, 128, 1), 32), ids, weights, "silu", config=tiles)  # fmt: skip
+    shared = SharedExpert(torch.zeros(64, 64), torch.zeros(64, 32), torch.zeros(64))
+    with pytest.raises(ValueError, match="fp8 experts take no shared expert here"):
+        moe_decode(x, w13, w2, ids, weights, "silu", shared=shared)
 
 
 if __name__ == "__main__":
