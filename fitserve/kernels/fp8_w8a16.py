@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import kernel_capability, sm_count
+from fitserve.kernels.capability import E4M3_CONVERSION_MIN_CAPABILITY, kernel_capability, sm_count
 from fitserve.kernels.grid_math import cdiv, even_splits
 from fitserve.kernels.int4_kernel_parts import _finish
 
@@ -118,7 +118,8 @@ def w8a16_layer_ok(device: torch.device, group_k: int, groups: int) -> bool:
     """Whether a layer's weight (on `device`, `groups` scales a row of `group_k` columns) can use the
     kernel: a GPU of compute capability 8.9 or more, per-channel or 128-column scales."""
     capability = kernel_capability(device) if device.type == "cuda" else None  # a forced target counts
-    return capability is not None and capability >= (8, 9) and (groups == 1 or group_k == BLOCK_K)
+    runs = capability is not None and capability >= E4M3_CONVERSION_MIN_CAPABILITY
+    return runs and (groups == 1 or group_k == BLOCK_K)
 
 
 def w8a16_rows_ok(x: torch.Tensor) -> bool:

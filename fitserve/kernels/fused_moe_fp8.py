@@ -37,7 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
+from fitserve.kernels.capability import (
+    E4M3_CONVERSION_MIN_CAPABILITY,
+    kernel_capability,
+    shared_memory_per_block,
+)
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
 from fitserve.kernels.fp8_quant import INV_FP8_MAX, quantize_groups, to_e4m3
 from fitserve.kernels.fused_moe import FusedMoeConfig, choose_config, moe_route, sum_pair_rows
@@ -57,7 +61,7 @@ def fp8_experts_run_on(device: torch.device) -> bool:
     """Whether the kernels run on `device`: CUDA at compute capability 8.9 and up (Triton's native e4m3;
     a forced target counts, kernels/capability.py)."""
     capability = kernel_capability(device) if device.type == "cuda" else None
-    return capability is not None and capability >= (8, 9)
+    return capability is not None and capability >= E4M3_CONVERSION_MIN_CAPABILITY
 
 
 @triton.jit
