@@ -41,6 +41,9 @@ MAX_REGISTERS_PER_THREAD = 255
 # Triton converts float8 e4m3 (its fp8e4nv type) from this capability on; below it the kernels convert a
 # float8 e4m3 KV cache's bytes themselves (kernels/fp8_bits.py). e5m2 converts on every target.
 E4M3_CONVERSION_MIN_CAPABILITY = (8, 9)
+# fp8 weights (the MoE experts' kernels, the dense W8A16 decode kernel) run on 16-bit tensor cores from
+# Turing on: below 8.9 from their bytes (kernels/fp8_bits.py), without fp8 (W8A8) products
+FP8_WEIGHTS_MIN_CAPABILITY = (7, 5)
 
 _forced: tuple[int, int] | None = None
 

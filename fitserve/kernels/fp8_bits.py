@@ -13,8 +13,11 @@ e4m3: sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 holds the
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
 
 # Decode: the byte's exponent and mantissa bits placed under fp16's (bias 15) read as 2**-8 times the e4m3
 # value, subnormals included (fp16's subnormal step, 2**-24 x 2**7, is e4m3's 2**-9 x 2**-8).
@@ -72,3 +75,9 @@ def to_cache(values, element_ty: tl.constexpr):
     if element_ty == tl.uint8:
         return float32_to_e4m3_bits(values.to(tl.float32))
     return values.to(element_ty)
+
+
+def e4m3_as_stored(data: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fp8 weights as the kernels load them on `device`: as they are where Triton converts e4m3 (8.9 and
+    up, and the interpreter), else viewed as bytes (uint8), which `kv_values` decodes."""
+    return data if has_e4m3_conversion(kernel_capability(device)) else data.view(torch.uint8)

@@ -1,7 +1,8 @@
 """W8A16 fp8 GEMM for few rows (decode): y = x @ (fp8 w * scale)^T with the dequantize in the kernel, so a
 layer streams its 1-byte weights once per step instead of writing a 16-bit copy first, and quantizes no
 activations (layers/quantization/fp8_compute.py uses it up to MAX_ROWS rows, for W8A8 and weight-only
-layers alike, on GPUs whose Triton converts float8 e4m3 natively: compute capability 8.9 and up).
+layers alike, from compute capability 7.5; below 8.9, where Triton has no e4m3, the weight comes as its
+bytes and kernels/fp8_bits.py decodes them).
 
 Each program computes BLOCK_N output columns for every row: it walks K in BLOCK_K steps (256 with
 per-channel scales, 128 with block scales), loads the [BLOCK_N, BLOCK_K] fp8 tile, converts it to the
@@ -28,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.capability import E4M3_CONVERSION_MIN_CAPABILITY, kernel_capability, sm_count
+from fitserve.kernels.capability import FP8_WEIGHTS_MIN_CAPABILITY, kernel_capability, sm_count
+from fitserve.kernels.fp8_bits import e4m3_as_stored, kv_values
 from fitserve.kernels.grid_math import cdiv, even_splits
 from fitserve.kernels.int4_kernel_parts import _finish
 
@@ -88,7 +90,7 @@ def _w8a16_kernel(
         w = tl.load(
             w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
         )
-        partial = tl.dot(x, tl.trans(w.to(x.dtype)))
+        partial = tl.dot(x, tl.trans(kv_values(w, x.dtype)))  # e4m3 bytes below 8.9: from their bits
         if GROUPED:
             scale = tl.load(s_ptr + rn * stride_s + k0 // BLOCK_K, mask=n_ok & (k0 < K), other=0.0)
             acc += partial * scale[None, :]
@@ -116,9 +118,10 @@ def _w8a16_kernel(
 
 def w8a16_layer_ok(device: torch.device, group_k: int, groups: int) -> bool:
     """Whether a layer's weight (on `device`, `groups` scales a row of `group_k` columns) can use the
-    kernel: a GPU of compute capability 8.9 or more, per-channel or 128-column scales."""
+    kernel: a GPU of compute capability FP8_WEIGHTS_MIN_CAPABILITY (7.5) or more (the weight as its
+    bytes below 8.9, kernels/fp8_bits.py), per-channel or 128-column scales."""
     capability = kernel_capability(device) if device.type == "cuda" else None  # a forced target counts
-    runs = capability is not None and capability >= E4M3_CONVERSION_MIN_CAPABILITY
+    runs = capability is not None and capability >= FP8_WEIGHTS_MIN_CAPABILITY
     return runs and (groups == 1 or group_k == BLOCK_K)
 
 
@@ -180,6 +183,7 @@ def fp8_w8a16_linear(
     steps_per_split = cdiv(steps, splits)
     splits = cdiv(steps, steps_per_split)  # no empty split
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    weight = e4m3_as_stored(weight, x.device)
     _w8a16_kernel[(tiles, splits)](
         x,
         weight,

@@ -22,9 +22,10 @@ each step (BLOCK_K divides GROUP_K and A_GROUP) is scaled before it is added.
 
 Weights as layers/moe_fp8.py keeps them: gate_up [E, 2I, hidden] (gate rows then up rows) with its scale
 [E, 2I, G_hidden], down [E, hidden, I] with [E, hidden, G_I]. One token takes kernels/moe_decode.py's
-kernels instead (layers/moe_fp8.py). Needs a GPU whose Triton converts float8 e4m3 (compute capability 8.9
-and up: `fp8_experts_run_on`); the Triton interpreter runs the same arithmetic (tests). No host sync, so
-CUDA graphs capture it for any routing.
+kernels instead (layers/moe_fp8.py). Runs from compute capability 7.5 (`fp8_experts_run_on`); below 8.9,
+where Triton has no e4m3 and the GPU no fp8 tensor cores, W8A16 only, on the weights viewed as bytes that
+kernels/fp8_bits.py decodes (`e4m3_as_stored`). The Triton interpreter runs the same arithmetic (tests).
+No host sync, so CUDA graphs capture it for any routing.
 
 Reference: layers/moe_fp8.py Fp8FusedExperts.reference (tests/unit/test_fused_moe_fp8_interpret.py).
 """
@@ -38,11 +39,13 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.capability import (
-    E4M3_CONVERSION_MIN_CAPABILITY,
+    FP8_WEIGHTS_MIN_CAPABILITY,
+    has_e4m3_conversion,
     kernel_capability,
     shared_memory_per_block,
 )
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fp8_bits import e4m3_as_stored
 from fitserve.kernels.fp8_quant import INV_FP8_MAX, quantize_groups, to_e4m3
 from fitserve.kernels.fused_moe import FusedMoeConfig, choose_config, moe_route, sum_pair_rows
 from fitserve.kernels.grid_math import cdiv
@@ -58,10 +61,10 @@ A_GROUP = 128  # W8A8: activation columns per scale (the layer's input and the i
 
 
 def fp8_experts_run_on(device: torch.device) -> bool:
-    """Whether the kernels run on `device`: CUDA at compute capability 8.9 and up (Triton's native e4m3;
-    a forced target counts, kernels/capability.py)."""
+    """Whether the kernels run on `device`: CUDA at compute capability FP8_WEIGHTS_MIN_CAPABILITY and up
+    (a forced target counts, kernels/capability.py)."""
     capability = kernel_capability(device) if device.type == "cuda" else None
-    return capability is not None and capability >= E4M3_CONVERSION_MIN_CAPABILITY
+    return capability is not None and capability >= FP8_WEIGHTS_MIN_CAPABILITY
 
 
 @triton.jit
@@ -287,8 +290,9 @@ def w8a8_block_m(num_pairs: int, local_experts: int) -> int:
 
 
 def runs_w8a8(x: torch.Tensor) -> bool:
-    """Whether fused_moe_fp8 quantizes the activations (W8A8): a hidden size of whole A_GROUP groups."""
-    return x.shape[-1] % A_GROUP == 0
+    """Whether fused_moe_fp8 quantizes the activations (W8A8): a hidden size of whole A_GROUP groups, on a
+    GPU with fp8 tensor cores (8.9 and up; the interpreter too)."""
+    return x.shape[-1] % A_GROUP == 0 and has_e4m3_conversion(kernel_capability(x.device))
 
 
 def fused_moe_fp8(
@@ -315,10 +319,12 @@ def fused_moe_fp8(
     check_inputs(x, gate_up, down, topk_ids)
     w8a8 = runs_w8a8(x) if w8a8 is None else w8a8
     if w8a8 and not runs_w8a8(x):
-        raise ValueError(
-            f"fused_moe_fp8: W8A8 needs a hidden size of whole {A_GROUP}-column groups, got {x.shape[1]}: "
-            "pass w8a8=False"
+        needs = (
+            f"a hidden size of whole {A_GROUP}-column groups, got {x.shape[1]}"
+            if x.shape[1] % A_GROUP
+            else f"fp8 tensor cores (compute capability 8.9), got {kernel_capability(x.device)}"
         )
+        raise ValueError(f"fused_moe_fp8: W8A8 needs {needs}: pass w8a8=False")
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     if num_tokens == 0:
@@ -365,7 +371,7 @@ def fused_moe_fp8(
     block_k, per_row = _step_k(tile.block_k, gate_up, w8a8)
     if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
-    data, scale = gate_up.data, gate_up.scale
+    data, scale = e4m3_as_stored(gate_up.data, device), gate_up.scale
     args = (x_q, x_scale, data, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
     args += (top_k, hidden, intermediate, x_q.stride(0), x_scale.stride(0), x_scale.stride(1))
     args += (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1), mid.stride(0))
@@ -390,7 +396,7 @@ def fused_moe_fp8(
     if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows
         tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
     block_k, per_row = _step_k(tile.block_k, down, w8a8)
-    data, scale = down.data, down.scale
+    data, scale = e4m3_as_stored(down.data, device), down.scale
     args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
     args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))
     args += (data.stride(1), scale.stride(0), scale.stride(1), per_pair.stride(0))

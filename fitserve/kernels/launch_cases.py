@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fitserve.kernels.capability import has_e4m3_conversion
+
 if TYPE_CHECKING:
     from fitserve.kernels.variants import Target
 
@@ -249,7 +251,8 @@ def _fp8_linear(target: Target, full: bool) -> None:
     from fitserve.kernels.fp8_w8a16 import fp8_w8a16_linear, split_counters, w8a16_layer_ok
 
     if not w8a16_layer_ok(torch.device("cuda"), 128, 1):
-        return  # float8 weights (e4m3) run these kernels from 8.9 on only
+        return  # float8 weights run the W8A16 kernel from 7.5 on (as their bytes below 8.9)
+    w8a8 = has_e4m3_conversion(target.capability)  # activations quantized to e4m3 from 8.9 on
     for dtype in activation_dtypes(target, full):
         for n, k in ((4096, 4096), (14336, 4096)):
             weight = _empty(n, k, dtype=torch.float8_e4m3fn)
@@ -258,7 +261,7 @@ def _fp8_linear(target: Target, full: bool) -> None:
                 fp8_w8a16_linear(_empty(rows, k, dtype=dtype), weight, torch.ones(n, k // 128))
                 counters = split_counters(n, "cpu")  # split-K where the grid leaves SMs idle
                 fp8_w8a16_linear(_empty(rows, k, dtype=dtype), weight, torch.ones(n, 1), counters=counters)
-            for rows in (1, 256):
+            for rows in (1, 256) if w8a8 else ():
                 quantize_rows(_empty(rows, k, dtype=dtype))
                 quantize_rows(_empty(rows, k, dtype=dtype), torch.ones(1))
                 quantize_groups(_empty(rows, k, dtype=dtype))
@@ -321,7 +324,7 @@ def _fused_moe_fp8(target: Target, full: bool) -> None:
     from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fp8_experts_run_on, fused_moe_fp8
 
     if not fp8_experts_run_on(torch.device("cuda")):
-        return  # float8 experts run from 8.9 on only
+        return  # float8 experts run from 7.5 on (W8A16 on their bytes below 8.9)
 
     def experts(count: int, n: int, k: int, group: int | None) -> Fp8Experts:
         groups = 1 if group is None else -(-k // group)

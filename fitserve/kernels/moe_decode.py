@@ -48,6 +48,7 @@ import triton.language as tl
 from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.capability import sm_count
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fp8_bits import e4m3_as_stored
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.moe_parts import ACTIVATIONS, Fp8Experts, GemmTile, scaled_step
 from fitserve.kernels.moe_parts import activation as _activation
@@ -452,7 +453,8 @@ def _weights(
         while projection.group_k % block_k:
             block_k //= 2
     constexprs = {"W_FP8": True, "GROUP_K": projection.group_k, "BLOCK_K": block_k}
-    return projection.data, projection.scale, constexprs
+    data = e4m3_as_stored(projection.data, projection.data.device)  # bytes below 8.9 (kernels/fp8_bits.py)
+    return data, projection.scale, constexprs
 
 
 def decode_gate_up(

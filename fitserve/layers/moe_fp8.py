@@ -1,10 +1,12 @@
 """MoE experts of an FP8 checkpoint (Qwen3-30B-A3B-FP8 and Qwen3.6-35B-A3B-FP8 with [128, 128] block scales,
 compressed-tensors FP8 with per-channel or per-tensor scales): the experts of layers/moe.py with 1-byte
-weights, on GPUs of compute capability 8.9 and up. One token (decode at batch 1) runs weight-only
+weights, on GPUs of compute capability 7.5 and up. One token (decode at batch 1) runs weight-only
 (W8A16) through kernels/moe_decode.py's two kernels, its k experts streamed once; more tokens run
 kernels/fused_moe_fp8.py's grouped kernels W8A8 as vLLM runs FP8 MoE checkpoints: the input and the
 intermediate quantized per token and 128 columns (dynamic, amax / 448), the products fp8 x fp8 on the
-tensor cores (a hidden size that is not whole 128-column groups stays W8A16).
+tensor cores (a hidden size that is not whole 128-column groups stays W8A16). Below compute capability
+8.9 (Turing, Ampere: no fp8 tensor cores, no e4m3 in Triton) every batch runs W8A16 on the weights'
+bytes, decoded in the kernels (kernels/fp8_bits.py), as vLLM's fp8 Marlin runs them there.
 
 Each expert's projections load from the checkpoint's per-expert tensors (`experts.<e>.gate_proj.weight`
 float8_e4m3fn, its `weight_scale_inv` or `weight_scale`; a static `input_scale` is checked and not used:
@@ -219,8 +221,8 @@ class Fp8FusedExperts(QuantizedExperts):
 
         if not fp8_experts_run_on(x.device) or self.kernel_activation is None:
             raise ValueError(
-                f"{self.prefix}: fp8 experts run on GPUs of compute capability 8.9 and up (Ada, Hopper "
-                "and later) with silu, gelu_tanh or gelu activations; on this GPU use the model's int4 "
+                f"{self.prefix}: fp8 experts run on GPUs of compute capability 7.5 and up (Turing and "
+                "later) with silu, gelu_tanh or gelu activations; on this GPU use the model's int4 "
                 "(AWQ / GPTQ) or 16-bit checkpoint"
             )
         gate_up = Fp8Experts(self.w13, self.w13_scale, self.group_up)

@@ -25,9 +25,9 @@ MOE_QUANTIZATION = (
 # MoE model types whose experts run an int4 checkpoint (AWQ, GPTQ, compressed-tensors W4A16, AutoRound), an
 # FP8 one or --quantization fp8 (the fp8 experts from this compute capability on: kernels/fused_moe_fp8.py)
 INT4_EXPERT_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gemma4_text")
-# kernels/capability.E4M3_CONVERSION_MIN_CAPABILITY (where Triton converts float8 e4m3); not imported: this
-# module stays free of torch
-FP8_EXPERTS_MIN_CAPABILITY = (8, 9)
+# kernels/capability.FP8_WEIGHTS_MIN_CAPABILITY (16-bit tensor cores; below 8.9 the kernels decode the
+# e4m3 bytes themselves); not imported: this module stays free of torch
+FP8_EXPERTS_MIN_CAPABILITY = (7, 5)
 
 
 def vllm_only(suggestion: str, setting: str) -> str:

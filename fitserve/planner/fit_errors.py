@@ -160,7 +160,7 @@ def check_quantization(quantization: str | None, model: ModelInfo, used: Sequenc
 
 def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec], quantization: str | None = None) -> None:
     """PlanError for fp8 MoE experts (layers/moe_fp8.py: an FP8 checkpoint's, or --quantization fp8's) on
-    a GPU below compute capability 8.9, whose Triton has no e4m3 conversion for their kernels: before
+    a GPU below compute capability 7.5, without the 16-bit tensor-core products their kernels use: before
     anything loads."""
     from fitserve.layers.quantization.quant_config import quant_format
     from fitserve.models.moe_experts_format import GEMMA_EXPERTS, QWEN_EXPERTS, fp8_experts
@@ -180,7 +180,7 @@ def check_fp8_experts(model: ModelInfo, used: Sequence[DeviceSpec], quantization
         raise PlanError(
             "quantization",
             f"{old[0].label()}: fp8 MoE experts (an FP8 checkpoint's or --quantization fp8's) run on GPUs "
-            f"of compute capability {format_capability(FP8_EXPERTS_MIN_CAPABILITY)} and up (Ada, Hopper and "
+            f"of compute capability {format_capability(FP8_EXPERTS_MIN_CAPABILITY)} and up (Turing and "
             f"later), this one has {format_capability(old[0].capability)}: use the model's int4 (AWQ / GPTQ) "
             "or 16-bit checkpoint without --quantization (`fitserve plan` says how each fits)",
         )

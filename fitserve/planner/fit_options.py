@@ -108,7 +108,7 @@ def fitting_options(
     moe = inputs.shape.is_moe
     runs = [text for group, text in quantization if _runs(inputs, group)]
     needs_vllm = [
-        f"{text} ({_moe_note(group)})" if moe else vllm_only(text, "quantization")
+        f"{text} ({MOE_QUANTIZATION})" if moe else vllm_only(text, "quantization")
         for group, text in quantization
         if not _runs(inputs, group)
     ]
@@ -141,14 +141,6 @@ def _utilization_options(inputs: MemoryInputs, needed_tokens: int, headroom: Hea
                 f"the GPU): {plan.kv_cache_tokens:,} KV tokens{_fewer_sequences_note(inputs, plan)}"
             ]
     return []
-
-
-def _moe_note(group: tuple[str, ...]) -> str:
-    """Why fitserve does not run a MoE quantized by `group` (where _runs says so)."""
-    if group == ("fp8",):
-        minimum = ".".join(map(str, FP8_EXPERTS_MIN_CAPABILITY))
-        return f"fitserve's fp8 MoE experts need compute capability {minimum} and up; vLLM runs them"
-    return MOE_QUANTIZATION
 
 
 def _runs(inputs: MemoryInputs, group: tuple[str, ...]) -> bool:

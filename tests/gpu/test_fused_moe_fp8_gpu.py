@@ -1,8 +1,9 @@
-"""The fp8 fused MoE (fitserve/kernels/fused_moe_fp8.py) on a GPU of compute capability 8.9+ at
+"""The fp8 fused MoE (fitserve/kernels/fused_moe_fp8.py) on a GPU of compute capability 7.5+ at
 Qwen3-30B-A3B-FP8's expert shape (128 experts, top 8, hidden 2048, intermediate 768), with Qwen's
 [128, 128] block scales and with per-channel scales, against the experts' torch path over the dequantized
 weights (layers/moe_quantized.py QuantizedExperts.reference); replayed in a CUDA graph captured with one
-routing and replayed with another; with expert parallel. Needs CUDA and triton."""
+routing and replayed with another; with expert parallel; as GPUs below 8.9 run them (a forced target: the
+weights as bytes, W8A16). Needs CUDA and triton."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-    pytest.skip("needs a CUDA GPU of compute capability 8.9 or more", allow_module_level=True)
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (7, 5):
+    pytest.skip("needs a CUDA GPU of compute capability 7.5 or more", allow_module_level=True)
 
 from fitserve.distributed.parallel_state import TensorParallel, set_tensor_parallel  # noqa: E402
 from fitserve.layers.moe_fp8 import Fp8FusedExperts  # noqa: E402
@@ -69,3 +70,14 @@ def test_a_graph_replays_another_routing(experts):
 
 def test_expert_parallel_ranks_sum_to_the_whole():
     assert_ranks_sum_to_the_whole(build("block"), [build("block", (rank, 2)) for rank in range(2)])
+
+
+@pytest.mark.parametrize("tokens", (1, 64))
+def test_below_8_9_the_weights_run_as_their_bytes(experts, tokens):
+    """Under a forced sm_80 target the kernels take the weights as uint8 and decode them
+    (kernels/fp8_bits.py), W8A16 at every batch size, as on an A100; the reference follows."""
+    from fitserve.kernels.capability import forced_target
+
+    with forced_target((8, 0)):
+        assert not experts.quantizes_activations(torch.zeros(tokens, HIDDEN, device=DEVICE))
+        assert_kernels_match_the_torch_path(experts, tokens)

@@ -7,7 +7,8 @@ with K a multiple of the block and with a partial last block, 32-column groups (
 the decode-sized and the larger tiles, float16, gelu-tanh (Gemma-4), expert parallel. Experts no pair
 chose get NaN scales: the result stays finite only if nothing reads them. W8A8 (the activations quantized
 per token and 128 columns) against the same arithmetic on layers/moe_fp8.fake_quantize_groups' activations;
-kernels/moe_decode.py's kernels over fp8 experts (one token's path) against the W8A16 arithmetic."""
+kernels/moe_decode.py's kernels over fp8 experts (one token's path) against the W8A16 arithmetic. Forced
+targets below 8.9 run the weights as bytes (kernels/fp8_bits.py) on the W8A16 kernels."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ CASES = [
     case(2, "float16", hidden=320, inter=192, group=128, decode=True),  # partial last blocks
     case(1, hidden=128, inter=64, group=32, act="gelu_tanh", decode=True),  # groups below BLOCK_K
     case(3, group=128, ep=[1, 2], decode=True),
+    # below compute capability 8.9 (a forced target): the weights as bytes, decoded by kernels/fp8_bits.py,
+    # W8A16 on the grouped kernels (no fp8 tensor cores) and the decode kernels
+    case(3, group=128, target=[8, 0]),
+    case(70, hidden=128, inter=64, group=64, target=[8, 0]),
+    case(1, decode=True, target=[7, 5]),
 ]
 
 
@@ -73,6 +79,15 @@ def _experts(count: int, rows: int, cols: int, group: int | None, seed: int):
 
 
 def run_case(spec: dict) -> dict:
+    from fitserve.kernels.capability import forced_target
+
+    if "target" not in spec:
+        return _run_case(spec)
+    with forced_target(tuple(spec["target"])):
+        return _run_case(spec)
+
+
+def _run_case(spec: dict) -> dict:
     from fitserve.kernels.fused_moe_fp8 import fused_moe_fp8
     from fitserve.kernels.moe_decode import moe_decode
 
@@ -96,7 +111,8 @@ def run_case(spec: dict) -> dict:
     if spec["decode"]:
         out = moe_decode(x, w13, w2, ids, weights, spec["act"], first_expert=first)
     else:
-        out = fused_moe_fp8(x, w13, w2, ids, weights, spec["act"], first_expert=first, w8a8=spec["w8a8"])
+        w8a8 = spec["w8a8"] if "target" not in spec else None  # None: as the target runs it (W8A16)
+        out = fused_moe_fp8(x, w13, w2, ids, weights, spec["act"], first_expert=first, w8a8=w8a8)
     if spec["w8a8"]:
         ref = _w8a8_reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
     else:
@@ -141,6 +157,7 @@ def test_kernels_match_the_dequantized_experts(results: list[dict], index: int) 
 
 @needs_triton
 def test_bad_inputs_are_refused() -> None:
+    from fitserve.kernels.capability import forced_target
     from fitserve.kernels.fused_moe import FusedMoeConfig, GemmTile
     from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fused_moe_fp8
     from fitserve.kernels.moe_decode import SharedExpert, moe_decode
@@ -166,10 +183,12 @@ def test_bad_inputs_are_refused() -> None:
         fused_moe_fp8(x, w13, w2, ids, weights, "silu", w8a8=True)
     x128 = torch.zeros(2, 128, dtype=torch.bfloat16)
     w13_128 = Fp8Experts(torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 64, 1), 128)
+    w2_128 = Fp8Experts(torch.zeros(2, 128, 32, dtype=torch.float8_e4m3fn), torch.ones(2, 128, 1), 32)
     tiles = FusedMoeConfig(16, GemmTile(64, 128), GemmTile(64, 128))
     with pytest.raises(ValueError, match="W8A8's gate_up block_n must be 128, got 64"):
-        fused_moe_fp8(x128, w13_128, Fp8Experts(torch.zeros(2, 128, 32, dtype=torch.float8_e4m3fn),
-                      torch.ones(2, 128, 1), 32), ids, weights, "silu", config=tiles)  # fmt: skip
+        fused_moe_fp8(x128, w13_128, w2_128, ids, weights, "silu", config=tiles)
+    with forced_target((8, 6)), pytest.raises(ValueError, match=r"needs fp8 tensor cores .* got \(8, 6\)"):
+        fused_moe_fp8(x128, w13_128, w2_128, ids, weights, "silu", w8a8=True)
     shared = SharedExpert(torch.zeros(64, 64), torch.zeros(64, 32), torch.zeros(64))
     with pytest.raises(ValueError, match="fp8 experts take no shared expert here"):
         moe_decode(x, w13, w2, ids, weights, "silu", shared=shared)

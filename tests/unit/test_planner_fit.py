@@ -391,6 +391,7 @@ def test_a_hybrids_options_count_the_sequences_auto_fit_would_drop() -> None:
     with pytest.raises(PlanError) as error:
         run_plan(parse("plan", [folder, "--assume-gpus", "1x32@8.6", "--max-num-seqs", "256"]))
     assert "--quantization awq" not in str(error.value) and "lowered to" not in str(error.value)
-    (offload_at_256,) = [line for line in str(error.value).splitlines() if "--cpu-offload-gb" in line]
+    at_256 = [line.strip() for line in str(error.value).splitlines()]
+    (offload_at_256,) = [line for line in at_256 if line.startswith("--cpu-offload-gb")]
     gib = [float(line.split("--cpu-offload-gb ")[1].split()[0]) for line in (offload, offload_at_256)]
     assert gib[0] < gib[1]  # fewer state slots: less to offload

@@ -15,9 +15,9 @@
 - "weight-only" (every other case: weight-only checkpoints, the CPU, GPUs below 8.9, float32 models, odd
   shapes): the weight stays fp8 in memory (1 byte a weight plus the scales); each call dequantizes it a
   chunk of rows at a time to the activations' dtype and multiplies, so at most CHUNK_ELEMENTS dequantized
-  values exist at once; on GPUs of 8.9 and up, up to 16 rows (decode) of bf16 / fp16 activations run
-  kernels/fp8_w8a16.py instead, the dequantize inside the GEMM. Activations are not quantized, so a W8A8
-  checkpoint runs weight-only here (logged once).
+  values exist at once; on GPUs of 7.5 and up, up to 16 rows (decode) of bf16 / fp16 activations run
+  kernels/fp8_w8a16.py instead, the dequantize inside the GEMM (below 8.9 from the weight's bytes).
+  Activations are not quantized, so a W8A8 checkpoint runs weight-only here (logged once).
 Tensors live on the layer as buffers (fp8_weight, fp8_scale, fp8_input_scale) so --cpu-offload-gb
 moves them as it moves any buffer.
 """
