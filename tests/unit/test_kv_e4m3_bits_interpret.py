@@ -72,8 +72,6 @@ def slot_order(num_tokens: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
     cases = [{"kind": "decode_bytes", "dtype": name} for name in ("float16", "bfloat16", "float32")]
     cases += [{"kind": "encode", "dtype": name, "scales": scales} for name in DTYPES for scales in SCALES]
     cases += [{"kind": "attention", "dtype": name} for name in ATTENTION_TOLERANCE]
