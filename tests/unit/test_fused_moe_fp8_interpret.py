@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_fused_moe_int4_interpret import ACTIVATIONS, _reference
+from tests.unit.test_fused_moe_int4_interpret import _reference
 from tests.unit.triton_interpreter import (
     answer_cases,
     assert_case_matches,
@@ -90,6 +90,7 @@ def run_case(spec: dict) -> dict:
 def _run_case(spec: dict) -> dict:
     from fitserve.kernels.fused_moe_fp8 import fused_moe_fp8
     from fitserve.kernels.moe_decode import moe_decode
+    from fitserve.layers.moe_fp8 import fake_quantize_groups
 
     dtype = getattr(torch, spec["dtype"])
     experts, hidden, inter, top_k = 8, spec["hidden"], spec["inter"], spec["top_k"]
@@ -113,31 +114,9 @@ def _run_case(spec: dict) -> dict:
     else:
         w8a8 = spec["w8a8"] if "target" not in spec else None  # None: as the target runs it (W8A16)
         out = fused_moe_fp8(x, w13, w2, ids, weights, spec["act"], first_expert=first, w8a8=w8a8)
-    if spec["w8a8"]:
-        ref = _w8a8_reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
-    else:
-        ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local)
+    seen = fake_quantize_groups if spec["w8a8"] else None  # what W8A8's products see of their inputs
+    ref = _reference(x, dense13, dense2, ids, weights, spec["act"], first, local, seen)
     return case_result(spec, out, ref, x)
-
-
-def _w8a8_reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> torch.Tensor:
-    """As _reference, with x and each pair's act(gate) * up (float32, not rounded) quantized by
-    layers/moe_fp8.fake_quantize_groups before their products."""
-    from fitserve.layers.moe_fp8 import fake_quantize_groups
-
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    intermediate = w13.shape[1] // 2
-    x_seen = fake_quantize_groups(x.float())
-    for token in range(x.shape[0]):
-        for slot in range(ids.shape[1]):
-            expert = int(ids[token, slot]) - first_expert
-            if not 0 <= expert < local_experts:
-                continue
-            gate_up = x_seen[token] @ w13[expert].float().t()
-            mid = fake_quantize_groups(ACTIVATIONS[act](gate_up[:intermediate]) * gate_up[intermediate:])
-            row = (mid @ w2[expert].float().t()) * weights[token, slot]
-            out[token] += row.to(x.dtype).float()
-    return out.to(x.dtype)
 
 
 @pytest.fixture(scope="module")

@@ -66,17 +66,22 @@ def stack_experts(packed: list) -> Any:
     return PackedExperts(qweight, scale_zero, first.group_size, first.in_features, first.out_features)
 
 
-def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts) -> torch.Tensor:
+def _reference(x, w13, w2, ids, weights, act, first_expert, local_experts, seen=None) -> torch.Tensor:
+    """Each pair's act(gate) * up rounded to x's dtype, each weighted row rounded, a token's rows summed in
+    float32. `seen` (W8A8: layers/moe_fp8.fake_quantize_groups): what the products see of x and of the
+    float32 act(gate) * up, which is then not rounded."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     intermediate = w13.shape[1] // 2
+    x_seen = x.float() if seen is None else seen(x.float())
     for token in range(x.shape[0]):
         for slot in range(ids.shape[1]):
             expert = int(ids[token, slot]) - first_expert
             if not 0 <= expert < local_experts:
                 continue
-            gate_up = x[token].float() @ w13[expert].float().t()
-            mid = (ACTIVATIONS[act](gate_up[:intermediate]) * gate_up[intermediate:]).to(x.dtype)
-            row = (mid.float() @ w2[expert].float().t()) * weights[token, slot]
+            gate_up = x_seen[token] @ w13[expert].float().t()
+            mid = ACTIVATIONS[act](gate_up[:intermediate]) * gate_up[intermediate:]
+            mid = mid.to(x.dtype).float() if seen is None else seen(mid)
+            row = (mid @ w2[expert].float().t()) * weights[token, slot]
             out[token] += row.to(x.dtype).float()
     return out.to(x.dtype)
 
