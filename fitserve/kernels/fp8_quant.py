@@ -28,6 +28,16 @@ GROUP = 128
 
 
 @triton.jit
+def to_e4m3(quantized, EXACT_BITS: tl.constexpr):
+    """float32 values within +-448 -> e4m3, rounded to nearest even. EXACT_BITS (the CPU interpreter,
+    whose conversion loses a rounding carry into the exponent: 1.95 became 1.0) rounds with
+    fp8_bits' integer operations instead: the same bytes as the GPU's conversion and torch's."""
+    if EXACT_BITS:
+        return float32_to_e4m3_bits(quantized).to(tl.float8e4nv, bitcast=True)
+    return quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     q_ptr,
@@ -38,6 +48,7 @@ def _quantize_rows_kernel(
     stride_q,
     STATIC: tl.constexpr,
     SINGLE: tl.constexpr,
+    EXACT_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -53,7 +64,7 @@ def _quantize_rows_kernel(
         quantized = tl.minimum(tl.maximum(tl.div_rn(values, scale), -448.0), 448.0)
         tl.store(
             q_ptr + row * stride_q + cols,
-            quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+            to_e4m3(quantized, EXACT_BITS),
             mask=cols < K,
         )
     else:
@@ -73,19 +84,9 @@ def _quantize_rows_kernel(
             quantized = tl.minimum(tl.maximum(tl.div_rn(values, scale), -448.0), 448.0)
             tl.store(
                 q_ptr + row * stride_q + cols,
-                quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+                to_e4m3(quantized, EXACT_BITS),
                 mask=cols < K,
             )
-
-
-@triton.jit
-def to_e4m3(quantized, EXACT_BITS: tl.constexpr):
-    """float32 values within +-448 -> e4m3, rounded to nearest even. EXACT_BITS (the CPU interpreter,
-    whose conversion loses a rounding carry into the exponent: 1.95 became 1.0) rounds with
-    fp8_bits' integer operations instead: the same bytes as the GPU's conversion and torch's."""
-    if EXACT_BITS:
-        return float32_to_e4m3_bits(quantized).to(tl.float8e4nv, bitcast=True)
-    return quantized.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -121,6 +122,7 @@ def quantize_rows(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[
             k,
             STATIC=static is not None,
             SINGLE=single,
+            EXACT_BITS=INTERPRETING,
             BLOCK=block,
             num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4,
         )
