@@ -12,15 +12,19 @@ of a few percent: no host, no scheduler, no sampler.
 its end minus the previous kernel's end (with programmatic dependent launch kernels overlap, so their
 own durations add up to more than the step).
   python benchmarks/gpu/decode_graph.py --model llama-3.1-8b --batch 1 32 --context 1536
-      [--context-spread 512] [--whole-context-config 64,4,2] [--timeline]
+      [--context-spread 512] [--whole-context-config 64,4,2] [--timeline] [--format int4]
+(--format int4: the shape with quant_suite.py's GPTQ group-128 config, its packed weights counted.)
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
-from common import MODELS, TOKENIZER, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
+from common import TOKENIZER, copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
+from quant_suite import model_dir, step_bytes
 
 from fitserve import LLM
 from fitserve.kernels import decode_attention
@@ -115,6 +119,12 @@ def main() -> None:
         help="one-partition decode attention's launch config instead of WHOLE_CONTEXT_CONFIG "
         "(64,4,2 is the default tile's)",
     )
+    parser.add_argument(
+        "--format",
+        choices=["bf16", "int4"],
+        default="bf16",
+        help="int4: the shape with quant_suite.py's GPTQ group-128 config (dummy int4 weights)",
+    )
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--timeline", action="store_true", help="also the time each kernel adds")
     parser.add_argument("--out", default=None)
@@ -126,7 +136,9 @@ def main() -> None:
         )
     if args.whole_context_config:
         decode_attention.WHOLE_CONTEXT_CONFIG = parse_launch_config(args.whole_context_config)
-    llm = LLM(str(MODELS / args.model), tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = model_dir(args.model, args.format, Path(scratch))
+        llm = LLM(path, tokenizer=str(TOKENIZER), load_format="dummy", max_model_len=4096)
     runner = llm.engine.executor.runner
     graph_runner = runner.graph_runner
     if graph_runner is None:
@@ -137,6 +149,9 @@ def main() -> None:
         for name, p in runner.model.named_parameters()
         if "embed" not in name and not name.startswith("lm_head")
     )
+    if args.format == "int4":  # packed words and scales are buffers: quant_suite's count, less the head
+        head = runner.model.lm_head.weight
+        weight_bytes = step_bytes(runner.model) - head.numel() * head.element_size()
     kv_bytes_per_token = runner.kv_bytes_per_block() // runner.block_size
     bandwidth = copy_bandwidth_bytes_per_s()
     steps = []
@@ -164,6 +179,7 @@ def main() -> None:
     whole_context = decode_attention.WHOLE_CONTEXT_CONFIG
     figures = {
         "model": args.model,
+        "format": args.format,
         "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
         "whole_context_config": [
             whole_context.tile_tokens,

@@ -5,6 +5,7 @@ Each figure runs in its own process (`one`), so that one format's memory is gone
 
   python benchmarks/gpu/quant_suite.py all [--formats bf16,int4,fp8,bnb4] [--out FILE]
   python benchmarks/gpu/quant_suite.py one --format int4 --figure single [--model llama-3.1-8b]
+      [--kernel-setting int4_gemm.MMA_PROGRAMS_PER_SM=5]   (a kernels module constant set first: trials)
 
 Figures:
 - single: batch-1 decode of the Llama-3.1-8B shape, 128 tokens in, 256 out (best of 3 after a warm-up),
@@ -30,6 +31,8 @@ the ratio of both engines' figures from one lease:
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import random
 import shutil
@@ -169,6 +172,16 @@ def run_equal(fmt: str, engine: str = "fitserve") -> dict:
     }
 
 
+def apply_kernel_setting(setting: str) -> None:
+    """MODULE.NAME=VALUE: fitserve.kernels.MODULE's NAME set to the Python literal VALUE."""
+    target, _, value = setting.partition("=")
+    module, _, name = target.rpartition(".")
+    kernels = importlib.import_module(f"fitserve.kernels.{module}")
+    if not value or not hasattr(kernels, name):
+        raise SystemExit(f"--kernel-setting {setting!r}: fitserve.kernels.{module} has no {name!r} to set")
+    setattr(kernels, name, ast.literal_eval(value))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +191,13 @@ def main() -> None:
     one.add_argument("--model", default="llama-3.1-8b")
     one.add_argument("--engine", choices=["fitserve", "vllm"], default="fitserve")
     one.add_argument("--json-out", required=True)
+    one.add_argument(
+        "--kernel-setting",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a constant of a fitserve.kernels module first (e.g. int4_gemm.MMA_X_AHEAD=False)",
+    )
     every = sub.add_parser("all")
     every.add_argument("--formats", default="bf16,int4,fp8,bnb4")
     every.add_argument("--figures", default="single,b64")
@@ -185,6 +205,8 @@ def main() -> None:
     every.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.command == "one":
+        for setting in args.kernel_setting:
+            apply_kernel_setting(setting)
         result = run_one(args.format, args.figure, args.model, args.engine)
         Path(args.json_out).write_text(json.dumps(result))
         return

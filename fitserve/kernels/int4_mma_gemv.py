@@ -8,11 +8,14 @@ zero point, multiply-add in float32) and its cost grows with every row of x; the
 MMA's operand layout. Here the dequantization is done on packed 16-bit pairs (Marlin's trick,
 kernels/int4_pair_dequant.py), the multiply-add is an `mma.sync.m16n8k16` (the weight rows are the
 MMA's 16 rows, x's rows its 8 or 16 columns), and the words are loaded straight into the threads that
-own those weights in the operand layout. The loop is ~3.0 instructions a weight at 8 columns and groups
-of 128 (sm_90 SASS; ~0.5 of them repack x's pairs, every warp for itself), the same at 1 and 8 rows:
-tests/unit/test_int4_mma_gemv_sass.py. Measured (H100, benchmarks/results/h100_int4_mma_gemv.json): 1.08x
-the CUDA-core kernel at 1 row (Llama-3.1-8B's four layers, 56.8 against 61.4 us; there the large layers
-are held by bytes in flight rather than instructions) and 1.25-1.28x the tl.dot kernel at 2 to 8 rows.
+own those weights in the operand layout. The loop is ~2.8 instructions a weight at 8 columns and groups
+of 128 (sm_90 SASS; ~0.3 of them repack x's pairs, every warp for itself), the same at 1 and 8 rows:
+tests/unit/test_int4_mma_gemv_sass.py. At 96 registers a thread, 5 programs of 4 warps fit an SM: at one
+row the kernel is bound by latency with few warps to hide it (ncu, H200:
+benchmarks/results/h200_int4_mma_gemv_loop.json), so what frees registers pays and what holds more does
+not. Measured (H100, benchmarks/results/h100_int4_mma_gemv.json, with x then read a block ahead): 1.08x
+the CUDA-core kernel at 1 row (Llama-3.1-8B's four layers, 56.8 against 61.4 us) and 1.25-1.28x the
+tl.dot kernel at 2 to 8 rows.
 
 How the layout lines up. In the A operand of m16n8k16 (16-bit), lane (g, t) (g = lane // 4, t = lane %
 4) holds, of rows g and g + 8, the columns 2t, 2t + 1, 2t + 8, 2t + 9 of each 16-column step. The dot
@@ -123,7 +126,6 @@ def _int4_mma_gemv_kernel(
     USE_PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    dtype: gl.constexpr = x_ptr.dtype.element_ty
     TILES: gl.constexpr = num_warps * ROW_TILES
     BLOCK_N: gl.constexpr = 16 * TILES
     tiles: gl.constexpr = tile_layout(num_warps)
@@ -174,38 +176,10 @@ def _int4_mma_gemv_kernel(
     first = pid_k * blocks_per_split
     last = gl.minimum(first + blocks_per_split, num_blocks)
     sz_ptrs = sz_words + sz_rows
-    # Each block's words, scales and x are asked for while the block before it is computed (the last block
-    # loads its own again rather than read past the split). The first block's weights are asked for
-    # before waiting for the previous kernel (PDL: no kernel of the step writes them), x only after it.
-    # (Two blocks ahead measured slower: 138 registers a thread, one program less on each SM.)
-    words, sz = _load_weights(word_ptrs, sz_ptrs, first, blocks_per_group, sz_codes, N, GROUP_CODES)
-    _wait_for_previous_kernel(USE_PDL)
-    xv = _load_x(x_ptrs, first, x_codes, K, EVEN_K)
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    for kb in range(first, last):
-        following = gl.minimum(kb + 1, last - 1)
-        next_words, next_sz = _load_weights(word_ptrs, sz_ptrs, following, blocks_per_group, sz_codes, N,
-                                            GROUP_CODES)  # fmt: skip
-        next_xv = _load_x(x_ptrs, following, x_codes, K, EVEN_K)
-
-        b = gl.convert_layout(gl.reshape(xv, [256, BLOCK_M]), b_layout)
-        scale = (sz & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)
-        zero = (sz >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
-        neg_base = (-(_base(dtype) + zero)).to(dtype)
-        shifted = gl.expand_dims(gl.expand_dims(words, 4), 6) >> shift
-        scale, shifted = gl.broadcast(scale, shifted)
-        neg_base, shifted = gl.broadcast(neg_base, shifted)
-        w = gl.inline_asm_elementwise(
-            _pair_asm(dtype),
-            "=r,r,r,r,r",
-            [shifted, scale, neg_base],
-            dtype=x_ptr.dtype.element_ty,
-            is_pure=True,
-            pack=2,
-        )
-        a = gl.convert_layout(gl.reshape(w, [BLOCK_N, 256]), a_layout)
-        acc = mma_v2(a, b, acc)
-        words, sz, xv = next_words, next_sz, next_xv
+    zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    acc = _split_product(zeros, word_ptrs, sz_ptrs, x_ptrs, first, last, blocks_per_group, sz_codes, x_codes,
+                         shift, N, K, GROUP_CODES, EVEN_K, USE_PDL, BLOCK_M, b_layout, a_layout,
+                         BLOCK_N)  # fmt: skip
 
     _finish(acc, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, part_ptr, counter_ptr + pid_n, num_splits,
             BLOCK_N, BLOCK_M, HAS_BIAS, SPLIT, mma)  # fmt: skip
@@ -214,12 +188,7 @@ def _int4_mma_gemv_kernel(
 @gluon.jit
 def _load_weights(word_ptrs, sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES: gl.constexpr):
     """Block kb's words and its (scale, zero point) words."""
-    words = gl.load(word_ptrs + kb * 32)
-    if GROUP_CODES < 256:
-        group = kb * (256 // GROUP_CODES) + sz_codes // GROUP_CODES
-    else:  # groups of whole blocks
-        group = kb // blocks_per_group + 0 * sz_codes
-    return words, gl.load(sz_ptrs + group * N)
+    return gl.load(word_ptrs + kb * 32), _load_scales(sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES)
 
 
 @gluon.jit
@@ -229,3 +198,64 @@ def _load_x(x_ptrs, kb, x_codes, K, EVEN_K: gl.constexpr):
         return gl.load(x_ptrs + kb * 256)
     # codes past K are 0, but (0 - z) * s is not: x must be 0 there
     return gl.load(x_ptrs + kb * 256, mask=kb * 256 + x_codes < K, other=0.0)
+
+
+@gluon.jit
+def _block_product(acc, words, sz, xv, shift, BLOCK_M: gl.constexpr, b_layout: gl.constexpr,
+                   a_layout: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """acc + one block's weights (its words and (scale, zero point) words) times x's tile."""
+    dtype = xv.dtype
+    b = gl.convert_layout(gl.reshape(xv, [256, BLOCK_M]), b_layout)
+    scale = (sz & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)
+    zero = (sz >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+    neg_base = (-(_base(dtype) + zero)).to(dtype)
+    shifted = gl.expand_dims(gl.expand_dims(words, 4), 6) >> shift
+    scale, shifted = gl.broadcast(scale, shifted)
+    neg_base, shifted = gl.broadcast(neg_base, shifted)
+    w = gl.inline_asm_elementwise(
+        _pair_asm(dtype),
+        "=r,r,r,r,r",
+        [shifted, scale, neg_base],
+        dtype=dtype,
+        is_pure=True,
+        pack=2,
+    )
+    a = gl.convert_layout(gl.reshape(w, [BLOCK_N, 256]), a_layout)
+    return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def _split_product(acc, word_ptrs, sz_ptrs, x_ptrs, first, last, blocks_per_group, sz_codes, x_codes, shift,
+                    N, K, GROUP_CODES: gl.constexpr, EVEN_K: gl.constexpr, USE_PDL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, b_layout: gl.constexpr, a_layout: gl.constexpr,
+                    BLOCK_N: gl.constexpr):  # fmt: skip
+    """acc + the split's blocks [first, last) of the weights times x. Each block's words and scales are
+    asked for while the block before it is computed (the last block loads
+    its own again rather than read past the split); the first block's before waiting for the previous
+    kernel (PDL: no kernel of the step writes them). x's tile (a few KB every program reads, from the L2)
+    is read in its own block's step, its latency covered by the dequantization: holding it a block ahead
+    too took 124 registers a thread against 96 (4 programs an SM against 5) and measured slower on an H200
+    (Llama-3.1-8B batch 1 443.8 against 465.0 tok/s, batch 4 2.314 against 2.241 ms a step:
+    benchmarks/results/h200_int4_mma_gemv_loop.json). A cp.async ring of 2 to 6 blocks in shared memory and
+    an L2 prefetch of the rows before the wait measured slower still (same file), as did the weights two
+    blocks ahead on an H100 (docs/quantization.md)."""
+    words, sz = _load_weights(word_ptrs, sz_ptrs, first, blocks_per_group, sz_codes, N, GROUP_CODES)
+    _wait_for_previous_kernel(USE_PDL)
+    for kb in range(first, last):
+        following = gl.minimum(kb + 1, last - 1)
+        xv = _load_x(x_ptrs, kb, x_codes, K, EVEN_K)
+        next_words, next_sz = _load_weights(word_ptrs, sz_ptrs, following, blocks_per_group, sz_codes, N,
+                                            GROUP_CODES)  # fmt: skip
+        acc = _block_product(acc, words, sz, xv, shift, BLOCK_M, b_layout, a_layout, BLOCK_N)
+        words, sz = next_words, next_sz
+    return acc
+
+
+@gluon.jit
+def _load_scales(sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES: gl.constexpr):
+    """Block kb's (scale, zero point) words."""
+    if GROUP_CODES < 256:
+        group = kb * (256 // GROUP_CODES) + sz_codes // GROUP_CODES
+    else:  # groups of whole blocks
+        group = kb // blocks_per_group + 0 * sz_codes
+    return gl.load(sz_ptrs + group * N)
