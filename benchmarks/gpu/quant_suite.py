@@ -63,7 +63,7 @@ def model_dir(name: str, fmt: str, scratch: Path) -> str:
     source = MODELS / name
     if fmt != "int4":
         return str(source)
-    target = scratch / f"{name}-gptq-int4"
+    target = scratch / f"{Path(name).name}-gptq-int4"  # a shape's name or a folder's path
     shutil.copytree(source, target, dirs_exist_ok=True)
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = GPTQ_128
