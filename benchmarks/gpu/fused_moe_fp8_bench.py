@@ -112,6 +112,12 @@ def measure(bf16, fp8: Fp8FusedExperts, tokens: int, copy_bandwidth: float, with
     fp8_reference = lambda ids, w: fp8.reference(x, ids, w)  # noqa: E731
     entry["fp8_us"] = checked(lambda ids, w: fp8.run_kernels(x, ids, w), fp8_reference, routes)
     if tokens > 1:
+        # every expert the routing touches is read once: its 3 x I x hidden weights (1 byte each in fp8)
+        touched = routes[0][0].unique().numel()
+        fp8_bytes = touched * 3 * inter * hidden
+        entry["experts_touched"] = touched
+        entry["fp8_roofline_fraction"] = fp8_bytes / (entry["fp8_us"] * 1e-6) / copy_bandwidth
+        entry["bf16_roofline_fraction"] = 2 * fp8_bytes / (entry["bf16_us"] * 1e-6) / copy_bandwidth
         gate_up = Fp8Experts(fp8.w13, fp8.w13_scale, fp8.group_up)
         down = Fp8Experts(fp8.w2, fp8.w2_scale, fp8.group_down)
         w8a16 = lambda ids, w: fused_moe_fp8(x, gate_up, down, ids, w, act, 0, False)  # noqa: E731
