@@ -196,7 +196,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="MODULE.NAME=VALUE",
-        help="set a constant of a fitserve.kernels module first (e.g. int4_gemm.MMA_X_AHEAD=False)",
+        help="set a constant of a fitserve.kernels module first (e.g. int4_gemm.MMA_PROGRAMS_PER_SM=5)",
     )
     every = sub.add_parser("all")
     every.add_argument("--formats", default="bf16,int4,fp8,bnb4")

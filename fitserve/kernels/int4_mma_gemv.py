@@ -126,6 +126,7 @@ def _int4_mma_gemv_kernel(
     USE_PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
     TILES: gl.constexpr = num_warps * ROW_TILES
     BLOCK_N: gl.constexpr = 16 * TILES
     tiles: gl.constexpr = tile_layout(num_warps)
@@ -176,10 +177,42 @@ def _int4_mma_gemv_kernel(
     first = pid_k * blocks_per_split
     last = gl.minimum(first + blocks_per_split, num_blocks)
     sz_ptrs = sz_words + sz_rows
-    zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-    acc = _split_product(zeros, word_ptrs, sz_ptrs, x_ptrs, first, last, blocks_per_group, sz_codes, x_codes,
-                         shift, N, K, GROUP_CODES, EVEN_K, USE_PDL, BLOCK_M, b_layout, a_layout,
-                         BLOCK_N)  # fmt: skip
+    # Each block's words and scales are asked for while the block before it is computed (the last block
+    # loads its own again rather than read past the split); the first block's before waiting for the
+    # previous kernel (PDL: no kernel of the step writes them). x's tile (a few KB every program reads,
+    # from the L2) is read in its own block's step, its latency covered by the dequantization: holding it
+    # a block ahead too took 124 registers a thread against 96 (4 programs an SM against 5) and measured
+    # slower on an H200 (Llama-3.1-8B batch 1 443.8 against 465.0 tok/s, batch 4 2.314 against 2.241 ms a
+    # step: benchmarks/results/h200_int4_mma_gemv_loop.json). A cp.async ring of 2 to 6 blocks in shared
+    # memory and an L2 prefetch of the rows before the wait measured slower still (same file), as did the
+    # weights two blocks ahead on an H100 (138 registers, one program less on each SM).
+    words, sz = _load_weights(word_ptrs, sz_ptrs, first, blocks_per_group, sz_codes, N, GROUP_CODES)
+    _wait_for_previous_kernel(USE_PDL)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    for kb in range(first, last):
+        following = gl.minimum(kb + 1, last - 1)
+        xv = _load_x(x_ptrs, kb, x_codes, K, EVEN_K)
+        next_words, next_sz = _load_weights(word_ptrs, sz_ptrs, following, blocks_per_group, sz_codes, N,
+                                            GROUP_CODES)  # fmt: skip
+
+        b = gl.convert_layout(gl.reshape(xv, [256, BLOCK_M]), b_layout)
+        scale = (sz & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)
+        zero = (sz >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
+        neg_base = (-(_base(dtype) + zero)).to(dtype)
+        shifted = gl.expand_dims(gl.expand_dims(words, 4), 6) >> shift
+        scale, shifted = gl.broadcast(scale, shifted)
+        neg_base, shifted = gl.broadcast(neg_base, shifted)
+        w = gl.inline_asm_elementwise(
+            _pair_asm(dtype),
+            "=r,r,r,r,r",
+            [shifted, scale, neg_base],
+            dtype=x_ptr.dtype.element_ty,
+            is_pure=True,
+            pack=2,
+        )
+        a = gl.convert_layout(gl.reshape(w, [BLOCK_N, 256]), a_layout)
+        acc = mma_v2(a, b, acc)
+        words, sz = next_words, next_sz
 
     _finish(acc, pid_n, pid_k, M, N, y_ptr, stride_ym, bias_ptr, part_ptr, counter_ptr + pid_n, num_splits,
             BLOCK_N, BLOCK_M, HAS_BIAS, SPLIT, mma)  # fmt: skip
@@ -188,7 +221,12 @@ def _int4_mma_gemv_kernel(
 @gluon.jit
 def _load_weights(word_ptrs, sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES: gl.constexpr):
     """Block kb's words and its (scale, zero point) words."""
-    return gl.load(word_ptrs + kb * 32), _load_scales(sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES)
+    words = gl.load(word_ptrs + kb * 32)
+    if GROUP_CODES < 256:
+        group = kb * (256 // GROUP_CODES) + sz_codes // GROUP_CODES
+    else:  # groups of whole blocks
+        group = kb // blocks_per_group + 0 * sz_codes
+    return words, gl.load(sz_ptrs + group * N)
 
 
 @gluon.jit
@@ -198,64 +236,3 @@ def _load_x(x_ptrs, kb, x_codes, K, EVEN_K: gl.constexpr):
         return gl.load(x_ptrs + kb * 256)
     # codes past K are 0, but (0 - z) * s is not: x must be 0 there
     return gl.load(x_ptrs + kb * 256, mask=kb * 256 + x_codes < K, other=0.0)
-
-
-@gluon.jit
-def _block_product(acc, words, sz, xv, shift, BLOCK_M: gl.constexpr, b_layout: gl.constexpr,
-                   a_layout: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """acc + one block's weights (its words and (scale, zero point) words) times x's tile."""
-    dtype = xv.dtype
-    b = gl.convert_layout(gl.reshape(xv, [256, BLOCK_M]), b_layout)
-    scale = (sz & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)
-    zero = (sz >> 16).to(gl.int16).to(dtype, bitcast=True).to(gl.float32)
-    neg_base = (-(_base(dtype) + zero)).to(dtype)
-    shifted = gl.expand_dims(gl.expand_dims(words, 4), 6) >> shift
-    scale, shifted = gl.broadcast(scale, shifted)
-    neg_base, shifted = gl.broadcast(neg_base, shifted)
-    w = gl.inline_asm_elementwise(
-        _pair_asm(dtype),
-        "=r,r,r,r,r",
-        [shifted, scale, neg_base],
-        dtype=dtype,
-        is_pure=True,
-        pack=2,
-    )
-    a = gl.convert_layout(gl.reshape(w, [BLOCK_N, 256]), a_layout)
-    return mma_v2(a, b, acc)
-
-
-@gluon.jit
-def _split_product(acc, word_ptrs, sz_ptrs, x_ptrs, first, last, blocks_per_group, sz_codes, x_codes, shift,
-                    N, K, GROUP_CODES: gl.constexpr, EVEN_K: gl.constexpr, USE_PDL: gl.constexpr,
-                    BLOCK_M: gl.constexpr, b_layout: gl.constexpr, a_layout: gl.constexpr,
-                    BLOCK_N: gl.constexpr):  # fmt: skip
-    """acc + the split's blocks [first, last) of the weights times x. Each block's words and scales are
-    asked for while the block before it is computed (the last block loads
-    its own again rather than read past the split); the first block's before waiting for the previous
-    kernel (PDL: no kernel of the step writes them). x's tile (a few KB every program reads, from the L2)
-    is read in its own block's step, its latency covered by the dequantization: holding it a block ahead
-    too took 124 registers a thread against 96 (4 programs an SM against 5) and measured slower on an H200
-    (Llama-3.1-8B batch 1 443.8 against 465.0 tok/s, batch 4 2.314 against 2.241 ms a step:
-    benchmarks/results/h200_int4_mma_gemv_loop.json). A cp.async ring of 2 to 6 blocks in shared memory and
-    an L2 prefetch of the rows before the wait measured slower still (same file), as did the weights two
-    blocks ahead on an H100 (docs/quantization.md)."""
-    words, sz = _load_weights(word_ptrs, sz_ptrs, first, blocks_per_group, sz_codes, N, GROUP_CODES)
-    _wait_for_previous_kernel(USE_PDL)
-    for kb in range(first, last):
-        following = gl.minimum(kb + 1, last - 1)
-        xv = _load_x(x_ptrs, kb, x_codes, K, EVEN_K)
-        next_words, next_sz = _load_weights(word_ptrs, sz_ptrs, following, blocks_per_group, sz_codes, N,
-                                            GROUP_CODES)  # fmt: skip
-        acc = _block_product(acc, words, sz, xv, shift, BLOCK_M, b_layout, a_layout, BLOCK_N)
-        words, sz = next_words, next_sz
-    return acc
-
-
-@gluon.jit
-def _load_scales(sz_ptrs, kb, blocks_per_group, sz_codes, N, GROUP_CODES: gl.constexpr):
-    """Block kb's (scale, zero point) words."""
-    if GROUP_CODES < 256:
-        group = kb * (256 // GROUP_CODES) + sz_codes // GROUP_CODES
-    else:  # groups of whole blocks
-        group = kb // blocks_per_group + 0 * sz_codes
-    return gl.load(sz_ptrs + group * N)
