@@ -260,18 +260,6 @@ def check_inputs(x: torch.Tensor, gate_up: Fp8Experts, down: Fp8Experts, topk_id
         raise ValueError(f"fused_moe_fp8: {problem}")
 
 
-def _step_k(tile_k: int, part: Fp8Experts, w8a8: bool) -> tuple[int, bool]:
-    """(BLOCK_K, PER_ROW): with column groups (of the weight, or W8A8's activation groups of A_GROUP) the
-    largest power of two up to the tile's that divides them, so that a step never straddles two scales."""
-    cols = part.data.shape[2]
-    per_row = part.group_k >= cols
-    groups = ([] if per_row else [part.group_k]) + ([A_GROUP] if w8a8 else [])
-    block_k = tile_k
-    while any(group % block_k for group in groups):
-        block_k //= 2
-    return block_k, per_row
-
-
 def _stages_that_fit(stages: int, stage_bytes: int, device: torch.device) -> int:
     """At most `stages` pipeline stages, as many as a block's shared memory holds (kernels/capability.py:
     99 KiB a block on sm_89, 227 on Hopper) with Triton's stages - 1 buffers of stage_bytes and ~4 KiB of
@@ -368,7 +356,7 @@ def fused_moe_fp8(
         mid_dtype, mid_groups = x.dtype, 1
     mid = torch.empty((blocks * block_m, intermediate), dtype=mid_dtype, device=device)
     mid_scale = torch.empty((blocks * block_m, mid_groups), dtype=torch.float32, device=device)
-    block_k, per_row = _step_k(tile.block_k, gate_up, w8a8)
+    block_k, per_row = gate_up.step_k(tile.block_k, A_GROUP if w8a8 else None)
     if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
     data, scale = e4m3_as_stored(gate_up.data, device), gate_up.scale
@@ -395,7 +383,7 @@ def fused_moe_fp8(
     tile = config.down
     if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows
         tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
-    block_k, per_row = _step_k(tile.block_k, down, w8a8)
+    block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
     data, scale = e4m3_as_stored(down.data, device), down.scale
     args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
     args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))

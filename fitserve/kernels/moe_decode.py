@@ -448,10 +448,7 @@ def _weights(
     fp8 ones their scale, and a BLOCK_K that divides their column groups (a step has one scale)."""
     if not isinstance(projection, Fp8Experts):
         return projection, projection, {"W_FP8": False, "GROUP_K": 1, "BLOCK_K": tile.block_k}
-    block_k = tile.block_k
-    if projection.group_k < projection.data.shape[2]:
-        while projection.group_k % block_k:
-            block_k //= 2
+    block_k, _ = projection.step_k(tile.block_k)
     constexprs = {"W_FP8": True, "GROUP_K": projection.group_k, "BLOCK_K": block_k}
     data = e4m3_as_stored(projection.data, projection.data.device)  # bytes below 8.9 (kernels/fp8_bits.py)
     return data, projection.scale, constexprs

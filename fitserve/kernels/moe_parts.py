@@ -106,3 +106,14 @@ class Fp8Experts:
     data: torch.Tensor
     scale: torch.Tensor
     group_k: int
+
+    def step_k(self, tile_k: int, activation_group: int | None = None) -> tuple[int, bool]:
+        """(BLOCK_K, PER_ROW): with column groups (of the weight, or W8A8's activation groups) the largest
+        power of two up to tile_k that divides them, so that a step never straddles two scales; PER_ROW:
+        one weight scale a row."""
+        per_row = self.group_k >= self.data.shape[2]
+        groups = ([] if per_row else [self.group_k]) + ([activation_group] if activation_group else [])
+        block_k = tile_k
+        while any(group % block_k for group in groups):
+            block_k //= 2
+        return block_k, per_row
