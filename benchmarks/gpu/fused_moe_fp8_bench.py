@@ -84,7 +84,7 @@ def sweep(fp8: Fp8FusedExperts, x: torch.Tensor, routes) -> list[dict]:
         return results
     for block_m in (16, 32, 64):
         for warps in (4, 8):
-            for stages in (3, 4):
+            for stages in (2, 3, 4):
                 config = fm.FusedMoeConfig(
                     block_m,
                     fm.GemmTile(128, 128, warps, stages),

@@ -14,7 +14,8 @@ Qwen's and DeepSeek's [128, 128] blocks, each block's scale repeated over its ro
   x quantized per token and A_GROUP columns (kernels/fp8_quant.quantize_groups, amax / 448), each BLOCK_K
   step an fp8 x fp8 product (Hopper's fp8 wgmma; mma on Ada) times the rows' activation scales and, with
   column groups, the weight's; the gate_up kernel quantizes its act(gate) * up tile (A_GROUP columns, one
-  group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`).
+  group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`);
+  on Hopper, tiles under 64 rows take the weight tile as the MMA's rows (`swaps_operands`).
 - W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16),
   the partial products scaled in float32; the activations stay 16-bit.
 With one scale a row the weight's scale multiplies the accumulator once at the end; with column groups
@@ -78,6 +79,21 @@ def _row_scales(scale_rows, stride_group, k, A_FP8: tl.constexpr, A_GROUP: tl.co
 
 
 @triton.jit
+def _swapped_step(acc_t, a, a_scale, w_tile, s_rows, k, GROUP_K: tl.constexpr, PER_ROW: tl.constexpr, ok):
+    """W8A8 with the operands swapped: acc_t [BLOCK_N, BLOCK_M] + (w_tile @ a.T) times the scales, the
+    weight rows the MMA's rows. Hopper's fp8 warpgroup MMA takes 64 rows or more; a tile of 16 or 32
+    token rows in the plain form lowers to mma.sync on float16, converting every weight (sm_90 SASS:
+    HMMA and an F2FP a weight pair against QGMMA and none swapped)."""
+    part = tl.dot(w_tile, tl.trans(a))
+    if PER_ROW:
+        acc_t = acc_t + part * a_scale[None, :]
+    else:
+        scale = tl.load(s_rows + k // GROUP_K, mask=ok, other=0.0)
+        acc_t = acc_t + part * (scale[:, None] * a_scale[None, :])
+    return acc_t
+
+
+@triton.jit
 def _store_quantized(values, q_ptrs, scale_ptrs, mask, row_ok, EXACT_BITS: tl.constexpr):
     """W8A8's intermediate: each row of the [BLOCK_M, BLOCK_N] tile (one activation group) as e4m3 with
     its scale amax / 448 (at least 1e-12), as kernels/fp8_quant.py quantizes the layer's input."""
@@ -118,6 +134,7 @@ def _moe_fp8_gate_up_kernel(
     A_FP8: tl.constexpr,
     A_GROUP: tl.constexpr,
     EXACT_BITS: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,8 +159,12 @@ def _moe_fp8_gate_up_kernel(
     up_rows = gate_rows + intermediate * stride_wn
     gate_scales = s_ptr + expert * stride_se + rows64 * stride_sn
     up_scales = gate_scales + intermediate * stride_sn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # transposed tiles (_swapped_step), turned back after the loop
+        gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = (k + offs_k) < hidden
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -151,8 +172,15 @@ def _moe_fp8_gate_up_kernel(
         w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
         w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
         a_scale = _row_scales(x_scales, stride_xsg, k, A_FP8, A_GROUP, row_ok)
-        gate = _scaled_step(gate, a, a_scale, w_gate, gate_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
-        up = _scaled_step(up, a, a_scale, w_up, up_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+        if SWAP_AB:
+            gate = _swapped_step(gate, a, a_scale, w_gate, gate_scales, k, GROUP_K, PER_ROW, n_ok)
+            up = _swapped_step(up, a, a_scale, w_up, up_scales, k, GROUP_K, PER_ROW, n_ok)
+        else:
+            gate = _scaled_step(gate, a, a_scale, w_gate, gate_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+            up = _scaled_step(up, a, a_scale, w_up, up_scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+    if SWAP_AB:
+        gate = tl.trans(gate)
+        up = tl.trans(up)
     if PER_ROW:
         gate *= tl.load(gate_scales, mask=n_ok, other=0.0)[None, :]
         up *= tl.load(up_scales, mask=n_ok, other=0.0)[None, :]
@@ -192,6 +220,7 @@ def _moe_fp8_down_kernel(
     PER_ROW: tl.constexpr,
     A_FP8: tl.constexpr,
     A_GROUP: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -213,13 +242,21 @@ def _moe_fp8_down_kernel(
     a_scales = mid_scale_ptr + rows.to(tl.int64) * stride_msm
     w_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
     scales = s_ptr + expert * stride_se + rows64 * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # a transposed tile (_swapped_step), turned back after the loop
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, intermediate, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = (k + offs_k) < intermediate
         a = tl.load(a_rows + (k + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a_scale = _row_scales(a_scales, 1, k, A_FP8, A_GROUP, row_ok)
-        acc = _scaled_step(acc, a, a_scale, w, scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+        if SWAP_AB:
+            acc = _swapped_step(acc, a, a_scale, w, scales, k, GROUP_K, PER_ROW, n_ok)
+        else:
+            acc = _scaled_step(acc, a, a_scale, w, scales, k, GROUP_K, PER_ROW, A_FP8, n_ok)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if PER_ROW:
         acc *= tl.load(scales, mask=n_ok, other=0.0)[None, :]
     pair = tl.where(row_ok, pair, 0)
@@ -268,13 +305,29 @@ def _stages_that_fit(stages: int, stage_bytes: int, device: torch.device) -> int
     return max(2, min(stages, 1 + budget // stage_bytes))
 
 
-def w8a8_block_m(num_pairs: int, local_experts: int) -> int:
+def w8a8_block_m(num_pairs: int, local_experts: int, device: torch.device) -> int:
     """W8A8's rows a tile by the pairs an expert gets on average: a tile of 64 rows over an expert's 8 runs
-    mostly padding. Measured on an H200 at Qwen3-30B-A3B's shape (benchmarks/results/
-    h200_fused_moe_fp8.json): 128 tokens (8 pairs an expert) 185 us at 16 rows against 310 at 64; 512
-    tokens (32 an expert) 290 us at 32 rows, 311 at 16, 322 at 64."""
+    mostly padding. Measured on an H200 at Qwen3-30B-A3B's shape: before the swap (benchmarks/results/
+    h200_fused_moe_fp8.json) 128 tokens (8 pairs an expert) 185 us at 16 rows against 310 at 64, 512
+    tokens (32 an expert) 290 us at 32 rows, 311 at 16, 322 at 64; swapped (`swaps_operands`,
+    h200_fused_moe_fp8_swapped.json) 32 rows win from 16 pairs an expert (256 tokens: 197 us against 206
+    at 16 rows) to 128 (2,048 tokens: 575 us against 747 at 64), and larger batches keep them."""
     pairs_per_expert = num_pairs / local_experts
+    if _hopper_mma(device):
+        return 16 if pairs_per_expert < 12 else 32
     return 16 if pairs_per_expert < 24 else 32 if pairs_per_expert < 96 else 64
+
+
+def swaps_operands(w8a8: bool, block_m: int, device: torch.device) -> bool:
+    """Whether the W8A8 kernels take the weight tile as the MMA's rows (`_swapped_step`): tiles of fewer
+    than 64 token rows on Hopper (sm_90+, fp8 warpgroup MMAs of 64 rows; Ada's fp8 mma.sync takes 16
+    either way); a forced sm_90 target counts, so the interpreter runs the swapped form too."""
+    return w8a8 and block_m < 64 and _hopper_mma(device)
+
+
+def _hopper_mma(device: torch.device) -> bool:
+    capability = kernel_capability(device)
+    return capability is not None and capability >= (9, 0)
 
 
 def runs_w8a8(x: torch.Tensor) -> bool:
@@ -326,7 +379,9 @@ def fused_moe_fp8(
     tuned = config is None
     config = config or choose_config(num_tokens, hidden, intermediate, top_k, local_experts)
     if tuned and w8a8:
-        config = dataclasses.replace(config, block_m=w8a8_block_m(num_tokens * top_k, local_experts))
+        config = dataclasses.replace(
+            config, block_m=w8a8_block_m(num_tokens * top_k, local_experts, x.device)
+        )
     elif w8a8 and config.gate_up.block_n != A_GROUP:  # its tile is one group of the intermediate's scales
         raise ValueError(
             f"fused_moe_fp8: W8A8's gate_up block_n must be {A_GROUP}, got {config.gate_up.block_n}"
@@ -338,6 +393,7 @@ def fused_moe_fp8(
     )
     blocks = block_expert.shape[0]
     device = x.device
+    swap = swaps_operands(w8a8, block_m, device)
 
     tile = config.gate_up
     if w8a8 and tuned:  # the tile's columns are one group of the intermediate's fp8 scales
@@ -346,7 +402,10 @@ def fused_moe_fp8(
             block_n=A_GROUP,
             block_k=128,
             num_warps=8 if block_m >= 64 else 4,
-            num_stages=_stages_that_fit(tile.num_stages, block_m * 128 + 2 * A_GROUP * 128, device),
+            # swapped: 3 stages, 5-10% ahead of 4 at 16 to 2,048 tokens (h200_fused_moe_fp8_swapped.json)
+            num_stages=_stages_that_fit(
+                3 if swap else tile.num_stages, block_m * 128 + 2 * A_GROUP * 128, device
+            ),
         )
     if w8a8:
         x_q, x_scale = quantize_groups(x)
@@ -371,6 +430,7 @@ def fused_moe_fp8(
         "A_FP8": w8a8,
         "A_GROUP": A_GROUP,
         "EXACT_BITS": INTERPRETING,
+        "SWAP_AB": swap,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,
@@ -381,8 +441,9 @@ def fused_moe_fp8(
 
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
     tile = config.down
-    if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows
+    if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows, 3 stages swapped
         tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
+        tile = dataclasses.replace(tile, num_stages=3) if swap else tile
     block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
     data, scale = e4m3_as_stored(down.data, device), down.scale
     args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
@@ -393,6 +454,7 @@ def fused_moe_fp8(
         "PER_ROW": per_row,
         "A_FP8": w8a8,
         "A_GROUP": A_GROUP,
+        "SWAP_AB": swap,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,

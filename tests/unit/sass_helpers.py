@@ -1,6 +1,7 @@
-"""Compiling a Gluon kernel here (no GPU: Triton's bundled ptxas) and reading its SASS: what the tests of
-the register-fed tensor-core kernels (kernels/int4_mma_gemv.py, nf4_mma_gemv.py) check their loops with.
-Import after pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")."""
+"""Compiling a kernel here (no GPU: Triton's bundled ptxas) and reading its SASS: what the tests of the
+register-fed tensor-core kernels (kernels/int4_mma_gemv.py, nf4_mma_gemv.py: Gluon, `sass_of`; import
+after pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")) check their loops with,
+and the fp8 MoE kernels' (Triton, `triton_sass_of`) their MMA instructions."""
 
 from __future__ import annotations
 
@@ -12,26 +13,44 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from triton.compiler import ASTSource
 
 # what moves data between threads, or spills: none of it may sit in a register-fed loop
 MOVES = ("SHFL", "LDS", "STS", "LDSM", "LDL", "STL")
 
 
 def sass_of(kernel, arch: int, signature: dict, constexprs: dict, aligned: list[str]) -> str:
-    """The SASS of `kernel` compiled for sm_`arch` with `signature` (argument -> Triton type), the
-    constexprs' values, and the `aligned` arguments taken as multiples of 16."""
+    """The SASS of the Gluon `kernel` compiled for sm_`arch` with `signature` (argument -> Triton type),
+    the constexprs' values (num_warps among them), and the `aligned` arguments taken as multiples of 16."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    num_warps = constexprs.get("num_warps", 4)  # a Gluon kernel's parameter as well
+    return _compiled_sass(GluonASTSource, kernel, arch, signature, constexprs, aligned, num_warps)
+
+
+def triton_sass_of(
+    kernel, arch: int, signature: dict, constexprs: dict, aligned: list[str], num_warps: int = 4
+) -> str:
+    """sass_of for a Triton kernel (a JITFunction, or fast_launch's wrapper of one)."""
+    return _compiled_sass(ASTSource, kernel, arch, signature, constexprs, aligned, num_warps)
+
+
+def _compiled_sass(
+    source_type, kernel, arch: int, signature: dict, constexprs: dict, aligned: list[str], num_warps: int
+) -> str:
     function = getattr(kernel, "function", kernel)
     signature = dict(signature) | {name: "constexpr" for name in constexprs}
-    names = list(signature)
-    source = GluonASTSource(
+    names = list(function.arg_names)  # the signature in the kernel's own order
+    missing = set(names) ^ set(signature)
+    assert not missing, f"arguments without a type or not the kernel's: {sorted(missing)}"
+    signature = {name: signature[name] for name in names}
+    source = source_type(
         function,
         signature,
         {(names.index(name),): value for name, value in constexprs.items()},
         {(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
-    options = {"num_warps": constexprs.get("num_warps", 4)}
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
         cubin.write(compiled.asm["cubin"])
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

@@ -62,6 +62,14 @@ CASES = [
     case(3, group=128, target=[8, 0]),
     case(70, hidden=128, inter=64, group=64, target=[8, 0]),
     case(1, decode=True, target=[7, 5]),
+    # W8A8 as Hopper runs tiles of fewer than 64 token rows (a forced sm_90 target): the weight tile as the
+    # MMA's rows (fused_moe_fp8.swaps_operands)
+    case(1, w8a8=True, target=[9, 0]),  # a scale a row
+    case(3, group=128, w8a8=True, target=[9, 0]),
+    case(2, "float16", inter=192, group=128, w8a8=True, target=[9, 0]),  # a partial last group of I
+    case(4, hidden=128, inter=64, group=32, act="gelu_tanh", w8a8=True, target=[9, 0]),
+    case(5, group=128, ep=[1, 2], w8a8=True, target=[9, 0]),
+    case(70, hidden=128, inter=192, group=64, w8a8=True, target=[9, 0]),  # several tiles an expert
 ]
 
 
