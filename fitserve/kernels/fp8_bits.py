@@ -1,4 +1,7 @@
-"""float8 e4m3 <-> float in integer and fp16 operations, for GPUs where Triton has no e4m3 conversion.
+"""float8 e4m3 <-> float in integer and fp16 operations, for GPUs where Triton has no e4m3 conversion, and
+e4m3 -> bfloat16 in integer operations for fp8 weights beside bfloat16 activations on every GPU
+(`e4m3_as_stored`, `e4m3_bytes_to_bfloat16`: Triton's conversion runs on the conversion unit, too slow to
+keep up with the weights' bytes).
 
 Triton converts to and from float8 e4m3 (its fp8e4nv type) only from compute capability 8.9 on. Below that
 (sm_70 to sm_86) the KV cache keeps the same bytes (kernels/kv_format.py: what torch's float8_e4m3fn
@@ -13,6 +16,8 @@ e4m3: sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 holds the
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +29,11 @@ from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
 FP16_FROM_E4M3_FACTOR = tl.constexpr(256.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, the smallest normal e4m3
 FLOAT32_INF_BITS = tl.constexpr(0x7F800000)  # above it (sign aside): NaN
+_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no inline PTX there
+# fp8 weights beside bfloat16 activations on a GPU come as bytes decoded by e4m3_bytes_to_bfloat16 in
+# integer instructions, not Triton's e4m3 -> float16 -> bfloat16 on the conversion unit (False: Triton's
+# conversion from 8.9 on, for trials)
+BF16_FROM_BYTES = True
 
 
 @triton.jit
@@ -35,6 +45,40 @@ def e4m3_bits_to_float16(byte):
     scaled = half_bits.to(tl.uint16).to(tl.float16, bitcast=True)
     value = scaled * tl.full((), FP16_FROM_E4M3_FACTOR, tl.float16)
     return tl.where(magnitude == 0x7F, float("nan"), value)
+
+
+# bfloat16 from e4m3 bytes by bits: the byte's exponent and mantissa placed under bfloat16's (bias 127) read
+# as 2**-120 times the e4m3 value, subnormals included (bfloat16's subnormal step, 2**-133 x 2**4, is
+# e4m3's 2**-9 x 2**-120), then one multiply by 2**120 (0x7B80) per pair; +-0 stays +-0 (the addend is -0)
+_E4M3_TO_BF16_PTX = tl.constexpr("""{
+.reg .b32 lo, hi, bits, factor, minus_zero;
+mov.b32 factor, 0x7B807B80;
+mov.b32 minus_zero, 0x80008000;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 bits, lo, 4;
+and.b32 bits, bits, 0x07F007F0;
+and.b32 lo, lo, 0x80008000;
+or.b32 lo, lo, bits;
+fma.rn.bf16x2 $0, lo, factor, minus_zero;
+shr.b32 bits, hi, 4;
+and.b32 bits, bits, 0x07F007F0;
+and.b32 hi, hi, 0x80008000;
+or.b32 hi, hi, bits;
+fma.rn.bf16x2 $1, hi, factor, minus_zero;
+}""")
+
+
+@triton.jit
+def e4m3_bytes_to_bfloat16(byte):
+    """e4m3 bytes (uint8) -> bfloat16 on a GPU of compute capability 8.0 or more (inline PTX: the
+    interpreter cannot run it), exact for every finite value, in integer instructions and one bfloat16
+    multiply a pair, where Triton's conversion (e4m3 -> float16 -> bfloat16) takes three conversions a
+    pair on the GPU's conversion unit, a quarter of the integer rate; the NaN codes (0x7f, 0xff) decode
+    as +-480, which no checkpoint's weight holds. Four bytes a 32-bit register in, two pairs out."""
+    return tl.inline_asm_elementwise(
+        _E4M3_TO_BF16_PTX, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
 
 
 @triton.jit
@@ -69,6 +113,17 @@ def kv_values(stored, dtype: tl.constexpr):
 
 
 @triton.jit
+def weight_values(stored, dtype: tl.constexpr):
+    """fp8 weights loaded as `e4m3_as_stored` passed them, in `dtype`: bytes into bfloat16 on a GPU by
+    e4m3_bytes_to_bfloat16, other bytes as kv_values decodes them, e4m3 converted by Triton."""
+    if stored.dtype == tl.uint8 and dtype == tl.bfloat16 and not _INTERPRETING:
+        values = e4m3_bytes_to_bfloat16(stored)
+    else:
+        values = kv_values(stored, dtype)
+    return values
+
+
+@triton.jit
 def to_cache(values, element_ty: tl.constexpr):
     """Values (float32 once scaled and clamped, for a float8 cache) as the cache's element type stores
     them: e4m3 bytes where the cache is viewed as uint8, else converted."""
@@ -77,7 +132,21 @@ def to_cache(values, element_ty: tl.constexpr):
     return values.to(element_ty)
 
 
-def e4m3_as_stored(data: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """fp8 weights as the kernels load them on `device`: as they are where Triton converts e4m3 (8.9 and
-    up, and the interpreter), else viewed as bytes (uint8), which `kv_values` decodes."""
-    return data if has_e4m3_conversion(kernel_capability(device)) else data.view(torch.uint8)
+def e4m3_as_stored(
+    data: torch.Tensor, device: torch.device, activations: torch.dtype | None = None
+) -> torch.Tensor:
+    """fp8 weights as the kernels load them on `device` beside `activations` of that dtype (None: fp8
+    ones, W8A8): viewed as bytes (uint8), which `weight_values` decodes, where Triton converts no e4m3
+    (below 8.9) and for bfloat16 activations on a GPU (`decodes_bf16_from_bytes`); else as they are."""
+    if not has_e4m3_conversion(kernel_capability(device)) or decodes_bf16_from_bytes(device, activations):
+        return data.view(torch.uint8)
+    return data
+
+
+def decodes_bf16_from_bytes(device: torch.device, activations: torch.dtype | None) -> bool:
+    """Whether kernels multiplying fp8 weights with `activations` take the weights' bytes and decode
+    them with e4m3_bytes_to_bfloat16 (BF16_FROM_BYTES): bfloat16 activations on a GPU of compute capability
+    8.0 or more (a forced target counts), not under the interpreter."""
+    capability = kernel_capability(device)
+    runs = BF16_FROM_BYTES and not _INTERPRETING and activations == torch.bfloat16
+    return runs and capability is not None and capability >= (8, 0)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.capability import FP8_WEIGHTS_MIN_CAPABILITY, kernel_capability, sm_count
-from fitserve.kernels.fp8_bits import e4m3_as_stored, kv_values
+from fitserve.kernels.fp8_bits import e4m3_as_stored, weight_values
 from fitserve.kernels.grid_math import cdiv, even_splits
 from fitserve.kernels.int4_kernel_parts import _finish
 
@@ -90,7 +90,8 @@ def _w8a16_kernel(
         w = tl.load(
             w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
         )
-        partial = tl.dot(x, tl.trans(kv_values(w, x.dtype)))  # e4m3 bytes below 8.9: from their bits
+        # bytes below 8.9 and beside bfloat16 activations: decoded by fp8_bits (e4m3_as_stored)
+        partial = tl.dot(x, tl.trans(weight_values(w, x.dtype)))
         if GROUPED:
             scale = tl.load(s_ptr + rn * stride_s + k0 // BLOCK_K, mask=n_ok & (k0 < K), other=0.0)
             acc += partial * scale[None, :]
@@ -183,7 +184,7 @@ def fp8_w8a16_linear(
     steps_per_split = cdiv(steps, splits)
     splits = cdiv(steps, steps_per_split)  # no empty split
     workspace = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    weight = e4m3_as_stored(weight, x.device)
+    weight = e4m3_as_stored(weight, x.device, x.dtype)
     _w8a16_kernel[(tiles, splits)](
         x,
         weight,

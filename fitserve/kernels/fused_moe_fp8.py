@@ -418,7 +418,7 @@ def fused_moe_fp8(
     block_k, per_row = gate_up.step_k(tile.block_k, A_GROUP if w8a8 else None)
     if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
-    data, scale = e4m3_as_stored(gate_up.data, device), gate_up.scale
+    data, scale = e4m3_as_stored(gate_up.data, device, None if w8a8 else x.dtype), gate_up.scale
     args = (x_q, x_scale, data, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
     args += (top_k, hidden, intermediate, x_q.stride(0), x_scale.stride(0), x_scale.stride(1))
     args += (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1), mid.stride(0))
@@ -445,7 +445,7 @@ def fused_moe_fp8(
         tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
         tile = dataclasses.replace(tile, num_stages=3) if swap else tile
     block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
-    data, scale = e4m3_as_stored(down.data, device), down.scale
+    data, scale = e4m3_as_stored(down.data, device, None if w8a8 else x.dtype), down.scale
     args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
     args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))
     args += (data.stride(1), scale.stride(0), scale.stride(1), per_pair.stride(0))

@@ -442,7 +442,7 @@ def moe_decode(
 
 
 def _weights(
-    projection: torch.Tensor | Fp8Experts, tile: GemmTile
+    projection: torch.Tensor | Fp8Experts, tile: GemmTile, activations: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(data, scale, constexprs) of a projection: 16-bit weights pass themselves as their unread scale;
     fp8 ones their scale, and a BLOCK_K that divides their column groups (a step has one scale)."""
@@ -450,7 +450,8 @@ def _weights(
         return projection, projection, {"W_FP8": False, "GROUP_K": 1, "BLOCK_K": tile.block_k}
     block_k, _ = projection.step_k(tile.block_k)
     constexprs = {"W_FP8": True, "GROUP_K": projection.group_k, "BLOCK_K": block_k}
-    data = e4m3_as_stored(projection.data, projection.data.device)  # bytes below 8.9 (kernels/fp8_bits.py)
+    # bytes below 8.9 and beside bfloat16 activations (kernels/fp8_bits.py)
+    data = e4m3_as_stored(projection.data, projection.data.device, activations)
     return data, projection.scale, constexprs
 
 
@@ -466,7 +467,7 @@ def decode_gate_up(
     """moe_decode's first kernel: mid [T * slots, I], each slot's act(gate) * up (checked inputs)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    weight, scale, weight_constexprs = _weights(gate_up_proj, tile)
+    weight, scale, weight_constexprs = _weights(gate_up_proj, tile, x.dtype)
     local_experts, double_width, _ = weight.shape
     intermediate = double_width // 2
     slots = top_k + (shared is not None)
@@ -506,7 +507,7 @@ def decode_down(
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     tile = config.down
-    weight, scale, weight_constexprs = _weights(down_proj, tile)
+    weight, scale, weight_constexprs = _weights(down_proj, tile, mid.dtype)
     local_experts, _, intermediate = weight.shape
     slots = top_k + (shared is not None)
     device = x.device

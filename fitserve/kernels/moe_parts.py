@@ -14,7 +14,7 @@ import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.fast_launch import fast_launch
-from fitserve.kernels.fp8_bits import kv_values
+from fitserve.kernels.fp8_bits import weight_values
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
@@ -89,7 +89,7 @@ def scaled_step(
             scale = tl.load(s_rows + k // GROUP_K, mask=ok, other=0.0)
             acc = acc + part * (a_scale[:, None] * scale[None, :])
     else:
-        w = kv_values(w_tile, a.dtype)  # e4m3 bytes (uint8, below 8.9) from their bits, else converted
+        w = weight_values(w_tile, a.dtype)  # bytes (below 8.9, beside bfloat16) decoded, else converted
         if PER_ROW:
             acc = tl.dot(a, tl.trans(w), acc)
         else:

@@ -81,3 +81,29 @@ def test_below_8_9_the_weights_run_as_their_bytes(experts, tokens):
     with forced_target((8, 0)):
         assert not experts.quantizes_activations(torch.zeros(tokens, HIDDEN, device=DEVICE))
         assert_kernels_match_the_torch_path(experts, tokens)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9), reason="below 8.9 bytes either way")
+@pytest.mark.parametrize("tokens", (1, 8))
+def test_decoding_bytes_equals_tritons_conversion(experts, tokens, monkeypatch):
+    """The W8A16 kernels (one token: moe_decode; W8A16 on the grouped kernels) give the same bits with the
+    weights as bytes decoded by fp8_bits.e4m3_bytes_to_bfloat16 as with Triton's e4m3 conversion."""
+    import fitserve.kernels.fp8_bits as fp8_bits
+    from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fused_moe_fp8
+    from tests.gpu.test_fused_moe_int4_gpu import routing
+
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    ids, weights = routing(tokens, seed=tokens)
+    gate_up = Fp8Experts(experts.w13, experts.w13_scale, experts.group_up)
+    down = Fp8Experts(experts.w2, experts.w2_scale, experts.group_down)
+    act = experts.kernel_activation
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        layer = experts(x, ids, weights, reduce=False)
+        return layer, fused_moe_fp8(x, gate_up, down, ids, weights, act, 0, w8a8=False)
+
+    by_bytes = both()
+    monkeypatch.setattr(fp8_bits, "BF16_FROM_BYTES", False)
+    converted = both()
+    assert torch.equal(by_bytes[0], converted[0])
+    assert torch.equal(by_bytes[1], converted[1])
