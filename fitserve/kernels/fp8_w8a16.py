@@ -6,7 +6,9 @@ bytes and kernels/fp8_bits.py decodes them).
 
 Each program computes BLOCK_N output columns for every row: it walks K in BLOCK_K steps (256 with
 per-channel scales, 128 with block scales), loads the [BLOCK_N, BLOCK_K] fp8 tile, converts it to the
-activation dtype (exact: e4m3 values fit bfloat16 and float16) and accumulates x_tile @ tile^T in float32.
+activation dtype (exact: e4m3 values fit bfloat16 and float16; into bfloat16 from the weight's bytes in
+integer instructions, fp8_bits.weight_values, as Triton's conversion would bound the kernel near 2.8 TB/s
+on an H200) and accumulates x_tile @ tile^T in float32.
 Per-channel scales multiply the accumulator once at the end; 128-column block scales (weight_block_size
 [*, 128]) multiply each step's partial product. Reference: x.float() @ fp8_weight.dequantize(w).T.
 

@@ -16,8 +16,9 @@ Qwen's and DeepSeek's [128, 128] blocks, each block's scale repeated over its ro
   column groups, the weight's; the gate_up kernel quantizes its act(gate) * up tile (A_GROUP columns, one
   group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`);
   on Hopper, tiles under 64 rows take the weight tile as the MMA's rows (`swaps_operands`).
-- W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16),
-  the partial products scaled in float32; the activations stay 16-bit.
+- W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16;
+  into bfloat16 from the weight's bytes, fp8_bits.weight_values), the partial products scaled in float32;
+  the activations stay 16-bit.
 With one scale a row the weight's scale multiplies the accumulator once at the end; with column groups
 each step (BLOCK_K divides GROUP_K and A_GROUP) is scaled before it is added.
 
