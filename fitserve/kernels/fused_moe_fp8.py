@@ -443,8 +443,8 @@ def fused_moe_fp8(
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=device)
     tile = config.down
     if w8a8 and tuned:  # the grouped sweep's best down tiles: 4 warps below 64 rows, 3 stages swapped
-        tile = dataclasses.replace(tile, block_k=128, num_warps=8 if block_m >= 64 else 4)
-        tile = dataclasses.replace(tile, num_stages=3) if swap else tile
+        warps, stages = 8 if block_m >= 64 else 4, 3 if swap else tile.num_stages
+        tile = dataclasses.replace(tile, block_k=128, num_warps=warps, num_stages=stages)
     block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
     data, scale = e4m3_as_stored(down.data, device, None if w8a8 else x.dtype), down.scale
     args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)

@@ -7,14 +7,13 @@ quarter of the integer rate and bounded Triton's e4m3 -> float16 -> bfloat16 (do
 from __future__ import annotations
 
 import collections
-import re
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
 from fitserve.kernels import fp8_w8a16  # noqa: E402
-from tests.unit.sass_helpers import triton_sass_of  # noqa: E402
+from tests.unit.sass_helpers import main_loop, triton_sass_of  # noqa: E402
 
 POINTERS = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "counter_ptr")
 INTS = ("M", "N", "K", "stride_x", "stride_w", "stride_s", "stride_y", "steps_per_split", "num_splits")
@@ -22,30 +21,14 @@ CONVERSIONS = ("F2F", "F2FP", "I2F", "F2I")
 
 
 def _loop_opcodes(arch: int, as_bytes: bool, grouped: bool) -> collections.Counter:
-    """Opcode counts of the kernel's K loop (the backward branch's body holding the HMMAs), the weight
-    given as bytes or as e4m3."""
+    """Opcode counts of the kernel's K loop (sass_helpers.main_loop), the weight given as bytes or as e4m3."""
     types = {"x_ptr": "*bf16", "w_ptr": "*u8" if as_bytes else "*fp8e4nv", "s_ptr": "*fp32"}
     types |= {"y_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32"}
     signature = types | {name: "i32" for name in INTS}
     constexprs = {"GROUPED": grouped, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128 if grouped else 256}
-    constexprs |= {
-        "SPLIT": True,
-    }
+    constexprs["SPLIT"] = True
     aligned = [*POINTERS, "K", "stride_x", "stride_w", "stride_y"]
-    sass = triton_sass_of(fp8_w8a16._w8a16_kernel, arch, signature, constexprs, aligned)
-    instructions = []
-    for line in sass.splitlines():
-        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[.\w]*([^;]*);", line)
-        if found:
-            instructions.append((int(found.group(1), 16), found.group(2), found.group(3)))
-    for address, opcode, operands in instructions:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
-        if target and int(target.group(1), 16) < address:
-            start = int(target.group(1), 16)
-            loop = collections.Counter(op for at, op, _ in instructions if start <= at <= address)
-            if loop["HMMA"]:
-                return loop
-    raise AssertionError("no loop with HMMA in the SASS")
+    return main_loop(triton_sass_of(fp8_w8a16._w8a16_kernel, arch, signature, constexprs, aligned))
 
 
 @pytest.mark.parametrize("arch", [80, 90])
