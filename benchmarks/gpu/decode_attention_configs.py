@@ -6,8 +6,10 @@ batch 64), with contexts all equal and evenly spread.
 One layer's attention per call, cycling through four KV caches (more than the L2 holds), timed as
 CUDA graph replays. Prints and saves microseconds per call and the KV read bandwidth, with each
 config's shared memory and registers per program (what decides how many programs an SM holds).
+--kv-cache-dtype fp8 (e4m3) or fp8_e5m2 times a float8 cache (a byte an element: a tile of as many keys
+holds half the bytes, so the larger tiles at the end of CONFIGS fit).
 
-  python benchmarks/gpu/decode_attention_configs.py [--out FILE]
+  python benchmarks/gpu/decode_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e5m2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ CONFIGS = [  # (tile_tokens, num_warps, num_stages)
     (64, 4, 4),
     (64, 8, 5),
     (32, 4, 5),
+    (128, 4, 8),  # the last three: float8 caches (a 16-bit cache's tiles would not fit)
+    (256, 4, 4),
+    (256, 8, 4),
 ]
+KV_DTYPES = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def spread(batch: int, low: int, high: int) -> list[int]:
@@ -46,15 +52,18 @@ CASES = [  # name, context lengths, query heads, KV heads
     ("8B shape, batch 32, contexts 1536", [1536] * 32, 32, 8),
     ("8B shape, batch 32, contexts 64..4000", spread(32, 64, 4000), 32, 8),
     ("Qwen3-0.6B shape, batch 64, contexts 1024", [1024] * 64, 16, 8),
+    ("Qwen3-0.6B shape, batch 256, contexts 512..1024", spread(256, 512, 1024), 16, 8),
 ]
 
 
-def paged_caches(lens: list[int], kv_heads: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def paged_caches(
+    lens: list[int], kv_heads: int, kv_dtype: torch.dtype
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """CACHES random caches; sequence i owns consecutive blocks; int32 block tables and lengths."""
     blocks = [-(-n // BLOCK_SIZE) for n in lens]
     num_blocks = sum(blocks) + 1
     caches = [
-        torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM, device="cuda").to(kv_dtype)
         for _ in range(CACHES)
     ]
     tables = torch.zeros(len(lens), max(blocks) + 1, dtype=torch.int32)
@@ -77,9 +86,9 @@ def program_resources() -> dict[str, dict[str, int]]:
     return resources
 
 
-def time_configs(lens: list[int], q_heads: int, kv_heads: int) -> dict[str, float]:
+def time_configs(lens: list[int], q_heads: int, kv_heads: int, kv_dtype: torch.dtype) -> dict[str, float]:
     """Microseconds per call of each config in CONFIGS (those that fit the GPU), outputs checked alike."""
-    caches, tables, seq_lens = paged_caches(lens, kv_heads)
+    caches, tables, seq_lens = paged_caches(lens, kv_heads, kv_dtype)
     q = torch.randn(len(lens), q_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     timings: dict[str, float] = {}
@@ -105,17 +114,20 @@ def time_configs(lens: list[int], q_heads: int, kv_heads: int) -> dict[str, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     torch.manual_seed(0)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []
     for name, lens, q_heads, kv_heads in CASES:
-        timings = time_configs(lens, q_heads, kv_heads)
-        kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * 2
+        timings = time_configs(lens, q_heads, kv_heads, kv_dtype)
+        kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * kv_dtype.itemsize
         chosen = decode_attention.choose_config(len(lens), kv_heads, 1, sm_count)
         entry = {
             "case": name,
+            "kv_cache_dtype": str(kv_dtype),
             "kv_mb": round(kv_bytes / 1e6, 1),
             "us_by_tile_warps_stages": timings,
             "shipped": f"{chosen.tile_tokens}x{chosen.num_warps}x{chosen.num_stages}",

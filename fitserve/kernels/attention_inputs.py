@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
+from fitserve.kernels.fp8_bits import decodes_bf16_from_bytes
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
@@ -46,14 +47,18 @@ def kv_cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> t
     return 1.0, 1.0
 
 
-def kv_cache_for_kernels(kv_cache: torch.Tensor) -> torch.Tensor:
+def kv_cache_for_kernels(kv_cache: torch.Tensor, queries: torch.dtype | None = None) -> torch.Tensor:
     """The cache tensor the kernels take: a float8 e4m3 cache viewed as its bytes (uint8) where Triton has
     no e4m3 conversion (compute capability below 8.9, or the target FITSERVE_KERNEL_TARGET forces), which
-    the kernels then encode and decode in integer operations (kernels/fp8_bits.py); any other cache as
-    it is. The bytes are the same either way."""
-    if kv_cache.dtype == torch.float8_e4m3fn and not has_e4m3_conversion(kernel_capability(kv_cache.device)):
+    the kernels then encode and decode in integer operations (kernels/fp8_bits.py), and for the reads
+    beside bfloat16 `queries` on a GPU (fp8_bits.decodes_bf16_from_bytes: decoded by
+    e4m3_bytes_to_bfloat16, off the conversion unit); any other cache as it is. The bytes are the same
+    either way."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        return kv_cache
+    if not has_e4m3_conversion(kernel_capability(kv_cache.device)):
         return kv_cache.view(torch.uint8)
-    return kv_cache
+    return kv_cache.view(torch.uint8) if decodes_bf16_from_bytes(kv_cache.device, queries) else kv_cache
 
 
 def prefill_strides(

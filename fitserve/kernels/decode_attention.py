@@ -65,6 +65,13 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
+# A float8 cache (a byte an element) takes WHOLE_CONTEXT_CONFIG at any batch with one partition on Hopper
+# (a block's 227 KB of shared memory tells it): its tiles hold half the bytes (75 KB and 146 registers a
+# program there), and at 4 to 15 programs an SM the default's 64-key tiles leave it latency-bound (H200,
+# one layer: Qwen3-0.6B shape batch 64 82.6 -> 63.3 us, batch 256 210.9 -> 184.0 us; equal workload +6.7%;
+# benchmarks/results/h200_e4m3_kv_bytes.json), where a 16-bit cache keeps the default. Not below: sm_80
+# compiles that variant to 255 registers (two programs an SM), unmeasured.
+FLOAT8_ANY_BATCH_MIN_SHARED = 200 * 1024
 # Where a block may not have that much (sm_86 / sm_89: 99 KB, sm_75: 64 KB, sm_70: 96 KB; sm_75 asks 72 KB
 # for it as it pipelines without cp.async) the default config runs instead (kernels/variants.py checks it).
 WHOLE_CONTEXT_MIN_SHARED = 144 * 1024
@@ -292,11 +299,14 @@ def choose_config(
     sm_count: int,
     head_dim: int = 128,
     shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
+    kv_element_bytes: int = 2,
 ) -> DecodeLaunchConfig:
     """Heads of up to 128: WHOLE_CONTEXT_CONFIG for one partition of at most
     WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM where a block may have WHOLE_CONTEXT_MIN_SHARED
-    bytes of shared memory (`shared_memory`: the GPU's, kernels/capability.py), else
-    DEFAULT_DECODE_CONFIG. Wider heads: HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above.
+    bytes of shared memory (`shared_memory`: the GPU's, kernels/capability.py), and of any number over a
+    float8 cache (`kv_element_bytes` 1) where it may have FLOAT8_ANY_BATCH_MIN_SHARED; else
+    DEFAULT_DECODE_CONFIG. Wider heads:
+    HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above.
     Shapes only, so a CUDA graph's launch is fixed."""
     block_d = next_power_of_2(head_dim)
     if block_d > 256:
@@ -305,7 +315,9 @@ def choose_config(
         return HEAD_256_DECODE_CONFIG
     programs = num_seqs * num_kv_heads
     whole_fits = shared_memory >= WHOLE_CONTEXT_MIN_SHARED
-    if whole_fits and num_partitions == 1 and programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count:
+    few_programs = programs <= WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM * sm_count
+    float8_any_batch = kv_element_bytes == 1 and shared_memory >= FLOAT8_ANY_BATCH_MIN_SHARED
+    if whole_fits and num_partitions == 1 and (few_programs or float8_any_batch):
         return WHOLE_CONTEXT_CONFIG
     return DEFAULT_DECODE_CONFIG
 
@@ -364,7 +376,9 @@ def paged_decode_attention(
         )
     if config is None:
         shared_memory = shared_memory_per_block(kernel_capability(q.device))
-        config = choose_config(num_seqs, num_kv_heads, num_partitions, sm_count, head_dim, shared_memory)
+        config = choose_config(
+            num_seqs, num_kv_heads, num_partitions, sm_count, head_dim, shared_memory, kv_cache.element_size()
+        )
     block_g = max(16, next_power_of_2(queries_per_kv))
     partition_block = partition_block_size(num_partitions)
     write_direct = num_partitions == 1
@@ -379,7 +393,7 @@ def paged_decode_attention(
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _decode_partition_kernel[(num_kv_heads, num_seqs, num_partitions)](
         q,
-        kv_cache_for_kernels(kv_cache),
+        kv_cache_for_kernels(kv_cache, q.dtype),
         block_tables,
         seq_lens,
         out,

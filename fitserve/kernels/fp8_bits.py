@@ -1,14 +1,15 @@
 """float8 e4m3 <-> float in integer and fp16 operations, for GPUs where Triton has no e4m3 conversion, and
-e4m3 -> bfloat16 in integer operations for fp8 weights beside bfloat16 activations on every GPU
-(`e4m3_as_stored`, `e4m3_bytes_to_bfloat16`: Triton's conversion runs on the conversion unit, too slow to
-keep up with the weights' bytes).
+e4m3 -> bfloat16 in integer operations for fp8 weights and an e4m3 KV cache beside bfloat16 activations on
+every GPU (`e4m3_as_stored`, `e4m3_bytes_to_bfloat16`: Triton's conversion runs on the conversion unit, too
+slow to keep up with the bytes).
 
 Triton converts to and from float8 e4m3 (its fp8e4nv type) only from compute capability 8.9 on. Below that
 (sm_70 to sm_86) the KV cache keeps the same bytes (kernels/kv_format.py: what torch's float8_e4m3fn
-holds), the launchers pass it viewed as uint8 (attention_inputs.kv_cache_for_kernels), and the kernels
-encode and decode the bytes with these functions: `to_cache` in the cache writes, `kv_values` in the
-attention kernels' key and value loads. For a cache of another dtype both are the plain conversion, so
-the kernels compile to what they had before.
+holds), the launchers pass it viewed as uint8 (attention_inputs.kv_cache_for_kernels; from 8.9 on too
+beside bfloat16 queries), and the kernels encode and decode the bytes with these functions: `to_cache` in
+the cache writes, `kv_values` in the attention kernels' key and value loads (e4m3_bytes_to_bfloat16 or
+e4m3_bytes_to_float16 on a GPU, e4m3_bits_to_float16 under the interpreter). For a cache of another dtype
+both are the plain conversion, so the kernels compile to what they had before.
 
 e4m3: sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 holds the subnormals (steps of
 2**-9), no infinities, 0x7f and 0xff are NaN, the largest finite value is 448.
@@ -81,6 +82,37 @@ def e4m3_bytes_to_bfloat16(byte):
     )
 
 
+# float16 from e4m3 bytes by bits, as e4m3_bits_to_float16 reads them (2**-8 times the value under fp16's
+# exponent and mantissa, then one multiply by 2**8, 0x5C00, a pair), in four integer instructions a pair
+_E4M3_TO_FP16_PTX = tl.constexpr("""{
+.reg .b32 lo, hi, bits, factor, minus_zero;
+mov.b32 factor, 0x5C005C00;
+mov.b32 minus_zero, 0x80008000;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 bits, lo, 1;
+and.b32 bits, bits, 0x3F803F80;
+and.b32 lo, lo, 0x80008000;
+or.b32 lo, lo, bits;
+fma.rn.f16x2 $0, lo, factor, minus_zero;
+shr.b32 bits, hi, 1;
+and.b32 bits, bits, 0x3F803F80;
+and.b32 hi, hi, 0x80008000;
+or.b32 hi, hi, bits;
+fma.rn.f16x2 $1, hi, factor, minus_zero;
+}""")
+
+
+@triton.jit
+def e4m3_bytes_to_float16(byte):
+    """e4m3 bytes (uint8) -> float16 on a GPU (inline PTX), exact for every finite value, the NaN codes
+    as +-480 like e4m3_bytes_to_bfloat16: e4m3_bits_to_float16's decode in a third of its instructions,
+    for GPUs without Triton's e4m3 conversion (below 8.9)."""
+    return tl.inline_asm_elementwise(
+        _E4M3_TO_FP16_PTX, "=r,=r,r", [byte], dtype=tl.float16, is_pure=True, pack=4
+    )
+
+
 @triton.jit
 def float32_to_e4m3_bits(x):
     """float32 -> e4m3 bytes (uint8) as torch's .to(torch.float8_e4m3fn) and the GPUs' cvt.rn.satfinite
@@ -105,22 +137,25 @@ def float32_to_e4m3_bits(x):
 
 @triton.jit
 def kv_values(stored, dtype: tl.constexpr):
-    """Keys or values loaded from the cache, in `dtype`: e4m3 bytes (the cache viewed as uint8) decoded
-    by e4m3_bits_to_float16, any other cache element converted as is."""
+    """Keys or values loaded from the cache (or fp8 weights, `weight_values`), in `dtype`: e4m3 bytes (the
+    cache viewed as uint8) decoded on a GPU by e4m3_bytes_to_bfloat16 or e4m3_bytes_to_float16 (the NaN
+    codes read as +-480), under the interpreter by e4m3_bits_to_float16; any other element converted."""
     if stored.dtype == tl.uint8:
-        return e4m3_bits_to_float16(stored).to(dtype)
-    return stored.to(dtype)
+        if dtype == tl.bfloat16 and not _INTERPRETING:
+            values = e4m3_bytes_to_bfloat16(stored)
+        elif dtype == tl.float16 and not _INTERPRETING:
+            values = e4m3_bytes_to_float16(stored)
+        else:
+            values = e4m3_bits_to_float16(stored).to(dtype)
+    else:
+        values = stored.to(dtype)
+    return values
 
 
 @triton.jit
 def weight_values(stored, dtype: tl.constexpr):
-    """fp8 weights loaded as `e4m3_as_stored` passed them, in `dtype`: bytes into bfloat16 on a GPU by
-    e4m3_bytes_to_bfloat16, other bytes as kv_values decodes them, e4m3 converted by Triton."""
-    if stored.dtype == tl.uint8 and dtype == tl.bfloat16 and not _INTERPRETING:
-        values = e4m3_bytes_to_bfloat16(stored)
-    else:
-        values = kv_values(stored, dtype)
-    return values
+    """fp8 weights loaded as `e4m3_as_stored` passed them, in `dtype` (as kv_values decodes the cache)."""
+    return kv_values(stored, dtype)
 
 
 @triton.jit

@@ -29,8 +29,8 @@ def activation_dtypes(target: Target, full: bool = True) -> tuple[torch.dtype, .
 
 
 def kv_dtypes(target: Target, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The cache in the model dtype, float8 e5m2 and e4m3 (converted by Triton from 8.9 on, from its bytes
-    by kernels/fp8_bits.py below)."""
+    """The cache in the model dtype, float8 e5m2 and e4m3 (decoded from its bytes by kernels/fp8_bits.py
+    below 8.9 and beside bfloat16 queries, else converted by Triton)."""
     return (dtype, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
@@ -477,8 +477,9 @@ def _qwen3_5_fused(target: Target, full: bool) -> None:
 
 def _e4m3_kv_cache(target: Target, full: bool) -> None:
     """The four kernels that touch a float8 e4m3 cache, at the 8B shape (head dim 128, GQA 4) and the
-    subset's dtype: what tests/unit/test_kernel_targets.py compiles for every target below 8.9, where the
-    cache goes to them as its bytes."""
+    subset's dtype: what tests/unit/test_kernel_targets.py compiles for every target from sm_70 to sm_89
+    and tests/unit/test_e4m3_kv_sass.py for sm_90; the cache goes to them as its bytes (below 8.9 always,
+    from 8.9 on beside bfloat16 queries: kernels/attention_inputs.kv_cache_for_kernels)."""
     from fitserve.kernels.cache_write import reshape_and_cache
     from fitserve.kernels.decode_attention import paged_decode_attention
     from fitserve.kernels.prefill_attention import paged_prefill_attention

@@ -357,7 +357,7 @@ def paged_prefill_attention(
     k_scale, v_scale = kv_cache_scales(kv_cache, k_scale, v_scale)
     _prefill_kernel[grid](
         q,
-        kv_cache_for_kernels(kv_cache),
+        kv_cache_for_kernels(kv_cache, q.dtype),
         block_tables,
         seq_lens,
         query_start_loc,

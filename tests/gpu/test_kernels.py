@@ -140,6 +140,7 @@ def test_whole_context_config_only_for_one_partition_of_at_most_two_programs_per
     assert choose(34, 8, 1, 132) is default
     assert choose(64, 8, 1, 132) is default  # Qwen3-0.6B's batch 64: 512 programs
     assert choose(8, 8, 4, 132) is default  # split-K partitions keep the default tile
+    assert choose(64, 8, 1, 132, 128, kv_element_bytes=1) is whole  # a float8 cache: any batch
 
 
 def test_decode_attention_fp16() -> None:

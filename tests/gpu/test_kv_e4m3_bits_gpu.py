@@ -1,6 +1,7 @@
 """A float8 e4m3 KV cache on the path of GPUs without Triton's e4m3 conversion (below compute capability 8.9,
 issues 35, 32), run on the GPU present with the target forced: the kernels get the cache as uint8 and convert
 its bytes themselves (fitserve/kernels/fp8_bits.py).
+- Decoding: every e4m3 byte decodes (inline PTX, into bfloat16 and float16) to what torch gives.
 - Kernels: the cache writes store the bytes Triton's conversion stores (and torch's), and decode and
   prefill attention over the same bytes give what the conversion path gives, with the same launch config.
 - Engine: the Qwen3-0.6B shape (random weights) under FITSERVE_KERNEL_TARGET=sm75 with --kv-cache-dtype fp8,
@@ -51,8 +52,36 @@ def _paged(
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernels_on_the_bytes_path_match_the_conversion_path(dtype: torch.dtype) -> None:
-    from fitserve.kernels import reference
+def test_every_e4m3_byte_decodes_to_what_torch_gives(dtype: torch.dtype) -> None:
+    """fp8_bits.e4m3_bytes_to_bfloat16 / e4m3_bytes_to_float16 (inline PTX), which kv_values and
+    weight_values use on a GPU: every finite code exact (-0 included), the NaN codes +-480."""
+    import triton
+    import triton.language as tl
+
+    from fitserve.kernels.fp8_bits import e4m3_bytes_to_bfloat16, e4m3_bytes_to_float16
+
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bfloat16 math from 8.0")
+
+    @triton.jit
+    def decode(bytes_ptr, out_ptr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        codes = tl.load(bytes_ptr + offs)
+        values = e4m3_bytes_to_bfloat16(codes) if BF16 else e4m3_bytes_to_float16(codes)
+        tl.store(out_ptr + offs, values)
+
+    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    out = torch.empty(256, dtype=dtype, device="cuda")
+    decode[(1,)](codes, out, BLOCK=256, BF16=dtype == torch.bfloat16)
+    expected = codes.view(E4M3).to(dtype)
+    finite = (codes & 0x7F) != 0x7F
+    assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert out[~finite].float().abs().eq(480).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernels_on_the_bytes_path_match_the_conversion_path(dtype: torch.dtype, monkeypatch) -> None:
+    from fitserve.kernels import fp8_bits, reference
     from fitserve.kernels.attention_inputs import kv_cache_for_kernels
     from fitserve.kernels.cache_write import reshape_and_cache
     from fitserve.kernels.capability import forced_target
@@ -61,6 +90,8 @@ def test_kernels_on_the_bytes_path_match_the_conversion_path(dtype: torch.dtype)
     from fitserve.kernels.prefill_attention import DEFAULT_PREFILL_CONFIG, paged_prefill_attention
     from fitserve.kernels.rotary_cache_write import rotary_cache_write
 
+    # Triton's conversion on the conversion path beside bfloat16 queries too (else bytes both ways)
+    monkeypatch.setattr(fp8_bits, "BF16_FROM_BYTES", False)
     if torch.cuda.get_device_capability() < CONVERSION_PATH:
         pytest.skip("the comparison needs Triton's e4m3 conversion (compute capability 8.9)")
     generator = torch.Generator().manual_seed(0)
@@ -184,7 +215,11 @@ def test_engine_on_the_sm75_path_with_an_e4m3_cache(tmp_path_factory) -> None:
     assert error < FP8_FIRST_STEP_LOGPROB_ERROR, error
     if torch.cuda.get_device_capability() >= CONVERSION_PATH:
         default_fp8 = _run_engine(folder, None, "fp8")
-        assert all(dtypes == [str(E4M3)] for dtypes in default_fp8["cache_dtypes"].values()), default_fp8
+        # the writes convert with Triton; the attention kernels read bytes beside the bfloat16 queries
+        attention = {"decode_attention", "prefill_attention"}
+        for launcher, dtypes in default_fp8["cache_dtypes"].items():
+            expected = "torch.uint8" if launcher in attention else str(E4M3)
+            assert dtypes == [expected], (launcher, dtypes)
         difference = _first_step_difference(sm75_fp8, default_fp8)
         assert difference < PATHS_FIRST_STEP_LOGPROB_DIFFERENCE, difference
     print(f"first-step logprob error vs the 16-bit cache {error:.4f}")
@@ -219,8 +254,8 @@ def _engine_child(request: dict) -> dict:
     for module in (cache_write, rotary_cache_write, decode_attention, prefill_attention):
         name = module.__name__.rsplit(".", 1)[-1]
 
-        def recording(kv_cache, name=name):
-            viewed = attention_inputs.kv_cache_for_kernels(kv_cache)
+        def recording(kv_cache, queries=None, name=name):
+            viewed = attention_inputs.kv_cache_for_kernels(kv_cache, queries)
             seen.setdefault(name, set()).add(str(viewed.dtype))
             return viewed
 

@@ -302,27 +302,6 @@ def test_w8a16_split_k_matches_one_split_and_resets_its_counters(n, k) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="bfloat16 math from 8.0")
-def test_e4m3_bytes_decode_to_the_bfloat16_torch_gives() -> None:
-    import triton
-    import triton.language as tl
-
-    from fitserve.kernels.fp8_bits import e4m3_bytes_to_bfloat16
-
-    @triton.jit
-    def decode(bytes_ptr, out_ptr, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, e4m3_bytes_to_bfloat16(tl.load(bytes_ptr + offs)))
-
-    codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
-    out = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-    decode[(1,)](codes, out, BLOCK=256)
-    expected = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
-    finite = (codes & 0x7F) != 0x7F  # the NaN codes decode as +-480 (fp8_bits.e4m3_bytes_to_bfloat16)
-    assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))  # -0 included
-    assert out[~finite].float().abs().eq(480).all()
-
-
-@pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 0), reason="bfloat16 math from 8.0")
 @pytest.mark.parametrize(("group", "rows"), [(None, 1), (128, 1), (None, 16), (128, 5)])
 def test_w8a16_decoding_bytes_equals_tritons_conversion(group, rows, monkeypatch) -> None:
     import fitserve.kernels.fp8_bits as fp8_bits

@@ -10,7 +10,7 @@ comma-separated list) adds targets; FITSERVE_KERNEL_TARGETS_FULL=1 runs the whol
 group, dtype, KV dtype and window). tests/gpu/test_kernel_targets_gpu.py runs all six targets at once on the
 GPU machine's cores. Each target compiles in a child process: the harness swaps Triton's driver and
 torch.cuda's device queries while it runs. The four kernels that touch a float8 e4m3 KV cache compile for
-sm_70 to sm_89 at one shape each (below 8.9 they take the cache as its bytes: kernels/fp8_bits.py).
+sm_70 to sm_89 at one shape each (they take the cache as its bytes: kernels/fp8_bits.py).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_every_variant_compiles_and_fits(name: str) -> None:
     assert pdl == ({True} if name == "sm_90" else {False}), f"USE_PDL on {name}: {pdl}"
 
 
-# The kernels that touch the KV cache (below 8.9 they take a float8 e4m3 cache as its bytes), and which of
+# The kernels that touch the KV cache (they take a float8 e4m3 cache as its bytes), and which of
 # the argument types in their compiled signature is the cache pointer's
 CACHE_ARGUMENT = {
     "_reshape_and_cache_kernel": 2,
@@ -81,9 +81,11 @@ CACHE_ARGUMENT = {
 
 
 @pytest.mark.parametrize("name", ["sm_70", "sm_75", "sm_80", "sm_86", "sm_89"])
-def test_e4m3_cache_kernels_compile_from_the_bytes_below_sm_89(name: str) -> None:
+def test_e4m3_cache_kernels_compile_from_the_bytes(name: str) -> None:
     """Issues 35, 32: below 8.9 Triton has no e4m3 conversion, so the launchers pass the cache as uint8 and
-    the kernels convert it in integer operations (kernels/fp8_bits.py); 8.9 keeps Triton's fp8e4nv."""
+    the kernels decode it in integer operations (kernels/fp8_bits.py); from 8.9 on the cache goes as its
+    bytes beside bfloat16 queries too (the subset's dtype there), decoded off the conversion unit
+    (tests/unit/test_e4m3_kv_sass.py)."""
     rows = compile_target(name, False, ("e4m3_kv_cache",))
     failed = [describe(row) for row in rows if row["problems"]]
     assert not failed, f"e4m3 cache variants do not launch on {name}:\n" + "\n".join(failed)
@@ -93,8 +95,7 @@ def test_e4m3_cache_kernels_compile_from_the_bytes_below_sm_89(name: str) -> Non
         if row["kernel"] in CACHE_ARGUMENT
     }
     assert set(cache_types) == set(CACHE_ARGUMENT), sorted(cache_types)
-    expected = "*fp8e4nv" if name == "sm_89" else "*u8"
-    assert set(cache_types.values()) == {expected}, cache_types
+    assert set(cache_types.values()) == {"*u8"}, cache_types
 
 
 def test_the_check_catches_a_variant_that_does_not_fit() -> None:
@@ -129,6 +130,15 @@ def test_forced_target_picks_the_small_gpu_configs() -> None:
     assert decode_attention.choose_config(8, 8, 1, 132, 128, h100) is decode_attention.WHOLE_CONTEXT_CONFIG
     t4 = capability.SHARED_MEMORY_PER_BLOCK[(7, 5)]
     assert decode_attention.choose_config(8, 8, 1, 40, 128, t4) is decode_attention.DEFAULT_DECODE_CONFIG
+    # a float8 cache (a byte an element) takes the whole-context tiles at any batch of one partition
+    whole, default = decode_attention.WHOLE_CONTEXT_CONFIG, decode_attention.DEFAULT_DECODE_CONFIG
+    assert decode_attention.choose_config(256, 8, 1, 132, 128, h100) is default  # 2,048 programs
+    assert decode_attention.choose_config(256, 8, 1, 132, 128, h100, 1) is whole
+    assert decode_attention.choose_config(1, 8, 16, 132, 128, h100, 1) is default  # split-K
+    assert decode_attention.choose_config(256, 8, 1, 40, 128, t4, 1) is default  # 64 KB a block
+    a100 = capability.SHARED_MEMORY_PER_BLOCK[(8, 0)]
+    assert decode_attention.choose_config(27, 8, 1, 108, 128, a100, 1) is whole  # 2 an SM, as 16-bit
+    assert decode_attention.choose_config(256, 8, 1, 108, 128, a100, 1) is default  # Hopper only
 
 
 def test_forced_target_from_the_environment() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 
 import pytest
@@ -132,9 +133,10 @@ def test_written_cache_read_by_attention_matches_the_reference(results: dict, dt
         assert got[kernel]["max_ref"] > 0.1, kernel  # a real output, not zeros against zeros
 
 
-def test_the_launchers_view_e4m3_as_bytes_only_below_sm_8_9() -> None:
+def test_the_launchers_view_e4m3_as_bytes_below_sm_8_9_and_beside_bfloat16() -> None:
     from fitserve.kernels import capability
     from fitserve.kernels.attention_inputs import kv_cache_for_kernels
+    from fitserve.kernels.fp8_bits import decodes_bf16_from_bytes
 
     cache = torch.zeros(2, 1, 16, 1, 8, dtype=E4M3)
     assert kv_cache_for_kernels(cache) is cache  # the CPU, no target forced: Triton's own conversion
@@ -150,6 +152,15 @@ def test_the_launchers_view_e4m3_as_bytes_only_below_sm_8_9() -> None:
             assert viewed.data_ptr() == cache.data_ptr()  # a view: the same bytes
             for other in (torch.float8_e5m2, torch.float16, torch.bfloat16):
                 assert kv_cache_for_kernels(cache.to(other)).dtype == other
+            # beside queries: float16 ones as without; bfloat16 ones take the bytes (not in the interpreter,
+            # which cannot run e4m3_bytes_to_bfloat16's inline PTX)
+            assert kv_cache_for_kernels(cache, torch.float16).dtype == expected, target
+            beside_bf16 = torch.uint8 if decodes_bf16_from_bytes(cache.device, torch.bfloat16) else expected
+            assert kv_cache_for_kernels(cache, torch.bfloat16).dtype == beside_bf16, target
+    with capability.forced_target((8, 9)):
+        assert decodes_bf16_from_bytes(cache.device, torch.bfloat16) == (
+            os.environ.get("TRITON_INTERPRET") != "1"
+        )
 
 
 # --- the child process: runs the kernels under the interpreter -------------------------------------------
