@@ -13,21 +13,17 @@ a CUDA graph against 4.8, 50 us at 8192 tokens x 16 heads x 256 against 174).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv, heads_per_program, next_power_of_2
 
 BLOCK = 1024
 HEAD_TILE = 1024  # sigmoid_gate_mul: values a program holds, whole heads (grid_math.heads_per_program)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 # sqrt(2 / pi), doubled: 0.5 * (1 + tanh(u)) == sigmoid(2u), so gelu_tanh(x) = x * sigmoid(2u) with
 # u = sqrt(2 / pi) * (x + 0.044715 x^3), which needs no tanh and does not cancel for large |u|
 _TWO_SQRT_2_OVER_PI = 1.5957691216057308
@@ -47,7 +43,7 @@ def exp_as_torch(x):
         return tl.exp(x)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
@@ -102,7 +98,7 @@ def silu_and_mul(x: torch.Tensor, as_torch: bool = False) -> torch.Tensor:
     return out
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _gelu_tanh_and_mul_kernel(
     gate_ptr,
@@ -167,7 +163,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gelu_tanh_mul(x[:, :intermediate_size], x[:, intermediate_size:])
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _sigmoid_gate_mul_kernel(
     x_ptr,

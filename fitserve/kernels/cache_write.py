@@ -9,24 +9,19 @@ Reference: fitserve.kernels.reference.reshape_and_cache_reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fp8_bits import to_cache
 from fitserve.kernels.grid_math import next_power_of_2
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
-# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
-_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
-
-@_host_launched
+@host_launched
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,

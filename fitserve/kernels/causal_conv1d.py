@@ -21,18 +21,14 @@ only; under TRITON_INTERPRET=1 it also runs on CPU tensors.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
 BLOCK_T = 32
 BLOCK_C = 128
@@ -40,7 +36,7 @@ UPDATE_BLOCK_C = 256
 NUM_WARPS = 4
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _conv_varlen_kernel(
     x_ptr,
@@ -104,7 +100,7 @@ def _conv_varlen_kernel(
     )
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _conv_state_kernel(
     x_ptr,
@@ -146,7 +142,7 @@ def _conv_state_kernel(
     tl.store(tile + column[None, :], new, mask=chan_in[:, None] & column_in[None, :])
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _conv_update_kernel(
     x_ptr,
@@ -193,7 +189,7 @@ def _conv_update_kernel(
     tl.store(tile + taps[None, :], shifted, mask=from_state)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _conv_chain_kernel(
     x_ptr,

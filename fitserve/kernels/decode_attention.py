@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +37,9 @@ import triton.language as tl
 from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fp8_bits import kv_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-
-# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
-_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 MAX_PARTITIONS = 64
 SMALL_PARTITION_BLOCK = 8
@@ -101,7 +97,7 @@ def _window_span_start(seq_len, window, TILE_N: tl.constexpr):
 
 # Values that change with the batch size are not specialized on (Triton would compile one variant per
 # divisibility class): each compile costs ~0.5 s at startup, and the block-table stride varies per step.
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_partitions", "stride_bt_seq", "window"])
 def _decode_partition_kernel(
     q_ptr,
@@ -213,7 +209,7 @@ def _decode_partition_kernel(
         )
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_partitions", "window"])
 def _decode_reduce_kernel(
     out_ptr,

@@ -21,6 +21,7 @@ the hook sees it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,6 +30,11 @@ from triton import knobs
 from triton.runtime import driver
 
 _INT32_MIN, _INT32_MAX, _UINT64_FROM = -(1 << 31), (1 << 31) - 1, 1 << 63
+
+
+# Triton's CPU interpreter (the unit tests' TRITON_INTERPRET=1, read once at import as Triton does): kernels
+# run as Python functions there, with no inline PTX and no Gluon
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -98,3 +104,9 @@ def fast_launch(function: triton.JITFunction) -> FastLaunchKernel:
     """Decorator, above `@triton.jit`, for a kernel launched from the host (not one called by
     other kernels)."""
     return FastLaunchKernel(function)
+
+
+def host_launched(function: triton.JITFunction) -> FastLaunchKernel | triton.JITFunction:
+    """A kernel launched from the host: `fast_launch`'s wrapper, or the function itself under the
+    interpreter (INTERPRETING), which runs it."""
+    return function if INTERPRETING else fast_launch(function)

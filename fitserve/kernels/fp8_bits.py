@@ -17,20 +17,19 @@ e4m3: sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 holds the
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
+from fitserve.kernels.fast_launch import INTERPRETING
 
 # Decode: the byte's exponent and mantissa bits placed under fp16's (bias 15) read as 2**-8 times the e4m3
 # value, subnormals included (fp16's subnormal step, 2**-24 x 2**7, is e4m3's 2**-9 x 2**-8).
 FP16_FROM_E4M3_FACTOR = tl.constexpr(256.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, the smallest normal e4m3
 FLOAT32_INF_BITS = tl.constexpr(0x7F800000)  # above it (sign aside): NaN
-_INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no inline PTX there
+_INTERPRETING = tl.constexpr(INTERPRETING)  # no inline PTX there
 # fp8 weights beside bfloat16 activations on a GPU come as bytes decoded by e4m3_bytes_to_bfloat16 in
 # integer instructions, not Triton's e4m3 -> float16 -> bfloat16 on the conversion unit (False: Triton's
 # conversion from 8.9 on, for trials)

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fitserve.kernels.fast_launch import INTERPRETING
 from fitserve.kernels.fp8_bits import float32_to_e4m3_bits
-from fitserve.kernels.moe_parts import INTERPRETING
 
 FP8_MAX = 448.0
 # amax * (1 / 448) rounded to float32: what torch's CUDA division by a scalar computes (the reference)

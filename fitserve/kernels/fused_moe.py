@@ -55,11 +55,11 @@ import triton.language as tl
 
 from fitserve.kernels import moe_decode as decode_path
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.moe_parts import ACTIVATIONS, GELU, GELU_TANH, SILU, GemmTile  # noqa: F401 (re-exported)
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
-from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.moe_parts import pair_block as _pair_block
 
@@ -133,7 +133,7 @@ def _scatter_pairs(topk_ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs, 
     tl.store(sorted_pairs_ptr + row, offs, mask=mine)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_kernel(
     topk_ids_ptr,
@@ -183,7 +183,7 @@ def _moe_align_kernel(
             )
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_scatter_kernel(
     topk_ids_ptr,
@@ -200,7 +200,7 @@ def _moe_scatter_kernel(
     _scatter_pairs(topk_ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs, first_expert, local_experts)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr,
@@ -254,7 +254,7 @@ def _moe_gate_up_kernel(
     tl.store(out, mid.to(mid_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     mid_ptr,
@@ -302,7 +302,7 @@ def _moe_down_kernel(
     tl.store(out, acc.to(per_pair_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _moe_sum_kernel(
     per_pair_ptr,

@@ -47,13 +47,13 @@ from fitserve.kernels.capability import (
     shared_memory_per_block,
 )
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.fp8_bits import e4m3_as_stored
 from fitserve.kernels.fp8_quant import INV_FP8_MAX, quantize_groups, to_e4m3
 from fitserve.kernels.fused_moe import FusedMoeConfig, choose_config, moe_route, sum_pair_rows
 from fitserve.kernels.grid_math import cdiv
-from fitserve.kernels.moe_parts import ACTIVATIONS, INTERPRETING, Fp8Experts  # noqa: F401 (re-exported)
+from fitserve.kernels.moe_parts import ACTIVATIONS, Fp8Experts  # noqa: F401 (re-exported)
 from fitserve.kernels.moe_parts import activation as _activation
-from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.moe_parts import pair_block as _pair_block
 from fitserve.kernels.moe_parts import scaled_step as _scaled_step
@@ -104,7 +104,7 @@ def _store_quantized(values, q_ptrs, scale_ptrs, mask, row_ok, EXACT_BITS: tl.co
     tl.store(scale_ptrs, scale, mask=row_ok)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_fp8_gate_up_kernel(
     x_ptr,
@@ -195,7 +195,7 @@ def _moe_fp8_gate_up_kernel(
         tl.store(out, mid.to(mid_ptr.dtype.element_ty), mask=mask)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_fp8_down_kernel(
     mid_ptr,

@@ -28,13 +28,13 @@ import triton.language as tl
 from fitserve.kernels import moe_int4_decode as decode_path
 from fitserve.kernels.capability import kernel_capability
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fused_moe import SMALL_BATCH_TOKENS, moe_route, sum_pair_rows
 from fitserve.kernels.grid_math import cdiv
 from fitserve.kernels.int4_repack import BLOCK_K, WORDS_PER_BLOCK
 from fitserve.kernels.moe_parts import ACTIVATIONS
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
-from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.moe_parts import pair_block as _pair_block
 
@@ -64,7 +64,7 @@ def _dequantized_tile(words, sz_rows, n_ok, J: tl.constexpr, DTYPE: tl.constexpr
     return ((codes - zero[:, None]) * scale[:, None]).to(DTYPE)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_int4_gate_up_kernel(
     x_ptr,
@@ -126,7 +126,7 @@ def _moe_int4_gate_up_kernel(
     tl.store(out, mid.to(mid_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_int4_down_kernel(
     mid_ptr,

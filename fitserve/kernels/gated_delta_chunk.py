@@ -30,7 +30,6 @@ paths only (kernels/__init__.py); under TRITON_INTERPRET=1 it also runs on CPU t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -39,11 +38,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from fitserve.kernels.capability import kernel_capability, shared_memory_per_block
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
 CHUNK = 64
 MAX_K_DIM = 256  # the whole k_dim of a chunk is one tile (q, k, w: [CHUNK, k_dim] float32 in registers)
@@ -80,7 +76,7 @@ def default_block_v(v_dim: int, shared_memory: int) -> int:
     return max(16, min(widest, next_power_of_2(v_dim)))
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _chunk_inverse_kernel(
     k_ptr,
@@ -133,7 +129,7 @@ def _chunk_inverse_kernel(
     tl.store(inverse_ptr + base + rows[:, None] * CHUNK + rows[None, :], inverse)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _chunk_state_kernel(
     q_ptr,

@@ -25,22 +25,17 @@ triton: CUDA code paths only; under TRITON_INTERPRET=1 it also runs on CPU tenso
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
 NUM_WARPS = 4
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _recurrent_kernel(
     q_ptr,
@@ -220,7 +215,7 @@ def fused_recurrent_gated_delta_rule_kernel(
     return out
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _recurrent_chain_kernel(
     q_ptr,

@@ -23,24 +23,20 @@ where torch's own CPU and CUDA paths differ in 295 (3193).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.grid_math import cdiv, heads_per_program, next_power_of_2
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_TILE = 1024  # values a program holds: as many whole heads as fit (grid_math.heads_per_program)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _gated_rms_norm_kernel(
     core_ptr,

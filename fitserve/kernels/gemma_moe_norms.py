@@ -16,22 +16,17 @@ for the router's input, rounded once where torch rounds after the norm and after
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.grid_math import next_power_of_2
 from fitserve.kernels.norm import _gemma_normed, _num_warps
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
-
-@_host_launched
+@host_launched
 @triton.jit
 def _moe_head_kernel(
     x_ptr,
@@ -76,7 +71,7 @@ def _moe_head_kernel(
     tl.store(router_ptr + out, (summed * inverse_rms * router_weight).to(dtype), mask=mask)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _moe_tail_kernel(
     dense_ptr,

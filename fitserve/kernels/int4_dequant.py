@@ -40,7 +40,6 @@ tests/unit/test_int4_dequant_interpret.py.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,14 +47,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv
 from fitserve.kernels.int4_gemm import int4_linear, sm_count, supports
 from fitserve.kernels.int4_repack import BLOCK_K, PackedInt4
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
 # First guesses, for the lead to sweep on the H100 (the dequantization is store-bound: 2 bytes written
 # for every 0.5 byte read).
@@ -79,7 +74,7 @@ class DequantConfig:
     num_warps: int = DEQUANT_NUM_WARPS
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["row_start", "row_count"])
 def _dequantize_rows_kernel(
     qw_ptr,

@@ -19,13 +19,11 @@ contiguous [BLOCK_M, 256]: one wait a block. Row tiles are walked in groups of G
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.int4_kernel_parts import (
     _finish,
     _group_index,
@@ -34,9 +32,6 @@ from fitserve.kernels.int4_kernel_parts import (
     _unpack_nibble,
 )
 from fitserve.kernels.int4_pair_dequant import dequantize_pair, load_scale_zero_words, pack_pairs
-
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 
 @triton.jit
@@ -127,7 +122,7 @@ def _slice_dot(acc, w, x_rows, k0, m_mask, offs_p, K, EVEN_K: tl.constexpr, SWAP
     return tl.dot(w, tl.trans(xj), acc) if SWAP_AB else tl.dot(xj, tl.trans(w), acc)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["M"])
 def _int4_dot_kernel(
     x_ptr,

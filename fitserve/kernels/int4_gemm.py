@@ -47,7 +47,6 @@ tests/unit/test_int4_gemm_interpret.py uses.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,6 +59,7 @@ from fitserve.kernels.capability import (
     sm_count,
 )
 from fitserve.kernels.dependent_launch import pdl_kwargs
+from fitserve.kernels.fast_launch import INTERPRETING
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_dot_kernel import _int4_dot_kernel
 from fitserve.kernels.int4_gemv_kernel import _int4_gemv_kernel
@@ -70,8 +70,6 @@ from fitserve.kernels.int4_repack import (
     MIN_BLOCK_N,
     PackedInt4,
 )
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 try:
     from fitserve.kernels.int4_mma_gemv import _int4_mma_gemv_kernel

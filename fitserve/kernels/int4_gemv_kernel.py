@@ -22,13 +22,11 @@ acc += s * (partial - z * sum x).
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.int4_kernel_parts import (
     _finish,
     _group_index,
@@ -37,9 +35,6 @@ from fitserve.kernels.int4_kernel_parts import (
     _unpack_nibble,
     _unpack_nibble_minus,
 )
-
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 
 @triton.jit
@@ -185,7 +180,7 @@ def _gemv_rows(
 
 
 # The row count changes with the batch; BLOCK_M (a power of two >= M) carries what the code needs.
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemv_kernel(
     x_ptr,

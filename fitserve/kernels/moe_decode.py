@@ -48,12 +48,12 @@ import triton.language as tl
 from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.capability import sm_count
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fp8_bits import e4m3_as_stored
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.moe_parts import ACTIVATIONS, Fp8Experts, GemmTile, scaled_step
 from fitserve.kernels.moe_parts import activation as _activation
 from fitserve.kernels.moe_parts import dot as _dot
-from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.split_counters import device_counters
 
@@ -123,7 +123,7 @@ def slot_expert(topk_ids_ptr, token, slot, first_expert, local_experts, TOP_K: t
     return tl.where(routed & mine, expert, 0).to(tl.int64), mine | (slot >= TOP_K)
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -283,7 +283,7 @@ def sum_split_partials(routed, shared, part_ptr, counter_ptr, token, pid_n, offs
     return finish, routed, shared
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_splits", "slots_per_split"])
 def _decode_down_kernel(
     mid_ptr,

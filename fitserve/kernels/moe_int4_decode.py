@@ -49,6 +49,7 @@ import triton.language as tl
 
 from fitserve.kernels.capability import sm_count
 from fitserve.kernels.dependent_launch import wait_for_previous_kernel
+from fitserve.kernels.fast_launch import INTERPRETING, host_launched
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.int4_repack import BLOCK_K, WORDS_PER_BLOCK
 from fitserve.kernels.moe_decode import (
@@ -59,9 +60,8 @@ from fitserve.kernels.moe_decode import (
     sum_split_partials,
     token_slots,
 )
-from fitserve.kernels.moe_parts import ACTIVATIONS, INTERPRETING
+from fitserve.kernels.moe_parts import ACTIVATIONS
 from fitserve.kernels.moe_parts import activation as _activation
-from fitserve.kernels.moe_parts import host_launched as _host_launched
 from fitserve.kernels.moe_parts import launch as _launch
 from fitserve.kernels.split_counters import device_counters
 
@@ -145,7 +145,7 @@ def _fold_segment(acc, part, x_sum, sz_rows, n_ok):
     return acc - (scale * (128.0 + zero))[:, None] * x_sum[None, :]
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _int4_decode_gate_up_kernel(
     x_ptr,
@@ -211,7 +211,7 @@ def _int4_decode_gate_up_kernel(
         tl.store(mid_ptr + row.to(tl.int64) * stride_mm + offs_n, mid.to(mid_ptr.dtype.element_ty), mask=n_ok)
 
 
-@_host_launched
+@host_launched
 @triton.jit(do_not_specialize=["num_splits", "slots_per_split"])
 def _int4_decode_down_kernel(
     mid_ptr,

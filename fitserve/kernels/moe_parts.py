@@ -5,7 +5,6 @@ kernel's with programmatic dependent launch)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +12,8 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING
 from fitserve.kernels.fp8_bits import weight_values
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-# fast_launch wraps compiled kernels; the interpreter runs the Python function itself.
-host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
 # Activation constexprs of the gate_up kernels' epilogues.
 SILU, GELU_TANH, GELU = 0, 1, 2

@@ -12,19 +12,17 @@ interleaved (tl.join) as [BLOCK_N, BLOCK_K] contiguous values. No host sync, no 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fitserve.kernels.fast_launch import INTERPRETING
 from fitserve.kernels.grid_math import cdiv
 from fitserve.kernels.int4_dequant import chunk_rows, scratch_buffer
 from fitserve.kernels.nf4_gemm import _pair_values, nf4_linear, supports
 from fitserve.kernels.nf4_pack import PackedNf4
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 DEQUANT_BLOCK_N = 32
 DEQUANT_MAX_BLOCK_K = 256
 

@@ -38,7 +38,6 @@ tensors (tests/unit/test_nf4_gemm_interpret.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,7 @@ import triton.language as tl
 
 from fitserve.kernels.capability import kernel_capability, sm_count
 from fitserve.kernels.dependent_launch import pdl_kwargs
+from fitserve.kernels.fast_launch import INTERPRETING
 from fitserve.kernels.grid_math import cdiv, even_splits, next_power_of_2
 from fitserve.kernels.int4_kernel_parts import _finish
 from fitserve.kernels.nf4_pack import PackedNf4
@@ -56,7 +56,6 @@ try:
 except ImportError:  # a Triton without Gluon's mma_v2 (before 3.6): the other kernels take every row count
     _nf4_mma_gemv_kernel = None
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # Nf4Config.lookup's default past PERMUTE_MAX_ROWS rows: tl.gather from the 16 values held in registers.
 # On the H100 (benchmarks/gpu/nf4_gemm.py, Llama-3.1-8B shapes, block 64, 1 row) qkv / o / gate_up / down
 # took 16 / 12 / 59 / 31 us with it, against 35 / 23 / 136 / 76 us for the select tree, 155 / 98 / 605 /

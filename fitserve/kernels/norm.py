@@ -12,21 +12,16 @@ kernel where torch took 5 per norm and one per add or multiply.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.grid_math import next_power_of_2
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
-
-@_host_launched
+@host_launched
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -175,7 +170,7 @@ def _gemma_normed(x, weight, hidden_size, eps, HAS_WEIGHT: tl.constexpr):
     return normed
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _gemma_norm_kernel(
     x_ptr,

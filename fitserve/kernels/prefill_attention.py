@@ -29,7 +29,6 @@ Reference: fitserve.kernels.reference.paged_attention_reference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,7 +42,7 @@ from fitserve.kernels.attention_inputs import (
     prefill_strides,
 )
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fp8_bits import kv_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
@@ -55,9 +54,6 @@ try:
     )
 except ImportError:  # a Triton without Gluon's Hopper ops (before 3.6): this module's kernel runs everywhere
     supports_sm90 = None
-
-# fast_launch wraps compiled kernels; the interpreter (the unit tests' TRITON_INTERPRET=1) runs the function.
-_host_launched = (lambda function: function) if os.environ.get("TRITON_INTERPRET") == "1" else fast_launch
 
 
 @dataclass(frozen=True)
@@ -155,7 +151,7 @@ def _online_softmax_update(scores, v, m_i, l_i, acc):
     return m_new, l_i, acc
 
 
-@_host_launched
+@host_launched
 # stride_bt_seq: the step's widest block table, any value: one compile (and the window, fixed per layer)
 @triton.jit(do_not_specialize=["stride_bt_seq", "window"])
 def _prefill_kernel(

@@ -23,7 +23,6 @@ Reference: fitserve.kernels.reference.paged_attention_reference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fitserve.kernels.attention_inputs import prefill_strides
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import INTERPRETING, fast_launch
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 CAPABILITY = (9, 0)  # warpgroup MMA: sm_90 (H100, H200, H20, GH200) only
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs no Gluon
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 

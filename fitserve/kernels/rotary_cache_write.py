@@ -23,21 +23,17 @@ then reshape_and_cache_reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.attention_inputs import kv_cache_for_kernels, kv_cache_scales
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.fp8_bits import to_cache
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 # Heads wider than this are split over grid axis 1 (see the module docstring)
 UNSPLIT_HEAD_DIM = 128
 HEAD_TILE_ELEMENTS = 2048  # heads x half-head values per program when split
@@ -71,7 +67,7 @@ def _load_heads(
     return x1, x2
 
 
-@_host_launched
+@host_launched
 @triton.jit
 def _rotary_cache_write_kernel(
     positions_ptr,

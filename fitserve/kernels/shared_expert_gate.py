@@ -13,22 +13,17 @@ exp_as_torch and a rounded division), out = round(routed + round(s * shared)).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fitserve.kernels.activation import exp_as_torch
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
-from fitserve.kernels.fast_launch import fast_launch
+from fitserve.kernels.fast_launch import host_launched
 from fitserve.kernels.grid_math import next_power_of_2
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # the unit tests' CPU interpreter
-_host_launched = (lambda function: function) if INTERPRETING else fast_launch
 
-
-@_host_launched
+@host_launched
 @triton.jit
 def _shared_expert_gate_kernel(
     routed_ptr,
