@@ -2,7 +2,8 @@
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128, blocks of 16, bf16), each case timed with
 triton's do_bench (median) for every config below; TFLOP/s counts the causal pairs' two matmuls.
-  python benchmarks/gpu/prefill_attention_configs.py [--out FILE]
+--kv-cache-dtype fp8 (e4m3) or fp8_e5m2 times a float8 cache (the Triton kernel decodes its bytes).
+  python benchmarks/gpu/prefill_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e5m2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,17 +33,23 @@ CONFIGS = [
     PrefillLaunchConfig(128, 128, 8, 3),
     PrefillLaunchConfig(64, 128, 4, 2),
     PrefillLaunchConfig(128, 32, 4, 3),
+    PrefillLaunchConfig(128, 32, 8, 3),
+    PrefillLaunchConfig(64, 32, 4, 3),
 ]
+KV_DTYPES = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
     return sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens, strict=True))
 
 
-def paged_inputs(query_lens: list[int], seq_lens: list[int], poison: bool = False) -> tuple:
+def paged_inputs(
+    query_lens: list[int], seq_lens: list[int], poison: bool = False, kv_dtype: torch.dtype = torch.bfloat16
+) -> tuple:
     """(q, cache, query starts, sequence lengths, block tables): each sequence's blocks drawn from a shuffled
-    pool of the 8B shape's heads; with poison, every slot no sequence owns (block 0, spare blocks, the tails
-    of last blocks) holds NaN, so a kernel that reads a key it must not see returns NaN."""
+    pool of the 8B shape's heads, the cache in `kv_dtype`; with poison, every slot no sequence owns (block 0,
+    spare blocks, the tails of last blocks) holds NaN, so a kernel that reads a key it must not see returns
+    NaN."""
     blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 8
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -61,11 +68,11 @@ def paged_inputs(query_lens: list[int], seq_lens: list[int], poison: bool = Fals
     q = torch.randn(sum(query_lens), Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    return q, cache, starts, lens, tables
+    return q, cache.to(kv_dtype), starts, lens, tables
 
 
-def run_case(query_lens: list[int], seq_lens: list[int]) -> list[dict]:
-    q, cache, starts, lens, tables = paged_inputs(query_lens, seq_lens)
+def run_case(query_lens: list[int], seq_lens: list[int], kv_dtype: torch.dtype) -> list[dict]:
+    q, cache, starts, lens, tables = paged_inputs(query_lens, seq_lens, kv_dtype=kv_dtype)
     out = torch.empty_like(q)
     flops = 4 * causal_pairs(query_lens, seq_lens) * Q_HEADS * HEAD_DIM
     reference = None
@@ -95,11 +102,12 @@ def run_case(query_lens: list[int], seq_lens: list[int]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    figures = {}
+    figures = {"kv_cache_dtype": args.kv_cache_dtype}
     for name, (query_lens, seq_lens) in CASES.items():
-        figures[name] = run_case(query_lens, seq_lens)
+        figures[name] = run_case(query_lens, seq_lens, KV_DTYPES[args.kv_cache_dtype])
         best = max(figures[name], key=lambda row: row["tflops"])
         print(name, "best", best["config"], best["tflops"], "TFLOP/s", flush=True)
     save("prefill_attention_configs", figures, args.out)

@@ -89,6 +89,13 @@ LONG_QUERY_MIN_MEAN = 512  # mean query tokens per sequence from which the long-
 # HEAD_256_LONG_QUERY_CONFIG asks 104 KB of shared memory (sm_86 build): GPUs whose blocks may have less
 # (sm_86 / sm_89: 99 KB) run HEAD_256_CONFIG for long queries too (kernels/variants.py checks them all).
 HEAD_256_LONG_QUERY_MIN_SHARED = 112 * 1024
+# Long queries over a float8 cache (its bytes decoded in the kernel, kernels/fp8_bits.py) on Hopper: the
+# 16-bit long-query config spills there (255 registers and 40 bytes a thread, sm_90), 128 x 128 tiles on 8
+# warps do not (237 registers, 128 KB of shared memory). H200, 8B heads, an e4m3 cache
+# (benchmarks/results/h200_e4m3_kv_bytes.json): one 8k prompt 288 -> 319 TFLOP/s, an 8k chunk at 24k-32k
+# 284 -> 302, 4 x 2k 262 -> 266. Below Hopper that tile spills 1.4 KB (sm_80 to sm_89): the 16-bit choice.
+FLOAT8_LONG_QUERY_CONFIG = PrefillLaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+FLOAT8_LONG_QUERY_MIN_SHARED = 200 * 1024
 
 
 def fma_dot_shared_bytes(block_m: int, block_n: int, block_d: int) -> int:
@@ -120,11 +127,14 @@ def choose_prefill_config(
     head_dim: int = 128,
     shared_memory: int = SHARED_MEMORY_PER_BLOCK[(9, 0)],
     tensor_cores: bool = True,
+    kv_element_bytes: int = 2,
 ) -> PrefillLaunchConfig:
     """The launch config for a step of `num_tokens` query tokens over `num_seqs` sequences, of heads of
-    `head_dim` (up to 128: the tuned 128 configs; up to 256: HEAD_256_*; above: WIDE_HEAD_CONFIG), on a
-    GPU whose blocks may have `shared_memory` bytes (kernels/capability.py; the H100's by default);
-    without tensor cores (Triton's, below sm_80) cut down by fit_without_tensor_cores."""
+    `head_dim` (up to 128: the tuned 128 configs, FLOAT8_LONG_QUERY_CONFIG for long queries over a float8
+    cache, `kv_element_bytes` 1, where a block may have FLOAT8_LONG_QUERY_MIN_SHARED; up to 256:
+    HEAD_256_*; above: WIDE_HEAD_CONFIG), on a GPU whose blocks may have `shared_memory` bytes
+    (kernels/capability.py; the H100's by default); without tensor cores (Triton's, below sm_80) cut down
+    by fit_without_tensor_cores."""
     block_d = next_power_of_2(head_dim)
     long_queries = num_tokens >= LONG_QUERY_MIN_MEAN * num_seqs
     if block_d > 256:
@@ -132,6 +142,8 @@ def choose_prefill_config(
     elif block_d > 128:
         wide_fits = shared_memory >= HEAD_256_LONG_QUERY_MIN_SHARED
         config = HEAD_256_LONG_QUERY_CONFIG if long_queries and wide_fits else HEAD_256_CONFIG
+    elif long_queries and kv_element_bytes == 1 and shared_memory >= FLOAT8_LONG_QUERY_MIN_SHARED:
+        config = FLOAT8_LONG_QUERY_CONFIG
     else:
         config = LONG_QUERY_CONFIG if long_queries else DEFAULT_PREFILL_CONFIG
     return config if tensor_cores else fit_without_tensor_cores(config, block_d, shared_memory)
@@ -345,7 +357,9 @@ def paged_prefill_attention(
             )
         tensor_cores = capability is None or capability >= (8, 0)
         shared_memory = shared_memory_per_block(capability)
-        config = choose_prefill_config(num_tokens, num_seqs, head_dim, shared_memory, tensor_cores)
+        config = choose_prefill_config(
+            num_tokens, num_seqs, head_dim, shared_memory, tensor_cores, kv_cache.element_size()
+        )
     block_m = max(config.block_m, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     block_n = config.block_n if block_d <= 128 else min(config.block_n, 32)

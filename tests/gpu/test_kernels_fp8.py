@@ -163,6 +163,9 @@ PREFILL_CASES = [  # q heads, kv heads, head_dim, block_size, query lengths, con
     (32, 4, 128, 32, [100, 513, 1, 7], [1000, MAX_CONTEXT, 2000, 7]),
     (16, 4, 64, 32, [65, 128, 3], [65, 1128, MAX_CONTEXT]),
     (28, 4, 128, 16, [40, 200], [40, 1300]),
+    # long queries (a mean of 512+): the long-query tiles, FLOAT8_LONG_QUERY_CONFIG on Hopper
+    (32, 8, 128, 16, [2048], [2048]),
+    (32, 8, 128, 16, [1024, 600], [1024, 2000]),
 ]
 
 

@@ -10,7 +10,8 @@ comma-separated list) adds targets; FITSERVE_KERNEL_TARGETS_FULL=1 runs the whol
 group, dtype, KV dtype and window). tests/gpu/test_kernel_targets_gpu.py runs all six targets at once on the
 GPU machine's cores. Each target compiles in a child process: the harness swaps Triton's driver and
 torch.cuda's device queries while it runs. The four kernels that touch a float8 e4m3 KV cache compile for
-sm_70 to sm_89 at one shape each (they take the cache as its bytes: kernels/fp8_bits.py).
+sm_70 to sm_89 at one shape each (the attention kernels take the cache as its bytes, the writes below 8.9
+too: kernels/fp8_bits.py).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def test_every_variant_compiles_and_fits(name: str) -> None:
     assert pdl == ({True} if name == "sm_90" else {False}), f"USE_PDL on {name}: {pdl}"
 
 
-# The kernels that touch the KV cache (they take a float8 e4m3 cache as its bytes), and which of
-# the argument types in their compiled signature is the cache pointer's
+# The kernels that touch the KV cache (they take a float8 e4m3 cache as its bytes, the writes only below
+# 8.9), and which of the argument types in their compiled signature is the cache pointer's
 CACHE_ARGUMENT = {
     "_reshape_and_cache_kernel": 2,
     "_rotary_cache_write_kernel": 5,
@@ -95,7 +96,10 @@ def test_e4m3_cache_kernels_compile_from_the_bytes(name: str) -> None:
         if row["kernel"] in CACHE_ARGUMENT
     }
     assert set(cache_types) == set(CACHE_ARGUMENT), sorted(cache_types)
-    assert set(cache_types.values()) == {"*u8"}, cache_types
+    # the writes encode with Triton's conversion from 8.9 on; the attention kernels read the bytes
+    writes = "*fp8e4nv" if name == "sm_89" else "*u8"
+    expected = {kernel: writes if "cache" in kernel else "*u8" for kernel in CACHE_ARGUMENT}
+    assert cache_types == expected, cache_types
 
 
 def test_the_check_catches_a_variant_that_does_not_fit() -> None:
@@ -110,8 +114,8 @@ def test_the_check_catches_a_variant_that_does_not_fit() -> None:
     assert "registers" in variants.launch_problems(variants.Usage(0, 129, 0, 16), t4)[0]
 
 
-def test_forced_target_picks_the_small_gpu_configs() -> None:
-    from fitserve.kernels import capability, decode_attention
+def test_configs_follow_the_gpus_shared_memory_and_the_cache_element_size() -> None:
+    from fitserve.kernels import capability, decode_attention, prefill_attention
 
     assert capability.parse_target("sm75") == capability.parse_target("sm_75") == (7, 5)
     assert capability.parse_target("7.5") == (7, 5) and capability.parse_target("sm_120") == (12, 0)
@@ -139,6 +143,12 @@ def test_forced_target_picks_the_small_gpu_configs() -> None:
     a100 = capability.SHARED_MEMORY_PER_BLOCK[(8, 0)]
     assert decode_attention.choose_config(27, 8, 1, 108, 128, a100, 1) is whole  # 2 an SM, as 16-bit
     assert decode_attention.choose_config(256, 8, 1, 108, 128, a100, 1) is default  # Hopper only
+    # and long queries over it take 128 x 128 tiles on Hopper (the 16-bit long-query tile spills there)
+    choose_prefill = prefill_attention.choose_prefill_config
+    assert choose_prefill(8192, 1, 128, h100, True, 1) is prefill_attention.FLOAT8_LONG_QUERY_CONFIG
+    assert choose_prefill(8192, 1, 128, h100) is prefill_attention.LONG_QUERY_CONFIG
+    assert choose_prefill(8192, 1, 128, a100, True, 1) is prefill_attention.LONG_QUERY_CONFIG
+    assert choose_prefill(100, 10, 128, h100, True, 1) is prefill_attention.DEFAULT_PREFILL_CONFIG
 
 
 def test_forced_target_from_the_environment() -> None:
