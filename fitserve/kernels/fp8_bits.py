@@ -47,26 +47,37 @@ def e4m3_bits_to_float16(byte):
     return tl.where(magnitude == 0x7F, float("nan"), value)
 
 
-# bfloat16 from e4m3 bytes by bits: the byte's exponent and mantissa placed under bfloat16's (bias 127) read
-# as 2**-120 times the e4m3 value, subnormals included (bfloat16's subnormal step, 2**-133 x 2**4, is
-# e4m3's 2**-9 x 2**-120), then one multiply by 2**120 (0x7B80) per pair; +-0 stays +-0 (the addend is -0)
-_E4M3_TO_BF16_PTX = tl.constexpr("""{
-.reg .b32 lo, hi, bits, factor, minus_zero;
-mov.b32 factor, 0x7B807B80;
-mov.b32 minus_zero, 0x80008000;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
-shr.b32 bits, lo, 4;
-and.b32 bits, bits, 0x07F007F0;
-and.b32 lo, lo, 0x80008000;
-or.b32 lo, lo, bits;
-fma.rn.bf16x2 $0, lo, factor, minus_zero;
-shr.b32 bits, hi, 4;
-and.b32 bits, bits, 0x07F007F0;
-and.b32 hi, hi, 0x80008000;
-or.b32 hi, hi, bits;
-fma.rn.bf16x2 $1, hi, factor, minus_zero;
-}""")
+def _e4m3_pairs_ptx(shift: int, factor: int, fma_type: str) -> str:
+    """Inline PTX decoding four e4m3 bytes (one 32-bit register) into two pairs of 16-bit floats: each byte
+    moved to the top of a 16-bit half (PRMT), its exponent and mantissa shifted right by `shift` under the
+    format's own, its sign kept, then one multiply a pair by `factor` (a 16-bit float, repeated) with -0
+    as the addend, so +-0 stays +-0."""
+    magnitude = (0x7F00 >> shift) * 0x10001
+    lines = [
+        ".reg .b32 lo, hi, bits, factor, minus_zero;",
+        f"mov.b32 factor, {factor * 0x10001:#010x};",
+        "mov.b32 minus_zero, 0x80008000;",
+        "prmt.b32 lo, $2, 0, 0x1404;",
+        "prmt.b32 hi, $2, 0, 0x3424;",
+    ]
+    for half, out in (("lo", "$0"), ("hi", "$1")):
+        lines += [
+            f"shr.b32 bits, {half}, {shift};",
+            f"and.b32 bits, bits, {magnitude:#010x};",
+            f"and.b32 {half}, {half}, 0x80008000;",
+            f"or.b32 {half}, {half}, bits;",
+            f"fma.rn.{fma_type} {out}, {half}, factor, minus_zero;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# bfloat16: the byte's exponent and mantissa placed under bfloat16's (bias 127) read as 2**-120 times the
+# e4m3 value, subnormals included (bfloat16's subnormal step, 2**-133 x 2**4, is e4m3's 2**-9 x 2**-120),
+# then one multiply by 2**120 (0x7B80) a pair
+_E4M3_TO_BF16_PTX = tl.constexpr(_e4m3_pairs_ptx(4, 0x7B80, "bf16x2"))
+# float16, as e4m3_bits_to_float16 reads them: 2**-8 times the value under fp16's exponent and mantissa,
+# then one multiply by 2**8 (0x5C00) a pair
+_E4M3_TO_FP16_PTX = tl.constexpr(_e4m3_pairs_ptx(1, 0x5C00, "f16x2"))
 
 
 @triton.jit
@@ -79,27 +90,6 @@ def e4m3_bytes_to_bfloat16(byte):
     return tl.inline_asm_elementwise(
         _E4M3_TO_BF16_PTX, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True, pack=4
     )
-
-
-# float16 from e4m3 bytes by bits, as e4m3_bits_to_float16 reads them (2**-8 times the value under fp16's
-# exponent and mantissa, then one multiply by 2**8, 0x5C00, a pair), in four integer instructions a pair
-_E4M3_TO_FP16_PTX = tl.constexpr("""{
-.reg .b32 lo, hi, bits, factor, minus_zero;
-mov.b32 factor, 0x5C005C00;
-mov.b32 minus_zero, 0x80008000;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
-shr.b32 bits, lo, 1;
-and.b32 bits, bits, 0x3F803F80;
-and.b32 lo, lo, 0x80008000;
-or.b32 lo, lo, bits;
-fma.rn.f16x2 $0, lo, factor, minus_zero;
-shr.b32 bits, hi, 1;
-and.b32 bits, bits, 0x3F803F80;
-and.b32 hi, hi, 0x80008000;
-or.b32 hi, hi, bits;
-fma.rn.f16x2 $1, hi, factor, minus_zero;
-}""")
 
 
 @triton.jit
