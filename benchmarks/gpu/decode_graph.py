@@ -143,16 +143,11 @@ def main() -> None:
     graph_runner = runner.graph_runner
     if graph_runner is None:
         raise SystemExit("no CUDA graphs were captured (--enforce-eager, or not on CUDA)")
-    # the graph reads every weight but the embedding table (a row per token) and the LM head (after it)
-    if args.format == "int4":  # packed words and scales are buffers: quant_suite's count, less the head
-        head = runner.model.lm_head.weight
-        weight_bytes = step_bytes(runner.model) - head.numel() * head.element_size()
-    else:
-        weight_bytes = sum(
-            p.numel() * p.element_size()
-            for name, p in runner.model.named_parameters()
-            if "embed" not in name and not name.startswith("lm_head")
-        )
+    # the graph reads every weight but the embedding table (a row per token) and the LM head (after it):
+    # quant_suite's count of parameters and buffers (quantized formats keep packed words and scales in
+    # buffers), less the head
+    head = runner.model.lm_head.weight
+    weight_bytes = step_bytes(runner.model) - head.numel() * head.element_size()
     kv_bytes_per_token = runner.kv_bytes_per_block() // runner.block_size
     bandwidth = copy_bandwidth_bytes_per_s()
     steps = []
