@@ -61,16 +61,16 @@ DEFAULT_DECODE_CONFIG = DecodeLaunchConfig()
 # read on alone. Timings: docs/performance.md, section "Decode attention when the batch fills the GPU".
 WHOLE_CONTEXT_CONFIG = DecodeLaunchConfig(tile_tokens=128, num_warps=4, num_stages=5)
 WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM = 2
-# A float8 cache (a byte an element) takes WHOLE_CONTEXT_CONFIG at any batch with one partition on Hopper
-# (a block's 227 KB of shared memory tells it): its tiles hold half the bytes (75 KB and 146 registers a
-# program there), and at 4 to 15 programs an SM the default's 64-key tiles leave it latency-bound (H200,
-# one layer: Qwen3-0.6B shape batch 64 82.6 -> 63.3 us, batch 256 210.9 -> 184.0 us; equal workload +6.7%;
-# benchmarks/results/h200_e4m3_kv_bytes.json), where a 16-bit cache keeps the default. Not below: sm_80
-# compiles that variant to 255 registers (two programs an SM), unmeasured.
-FLOAT8_ANY_BATCH_MIN_SHARED = 200 * 1024
 # Where a block may not have that much (sm_86 / sm_89: 99 KB, sm_75: 64 KB, sm_70: 96 KB; sm_75 asks 72 KB
 # for it as it pipelines without cp.async) the default config runs instead (kernels/variants.py checks it).
 WHOLE_CONTEXT_MIN_SHARED = 144 * 1024
+# A float8 cache (a byte an element) takes WHOLE_CONTEXT_CONFIG at any batch with one partition on Hopper
+# (a block's 227 KB of shared memory tells it): its tiles hold half the bytes (75 KB and 146 registers a
+# program there), and at 4 to 15 programs an SM the default's 64-key tiles leave it latency-bound (H200,
+# one layer: Qwen3-0.6B shape batch 64 81.7 -> 62.7 us, batch 256 210.9 -> 184.0 us; equal workload +6.7%;
+# benchmarks/results/h200_e4m3_kv_bytes.json), where a 16-bit cache keeps the default. Not below: sm_80
+# compiles that variant to 255 registers (two programs an SM), unmeasured.
+FLOAT8_ANY_BATCH_MIN_SHARED = 200 * 1024
 # Heads wider than 128 (Gemma-4's 256 and 512; WHOLE_CONTEXT_CONFIG's 128-key tiles would not fit) keep
 # about the default's bytes per tile: 32 keys x 256 and 16 keys x 512 (key and value tiles of 16 KB each),
 # three stages. Gemma-4's full layers run 8 query heads per KV head over 512 dims: 8 warps hold the
@@ -301,8 +301,7 @@ def choose_config(
     WHOLE_CONTEXT_MAX_PROGRAMS_PER_SM programs per SM where a block may have WHOLE_CONTEXT_MIN_SHARED
     bytes of shared memory (`shared_memory`: the GPU's, kernels/capability.py), and of any number over a
     float8 cache (`kv_element_bytes` 1) where it may have FLOAT8_ANY_BATCH_MIN_SHARED; else
-    DEFAULT_DECODE_CONFIG. Wider heads:
-    HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above.
+    DEFAULT_DECODE_CONFIG. Wider heads: HEAD_256_DECODE_CONFIG up to 256, WIDE_HEAD_DECODE_CONFIG above.
     Shapes only, so a CUDA graph's launch is fixed."""
     block_d = next_power_of_2(head_dim)
     if block_d > 256:

@@ -30,9 +30,9 @@ FP16_FROM_E4M3_FACTOR = tl.constexpr(256.0)
 E4M3_MIN_NORMAL_BITS = tl.constexpr(121 << 23)  # float32 bits of 2**-6, the smallest normal e4m3
 FLOAT32_INF_BITS = tl.constexpr(0x7F800000)  # above it (sign aside): NaN
 _INTERPRETING = tl.constexpr(INTERPRETING)  # no inline PTX there
-# fp8 weights beside bfloat16 activations on a GPU come as bytes decoded by e4m3_bytes_to_bfloat16 in
-# integer instructions, not Triton's e4m3 -> float16 -> bfloat16 on the conversion unit (False: Triton's
-# conversion from 8.9 on, for trials)
+# fp8 weights beside bfloat16 activations, and an e4m3 KV cache beside bfloat16 queries, on a GPU come as
+# bytes decoded by e4m3_bytes_to_bfloat16 in integer instructions, not Triton's e4m3 -> float16 -> bfloat16
+# on the conversion unit (False: Triton's conversion from 8.9 on, for trials)
 BF16_FROM_BYTES = True
 
 
@@ -168,9 +168,9 @@ def e4m3_as_stored(
 
 
 def decodes_bf16_from_bytes(device: torch.device, activations: torch.dtype | None) -> bool:
-    """Whether kernels multiplying fp8 weights with `activations` take the weights' bytes and decode
-    them with e4m3_bytes_to_bfloat16 (BF16_FROM_BYTES): bfloat16 activations on a GPU of compute capability
-    8.0 or more (a forced target counts), not under the interpreter."""
+    """Whether kernels multiplying fp8 weights (or an e4m3 KV cache) with `activations` (or queries) take
+    the bytes and decode them with e4m3_bytes_to_bfloat16 (BF16_FROM_BYTES): bfloat16 ones on a GPU of
+    compute capability 8.0 or more (a forced target counts), not under the interpreter."""
     capability = kernel_capability(device)
     runs = BF16_FROM_BYTES and not _INTERPRETING and activations == torch.bfloat16
     return runs and capability is not None and capability >= (8, 0)
