@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fitserve.kernels.capability import has_e4m3_conversion, kernel_capability
-from fitserve.kernels.fp8_bits import decodes_bf16_from_bytes
+from fitserve.kernels.fp8_bits import e4m3_as_stored
 from fitserve.kernels.kv_format import is_fp8_kv_cache
 
 
@@ -56,9 +55,7 @@ def kv_cache_for_kernels(kv_cache: torch.Tensor, queries: torch.dtype | None = N
     either way."""
     if kv_cache.dtype != torch.float8_e4m3fn:
         return kv_cache
-    if not has_e4m3_conversion(kernel_capability(kv_cache.device)):
-        return kv_cache.view(torch.uint8)
-    return kv_cache.view(torch.uint8) if decodes_bf16_from_bytes(kv_cache.device, queries) else kv_cache
+    return e4m3_as_stored(kv_cache, kv_cache.device, queries)
 
 
 def prefill_strides(

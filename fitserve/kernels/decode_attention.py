@@ -38,7 +38,7 @@ from fitserve.kernels.attention_inputs import check_attention_inputs, kv_cache_f
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.dependent_launch import pdl_kwargs, wait_for_previous_kernel
 from fitserve.kernels.fast_launch import host_launched
-from fitserve.kernels.fp8_bits import kv_values
+from fitserve.kernels.fp8_bits import stored_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 MAX_PARTITIONS = 64
@@ -181,8 +181,8 @@ def _decode_partition_kernel(
         block = tl.load(block_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
         rows = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_slot
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = kv_values(tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
-        v = kv_values(tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
+        k = stored_values(tl.load(k_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
+        v = stored_values(tl.load(v_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

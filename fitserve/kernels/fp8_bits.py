@@ -7,7 +7,7 @@ Triton converts to and from float8 e4m3 (its fp8e4nv type) only from compute cap
 (sm_70 to sm_86) the KV cache keeps the same bytes (kernels/kv_format.py: what torch's float8_e4m3fn
 holds), the launchers pass it viewed as uint8 (attention_inputs.kv_cache_for_kernels; from 8.9 on too
 beside bfloat16 queries), and the kernels encode and decode the bytes with these functions: `to_cache` in
-the cache writes, `kv_values` in the attention kernels' key and value loads (e4m3_bytes_to_bfloat16 or
+the cache writes, `stored_values` in the attention kernels' key and value loads (e4m3_bytes_to_bfloat16 or
 e4m3_bytes_to_float16 on a GPU, e4m3_bits_to_float16 under the interpreter). For a cache of another dtype
 both are the plain conversion, so the kernels compile to what they had before.
 
@@ -125,10 +125,10 @@ def float32_to_e4m3_bits(x):
 
 
 @triton.jit
-def kv_values(stored, dtype: tl.constexpr):
-    """Keys or values loaded from the cache (or fp8 weights, `weight_values`), in `dtype`: e4m3 bytes (the
-    cache viewed as uint8) decoded on a GPU by e4m3_bytes_to_bfloat16 or e4m3_bytes_to_float16 (the NaN
-    codes read as +-480), under the interpreter by e4m3_bits_to_float16; any other element converted."""
+def stored_values(stored, dtype: tl.constexpr):
+    """Keys or values loaded from the cache, or fp8 weights, as `e4m3_as_stored` passed them, in `dtype`:
+    e4m3 bytes (uint8) decoded on a GPU by e4m3_bytes_to_bfloat16 or e4m3_bytes_to_float16 (the NaN codes
+    read as +-480), under the interpreter by e4m3_bits_to_float16; any other element converted."""
     if stored.dtype == tl.uint8:
         if dtype == tl.bfloat16 and not _INTERPRETING:
             values = e4m3_bytes_to_bfloat16(stored)
@@ -139,12 +139,6 @@ def kv_values(stored, dtype: tl.constexpr):
     else:
         values = stored.to(dtype)
     return values
-
-
-@triton.jit
-def weight_values(stored, dtype: tl.constexpr):
-    """fp8 weights loaded as `e4m3_as_stored` passed them, in `dtype` (as kv_values decodes the cache)."""
-    return kv_values(stored, dtype)
 
 
 @triton.jit
@@ -159,9 +153,10 @@ def to_cache(values, element_ty: tl.constexpr):
 def e4m3_as_stored(
     data: torch.Tensor, device: torch.device, activations: torch.dtype | None = None
 ) -> torch.Tensor:
-    """fp8 weights as the kernels load them on `device` beside `activations` of that dtype (None: fp8
-    ones, W8A8): viewed as bytes (uint8), which `weight_values` decodes, where Triton converts no e4m3
-    (below 8.9) and for bfloat16 activations on a GPU (`decodes_bf16_from_bytes`); else as they are."""
+    """e4m3 data (fp8 weights, an e4m3 KV cache) as the kernels load it on `device` beside `activations`
+    (or queries) of that dtype (None: none to decode for, as W8A8 and the cache writes): viewed as bytes
+    (uint8), which `stored_values` decodes, where Triton converts no e4m3 (below 8.9) and for bfloat16 ones
+    on a GPU (`decodes_bf16_from_bytes`); else as it is."""
     if not has_e4m3_conversion(kernel_capability(device)) or decodes_bf16_from_bytes(device, activations):
         return data.view(torch.uint8)
     return data

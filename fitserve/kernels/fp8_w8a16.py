@@ -7,7 +7,7 @@ bytes and kernels/fp8_bits.py decodes them).
 Each program computes BLOCK_N output columns for every row: it walks K in BLOCK_K steps (256 with
 per-channel scales, 128 with block scales), loads the [BLOCK_N, BLOCK_K] fp8 tile, converts it to the
 activation dtype (exact: e4m3 values fit bfloat16 and float16; into bfloat16 from the weight's bytes in
-integer instructions, fp8_bits.weight_values, as Triton's conversion would bound the kernel near 2.8 TB/s
+integer instructions, fp8_bits.stored_values, as Triton's conversion would bound the kernel near 2.8 TB/s
 on an H200) and accumulates x_tile @ tile^T in float32.
 Per-channel scales multiply the accumulator once at the end; 128-column block scales (weight_block_size
 [*, 128]) multiply each step's partial product. Reference: x.float() @ fp8_weight.dequantize(w).T.
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from fitserve.kernels.capability import FP8_WEIGHTS_MIN_CAPABILITY, kernel_capability, sm_count
-from fitserve.kernels.fp8_bits import e4m3_as_stored, weight_values
+from fitserve.kernels.fp8_bits import e4m3_as_stored, stored_values
 from fitserve.kernels.grid_math import cdiv, even_splits
 from fitserve.kernels.int4_kernel_parts import _finish
 
@@ -93,7 +93,7 @@ def _w8a16_kernel(
             w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
         )
         # bytes below 8.9 and beside bfloat16 activations: decoded by fp8_bits (e4m3_as_stored)
-        partial = tl.dot(x, tl.trans(weight_values(w, x.dtype)))
+        partial = tl.dot(x, tl.trans(stored_values(w, x.dtype)))
         if GROUPED:
             scale = tl.load(s_ptr + rn * stride_s + k0 // BLOCK_K, mask=n_ok & (k0 < K), other=0.0)
             acc += partial * scale[None, :]

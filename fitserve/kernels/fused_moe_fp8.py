@@ -17,7 +17,7 @@ Qwen's and DeepSeek's [128, 128] blocks, each block's scale repeated over its ro
   group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`);
   on Hopper, tiles under 64 rows take the weight tile as the MMA's rows (`swaps_operands`).
 - W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16;
-  into bfloat16 from the weight's bytes, fp8_bits.weight_values), the partial products scaled in float32;
+  into bfloat16 from the weight's bytes, fp8_bits.stored_values), the partial products scaled in float32;
   the activations stay 16-bit.
 With one scale a row the weight's scale multiplies the accumulator once at the end; with column groups
 each step (BLOCK_K divides GROUP_K and A_GROUP) is scaled before it is added.

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fitserve.kernels.dependent_launch import pdl_kwargs
 from fitserve.kernels.fast_launch import INTERPRETING
-from fitserve.kernels.fp8_bits import weight_values
+from fitserve.kernels.fp8_bits import stored_values
 
 # Activation constexprs of the gate_up kernels' epilogues.
 SILU, GELU_TANH, GELU = 0, 1, 2
@@ -84,7 +84,7 @@ def scaled_step(
             scale = tl.load(s_rows + k // GROUP_K, mask=ok, other=0.0)
             acc = acc + part * (a_scale[:, None] * scale[None, :])
     else:
-        w = weight_values(w_tile, a.dtype)  # bytes (below 8.9, beside bfloat16) decoded, else converted
+        w = stored_values(w_tile, a.dtype)  # bytes (below 8.9, beside bfloat16) decoded, else converted
         if PER_ROW:
             acc = tl.dot(a, tl.trans(w), acc)
         else:

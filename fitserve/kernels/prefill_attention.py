@@ -43,7 +43,7 @@ from fitserve.kernels.attention_inputs import (
 )
 from fitserve.kernels.capability import SHARED_MEMORY_PER_BLOCK, kernel_capability, shared_memory_per_block
 from fitserve.kernels.fast_launch import host_launched
-from fitserve.kernels.fp8_bits import kv_values
+from fitserve.kernels.fp8_bits import stored_values
 from fitserve.kernels.grid_math import cdiv, next_power_of_2
 
 try:
@@ -247,9 +247,9 @@ def _prefill_kernel(
             key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
             kv_mask = key_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            k = kv_values(k, q.dtype)
+            k = stored_values(k, q.dtype)
             v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            v = kv_values(v, q.dtype)
+            v = stored_values(v, q.dtype)
             scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
             scores = tl.where(keys[None, :] > query_pos[:, None] - window, scores, float("-inf"))
             m_i, l_i, acc = _online_softmax_update(scores, v, m_i, l_i, acc)
@@ -258,13 +258,13 @@ def _prefill_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         if EVEN_D:
-            k = kv_values(tl.load(k_base + key_rows[:, None] + dims[None, :]), q.dtype)
-            v = kv_values(tl.load(v_base + key_rows[:, None] + dims[None, :]), q.dtype)
+            k = stored_values(tl.load(k_base + key_rows[:, None] + dims[None, :]), q.dtype)
+            v = stored_values(tl.load(v_base + key_rows[:, None] + dims[None, :]), q.dtype)
         else:
             k = tl.load(k_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
             v = tl.load(v_base + key_rows[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
-            k = kv_values(k, q.dtype)
-            v = kv_values(v, q.dtype)
+            k = stored_values(k, q.dtype)
+            v = stored_values(v, q.dtype)
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -280,8 +280,12 @@ def _prefill_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         key_rows = block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = kv_values(tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
-        v = kv_values(tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype)
+        k = stored_values(
+            tl.load(k_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype
+        )
+        v = stored_values(
+            tl.load(v_base + key_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0), q.dtype
+        )
         scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
         visible = (keys[None, :] <= query_pos[:, None]) & key_mask[None, :]
         if HAS_WINDOW:

@@ -53,8 +53,8 @@ def _paged(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_e4m3_byte_decodes_to_what_torch_gives(dtype: torch.dtype) -> None:
-    """fp8_bits.e4m3_bytes_to_bfloat16 / e4m3_bytes_to_float16 (inline PTX), which kv_values and
-    weight_values use on a GPU: every finite code exact (-0 included), the NaN codes +-480."""
+    """fp8_bits.e4m3_bytes_to_bfloat16 / e4m3_bytes_to_float16 (inline PTX), which stored_values and
+    stored_values use on a GPU: every finite code exact (-0 included), the NaN codes +-480."""
     import triton
     import triton.language as tl
 

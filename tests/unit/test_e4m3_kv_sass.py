@@ -1,6 +1,6 @@
 """The attention kernels over a float8 e4m3 KV cache beside bfloat16 queries, compiled here for sm_90 (no GPU:
 kernels/variants.py's launch case e4m3_kv_cache, Triton's bundled ptxas). The launchers pass the cache as its
-bytes (attention_inputs.kv_cache_for_kernels) and fp8_bits.kv_values decodes them with
+bytes (attention_inputs.kv_cache_for_kernels) and fp8_bits.stored_values decodes them with
 e4m3_bytes_to_bfloat16, in integer instructions: the kernels keep the conversion unit (F2F, F2FP: a quarter
 of the integer rate) out of the key and value loads, which Triton's e4m3 -> float16 -> bfloat16 fills
 (three conversions a pair; BF16_FROM_BYTES=False gives that form back). Each form compiles in a child
