@@ -9,7 +9,7 @@ config's shared memory and registers per program (what decides how many programs
 --kv-cache-dtype fp8 (e4m3) or fp8_e5m2 times a float8 cache (a byte an element: a tile of as many keys
 holds half the bytes, so the larger tiles at the end of CONFIGS fit).
 
-  python benchmarks/gpu/decode_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e5m2] [--out FILE]
+  python benchmarks/gpu/decode_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import triton
 from common import graph_call_ms, save  # noqa: I001
 
+from fitserve.config import FP8_KV_CACHE_DTYPES
 from fitserve.kernels import decode_attention
 from fitserve.kernels.decode_attention import DecodeLaunchConfig, paged_decode_attention
 
@@ -38,7 +39,7 @@ CONFIGS = [  # (tile_tokens, num_warps, num_stages)
     (256, 4, 4),
     (256, 8, 4),
 ]
-KV_DTYPES = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = {"auto": torch.bfloat16, **FP8_KV_CACHE_DTYPES}  # --kv-cache-dtype: auto is the queries' bf16
 
 
 def spread(batch: int, low: int, high: int) -> list[int]:
@@ -124,7 +125,9 @@ def main() -> None:
     for name, lens, q_heads, kv_heads in CASES:
         timings = time_configs(lens, q_heads, kv_heads, kv_dtype)
         kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * kv_dtype.itemsize
-        chosen = decode_attention.choose_config(len(lens), kv_heads, 1, sm_count)
+        chosen = decode_attention.choose_config(
+            len(lens), kv_heads, 1, sm_count, HEAD_DIM, kv_element_bytes=kv_dtype.itemsize
+        )
         entry = {
             "case": name,
             "kv_cache_dtype": str(kv_dtype),

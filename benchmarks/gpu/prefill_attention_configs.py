@@ -3,7 +3,8 @@
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128, blocks of 16, bf16), each case timed with
 triton's do_bench (median) for every config below; TFLOP/s counts the causal pairs' two matmuls.
 --kv-cache-dtype fp8 (e4m3) or fp8_e5m2 times a float8 cache (the Triton kernel decodes its bytes).
-  python benchmarks/gpu/prefill_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e5m2] [--out FILE]
+  python benchmarks/gpu/prefill_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2]
+      [--out FILE]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from common import save  # noqa: I001
 from triton.testing import do_bench
 
+from fitserve.config import FP8_KV_CACHE_DTYPES
 from fitserve.kernels.prefill_attention import PrefillLaunchConfig, paged_prefill_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -36,7 +38,7 @@ CONFIGS = [
     PrefillLaunchConfig(128, 32, 8, 3),
     PrefillLaunchConfig(64, 32, 4, 3),
 ]
-KV_DTYPES = {"auto": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = {"auto": torch.bfloat16, **FP8_KV_CACHE_DTYPES}  # --kv-cache-dtype: auto is the queries' bf16
 
 
 def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
