@@ -9,12 +9,14 @@ config's shared memory and registers per program (what decides how many programs
 --kv-cache-dtype fp8 (e4m3) or fp8_e5m2 times a float8 cache (a byte an element: a tile of as many keys
 holds half the bytes, so the larger tiles at the end of CONFIGS fit).
 
-  python benchmarks/gpu/decode_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--out FILE]
+  python benchmarks/gpu/decode_attention_configs.py [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2]
+      [--partitions 1 2 4] [--cases "batch 128"] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import triton
@@ -54,6 +56,11 @@ CASES = [  # name, context lengths, query heads, KV heads
     ("8B shape, batch 32, contexts 64..4000", spread(32, 64, 4000), 32, 8),
     ("Qwen3-0.6B shape, batch 64, contexts 1024", [1024] * 64, 16, 8),
     ("Qwen3-0.6B shape, batch 256, contexts 512..1024", spread(256, 512, 1024), 16, 8),
+    # a busy server (issue 27): many requests over contexts of a few hundred tokens
+    ("8B shape, batch 128, contexts 256..768", spread(128, 256, 768), 32, 8),
+    ("8B shape, batch 64, contexts 256..768", spread(64, 256, 768), 32, 8),
+    ("Qwen3-30B-A3B shape, batch 256, contexts 512..640", spread(256, 512, 640), 32, 4),
+    ("Qwen3-30B-A3B shape, batch 128, contexts 256..768", spread(128, 256, 768), 32, 4),
 ]
 
 
@@ -87,20 +94,25 @@ def program_resources() -> dict[str, dict[str, int]]:
     return resources
 
 
-def time_configs(lens: list[int], q_heads: int, kv_heads: int, kv_dtype: torch.dtype) -> dict[str, float]:
-    """Microseconds per call of each config in CONFIGS (those that fit the GPU), outputs checked alike."""
+def time_configs(
+    lens: list[int], q_heads: int, kv_heads: int, kv_dtype: torch.dtype, partitions: list[int]
+) -> dict[str, float]:
+    """Microseconds per call of each config in CONFIGS (those that fit the GPU) at each partition count
+    (a split of every context, merged by the reduce kernel; keyed "/pN" past one), outputs checked alike."""
     caches, tables, seq_lens = paged_caches(lens, kv_heads, kv_dtype)
     q = torch.randn(len(lens), q_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     timings: dict[str, float] = {}
     reference = None
-    for tile, warps, stages in CONFIGS:
+    for (tile, warps, stages), parts in itertools.product(CONFIGS, partitions):
         config = DecodeLaunchConfig(tile_tokens=tile, num_warps=warps, num_stages=stages)
         calls = iter(range(1 << 30))  # every config's last call reads the same cache: outputs compare
 
-        def call(config: DecodeLaunchConfig = config, calls=calls) -> None:
+        def call(config: DecodeLaunchConfig = config, calls=calls, parts: int = parts) -> None:
             cache = caches[next(calls) % CACHES]
-            paged_decode_attention(q, cache, tables, seq_lens, 0.088, out, num_partitions=1, config=config)
+            paged_decode_attention(
+                q, cache, tables, seq_lens, 0.088, out, num_partitions=parts, config=config
+            )
 
         try:
             us = graph_call_ms(call, calls=2 * CACHES) * 1e3
@@ -109,13 +121,15 @@ def time_configs(lens: list[int], q_heads: int, kv_heads: int, kv_dtype: torch.d
         if reference is None:
             reference = out.clone()
         torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-        timings[f"{tile}x{warps}x{stages}"] = round(us, 2)
+        timings[f"{tile}x{warps}x{stages}" + (f"/p{parts}" if parts > 1 else "")] = round(us, 2)
     return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
+    parser.add_argument("--partitions", type=int, nargs="+", default=[1], help="partition counts to time")
+    parser.add_argument("--cases", default="", help="only the cases whose name holds this text")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     kv_dtype = KV_DTYPES[args.kv_cache_dtype]
@@ -123,7 +137,9 @@ def main() -> None:
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []
     for name, lens, q_heads, kv_heads in CASES:
-        timings = time_configs(lens, q_heads, kv_heads, kv_dtype)
+        if args.cases not in name:
+            continue
+        timings = time_configs(lens, q_heads, kv_heads, kv_dtype, args.partitions)
         kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * kv_dtype.itemsize
         chosen = decode_attention.choose_config(
             len(lens), kv_heads, 1, sm_count, HEAD_DIM, kv_element_bytes=kv_dtype.itemsize
@@ -135,6 +151,8 @@ def main() -> None:
             "us_by_tile_warps_stages": timings,
             "shipped": f"{chosen.tile_tokens}x{chosen.num_warps}x{chosen.num_stages}",
             "default_tb_per_s": round(kv_bytes / timings["64x4x2"] / 1e6, 2),
+            "best": min(timings, key=timings.get),
+            "best_tb_per_s": round(kv_bytes / min(timings.values()) / 1e6, 2),
         }
         print(entry, flush=True)
         cases.append(entry)

@@ -22,6 +22,7 @@ from common import copy_bandwidth_bytes_per_s, replay_ms, save  # noqa: I001
 from fused_moe_bench import CALLS_PER_GRAPH, SHAPES, build, routings
 
 from fitserve.kernels import fused_moe as fm
+from fitserve.kernels import fused_moe_fp8 as fused_moe_fp8_module
 from fitserve.kernels import moe_decode
 from fitserve.kernels.fused_moe_fp8 import Fp8Experts, fused_moe_fp8
 from fitserve.layers.moe_fp8 import Fp8FusedExperts
@@ -140,7 +141,18 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128, 512, 2048])
+    parser.add_argument(
+        "--no-tma", action="store_true", help="swapped kernels read the weights by pointers, not TMA"
+    )
+    parser.add_argument(
+        "--swap-below",
+        type=int,
+        default=fused_moe_fp8_module.SWAPPED_BELOW_ROWS,
+        help="tiles of fewer token rows take the weights as the MMA's rows (Hopper)",
+    )
     args = parser.parse_args()
+    fused_moe_fp8_module.TMA_WEIGHTS = not args.no_tma
+    fused_moe_fp8_module.SWAPPED_BELOW_ROWS = args.swap_below
     copy_bandwidth = copy_bandwidth_bytes_per_s()
     bf16, fp8 = build(MODEL), build_fp8()
     results = [measure(bf16, fp8, tokens, copy_bandwidth, args.sweep) for tokens in args.tokens]

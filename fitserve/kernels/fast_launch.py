@@ -11,8 +11,9 @@ its host time, not the GPU's, sets the step's length.
 `fast_launch(jit_function)` returns a kernel that launches the same way (`kernel[grid](*args,
 **kwargs)`) but keeps each compiled kernel under a key computed here from what Triton specializes on:
 each tensor's dtype and 16-byte alignment; each int's range (32/64-bit, unsigned), whether it is 1 and
-whether it is a multiple of 16; the type of every other argument (a bool's value too); every keyword
-argument (constexprs and launch options) by value; and the device. That key is at least as fine as
+whether it is a multiple of 16; a TMA descriptor's dtype, box, padding and 16-byte alignments; the type
+of every other argument (a bool's value too); every keyword argument (constexprs and launch options) by
+value; and the device. That key is at least as fine as
 Triton's own, so a hit never picks a kernel compiled for other arguments; a miss goes through
 `JITFunction.run`, which compiles (or finds) and launches the right one, and is remembered. While a
 Triton launch hook is installed (Triton's profiler, proton), every launch takes `JITFunction.run` so
@@ -28,6 +29,7 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INT32_MIN, _INT32_MAX, _UINT64_FROM = -(1 << 31), (1 << 31) - 1, 1 << 63
 
@@ -51,6 +53,10 @@ def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             key.append(kind)
         elif kind is bool:
             key.append((bool, arg))
+        elif kind is TensorDescriptor:  # a host-side TMA descriptor: its tensor's and its box's properties
+            sixteens = tuple(int(n) % 16 == 0 for n in (*arg.shape, *arg.strides))
+            aligned = arg.base.data_ptr() % 16 == 0
+            key.append((kind, arg.base.dtype, tuple(arg.block_shape), arg.padding, aligned, sixteens))
         else:
             return None
     return tuple(key)

@@ -15,7 +15,8 @@ Qwen's and DeepSeek's [128, 128] blocks, each block's scale repeated over its ro
   step an fp8 x fp8 product (Hopper's fp8 wgmma; mma on Ada) times the rows' activation scales and, with
   column groups, the weight's; the gate_up kernel quantizes its act(gate) * up tile (A_GROUP columns, one
   group) per row the same way for the down kernel. Tile rows by the pairs an expert gets (`w8a8_block_m`);
-  on Hopper, tiles under 64 rows take the weight tile as the MMA's rows (`swaps_operands`).
+  on Hopper, tiles under 64 rows take the weight tile as the MMA's rows (`swaps_operands`), and read it
+  through a TMA descriptor (`weight_descriptor`, `loads_weights_by_tma`).
 - W8A16: the tile converted to the activation dtype (exact: every e4m3 value is a bfloat16 and a float16;
   into bfloat16 from the weight's bytes, fp8_bits.stored_values), the partial products scaled in float32;
   the activations stay 16-bit.
@@ -39,6 +40,8 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fitserve.kernels.capability import (
     FP8_WEIGHTS_MIN_CAPABILITY,
@@ -136,6 +139,7 @@ def _moe_fp8_gate_up_kernel(
     A_GROUP: tl.constexpr,
     EXACT_BITS: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -156,8 +160,11 @@ def _moe_fp8_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + token[:, None] * stride_xm
     x_scales = x_scale_ptr + token * stride_xsm
-    gate_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
-    up_rows = gate_rows + intermediate * stride_wn
+    if W_DESC:  # w_ptr: a TMA descriptor over the weights as [E * 2I, hidden] (`weight_descriptor`)
+        gate_row = (expert * 2 * intermediate).to(tl.int32) + (pid % blocks_n) * BLOCK_N
+    else:
+        gate_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
+        up_rows = gate_rows + intermediate * stride_wn
     gate_scales = s_ptr + expert * stride_se + rows64 * stride_sn
     up_scales = gate_scales + intermediate * stride_sn
     if SWAP_AB:  # transposed tiles (_swapped_step), turned back after the loop
@@ -169,9 +176,13 @@ def _moe_fp8_gate_up_kernel(
     for k in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = (k + offs_k) < hidden
         a = tl.load(x_rows + (k + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
-        w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
+        if W_DESC:  # rows past the expert's are other weights (or zeros): their outputs are not stored
+            w_gate = w_ptr.load([gate_row, k])
+            w_up = w_ptr.load([gate_row + intermediate, k])
+        else:
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(gate_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
+            w_up = tl.load(up_rows + (k + offs_k)[None, :], mask=w_mask, other=0.0)
         a_scale = _row_scales(x_scales, stride_xsg, k, A_FP8, A_GROUP, row_ok)
         if SWAP_AB:
             gate = _swapped_step(gate, a, a_scale, w_gate, gate_scales, k, GROUP_K, PER_ROW, n_ok)
@@ -222,6 +233,7 @@ def _moe_fp8_down_kernel(
     A_FP8: tl.constexpr,
     A_GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    W_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -241,7 +253,10 @@ def _moe_fp8_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = mid_ptr + rows.to(tl.int64)[:, None] * stride_mm
     a_scales = mid_scale_ptr + rows.to(tl.int64) * stride_msm
-    w_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
+    if W_DESC:  # w_ptr: a TMA descriptor over the weights as [E * hidden, I] (`weight_descriptor`)
+        w_row = (expert * hidden).to(tl.int32) + (pid % blocks_n) * BLOCK_N
+    else:
+        w_rows = w_ptr + expert * stride_we + rows64[:, None] * stride_wn
     scales = s_ptr + expert * stride_se + rows64 * stride_sn
     if SWAP_AB:  # a transposed tile (_swapped_step), turned back after the loop
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -250,7 +265,10 @@ def _moe_fp8_down_kernel(
     for k in tl.range(0, intermediate, BLOCK_K, num_stages=NUM_STAGES):
         k_ok = (k + offs_k) < intermediate
         a = tl.load(a_rows + (k + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            w = w_ptr.load([w_row, k])
+        else:
+            w = tl.load(w_rows + (k + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a_scale = _row_scales(a_scales, 1, k, A_FP8, A_GROUP, row_ok)
         if SWAP_AB:
             acc = _swapped_step(acc, a, a_scale, w, scales, k, GROUP_K, PER_ROW, n_ok)
@@ -319,16 +337,55 @@ def w8a8_block_m(num_pairs: int, local_experts: int, device: torch.device) -> in
     return 16 if pairs_per_expert < 24 else 32 if pairs_per_expert < 96 else 64
 
 
+SWAPPED_BELOW_ROWS = 64  # tiles of fewer token rows swap (`swaps_operands`)
+
+
 def swaps_operands(w8a8: bool, block_m: int, device: torch.device) -> bool:
     """Whether the W8A8 kernels take the weight tile as the MMA's rows (`_swapped_step`): tiles of fewer
     than 64 token rows on Hopper (sm_90+, fp8 warpgroup MMAs of 64 rows; Ada's fp8 mma.sync takes 16
     either way); a forced sm_90 target counts, so the interpreter runs the swapped form too."""
-    return w8a8 and block_m < 64 and _hopper_mma(device)
+    return w8a8 and block_m < SWAPPED_BELOW_ROWS and _hopper_mma(device)
 
 
 def _hopper_mma(device: torch.device) -> bool:
     capability = kernel_capability(device)
     return capability is not None and capability >= (9, 0)
+
+
+TMA_WEIGHTS = True  # benchmarks/gpu/fused_moe_fp8_bench.py --no-tma turns it off to compare
+# each weight tensor's descriptors, by box: dropped with the tensor (a descriptor holds a view of it)
+_descriptors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def weight_descriptor(data: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """A TMA descriptor over fp8 weights [E, N, K] as [E * N, K] in [block_n, block_k] boxes, made once per
+    weight tensor and box (its address, shape and strides: valid while the weights are)."""
+    experts, rows, cols = data.shape
+    kept = _descriptors.setdefault(data, {})
+    key = (data.data_ptr(), experts, rows, cols, block_n, block_k)
+    descriptor = kept.get(key)
+    if descriptor is None:
+        # the rows over data's storage, not a view of data (a view keeps its base, the key, alive)
+        as_rows = torch.empty(0, dtype=data.dtype, device=data.device)
+        as_rows.set_(data.untyped_storage(), data.storage_offset(), (experts * rows, cols), (cols, 1))
+        descriptor = TensorDescriptor.from_tensor(as_rows, [block_n, block_k])
+        kept[key] = descriptor
+    return descriptor
+
+
+def loads_weights_by_tma(data: torch.Tensor, swap: bool) -> bool:
+    """Whether the swapped W8A8 kernels read `data` through a TMA descriptor (`weight_descriptor`): on
+    Hopper and up (swap), from a 16-byte aligned base with rows of whole 16-byte units, as the copy engine
+    needs; never in the interpreter."""
+    return (
+        TMA_WEIGHTS
+        and swap
+        and not INTERPRETING
+        and data.dtype == FP8
+        and data.is_contiguous()
+        and data.data_ptr() % 16 == 0
+        and data.shape[2] % 16 == 0
+    )
 
 
 def runs_w8a8(x: torch.Tensor) -> bool:
@@ -420,7 +477,9 @@ def fused_moe_fp8(
     if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
     data, scale = e4m3_as_stored(gate_up.data, device, None if w8a8 else x.dtype), gate_up.scale
-    args = (x_q, x_scale, data, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
+    tma = loads_weights_by_tma(data, swap)
+    weights = weight_descriptor(data, tile.block_n, block_k) if tma else data
+    args = (x_q, x_scale, weights, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
     args += (top_k, hidden, intermediate, x_q.stride(0), x_scale.stride(0), x_scale.stride(1))
     args += (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1), mid.stride(0))
     args += (mid_scale.stride(0),)
@@ -432,6 +491,7 @@ def fused_moe_fp8(
         "A_GROUP": A_GROUP,
         "EXACT_BITS": INTERPRETING,
         "SWAP_AB": swap,
+        "W_DESC": tma,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,
@@ -447,7 +507,9 @@ def fused_moe_fp8(
         tile = dataclasses.replace(tile, block_k=128, num_warps=warps, num_stages=stages)
     block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
     data, scale = e4m3_as_stored(down.data, device, None if w8a8 else x.dtype), down.scale
-    args = (mid, mid_scale, data, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
+    tma = loads_weights_by_tma(data, swap)
+    weights = weight_descriptor(data, tile.block_n, block_k) if tma else data
+    args = (mid, mid_scale, weights, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
     args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))
     args += (data.stride(1), scale.stride(0), scale.stride(1), per_pair.stride(0))
     constexprs = {
@@ -456,6 +518,7 @@ def fused_moe_fp8(
         "A_FP8": w8a8,
         "A_GROUP": A_GROUP,
         "SWAP_AB": swap,
+        "W_DESC": tma,
         "BLOCK_M": block_m,
         "BLOCK_N": tile.block_n,
         "BLOCK_K": block_k,

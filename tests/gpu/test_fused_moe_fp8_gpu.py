@@ -3,7 +3,7 @@ Qwen3-30B-A3B-FP8's expert shape (128 experts, top 8, hidden 2048, intermediate 
 [128, 128] block scales and with per-channel scales, against the experts' torch path over the dequantized
 weights (layers/moe_quantized.py QuantizedExperts.reference); replayed in a CUDA graph captured with one
 routing and replayed with another; with expert parallel; as GPUs below 8.9 run them (a forced target: the
-weights as bytes, W8A16). Needs CUDA and triton."""
+weights as bytes, W8A16); on Hopper, the weights read by TMA against by pointers. Needs CUDA and triton."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ FORMATS = {
 }
 
 
-def build(strategy: str, expert_parallel: tuple[int, int] | None = None) -> Fp8FusedExperts:
+def build(
+    strategy: str, expert_parallel: tuple[int, int] | None = None, intermediate: int = INTER
+) -> Fp8FusedExperts:
     rank, size = expert_parallel or (0, 1)
     set_tensor_parallel(TensorParallel(rank, size))
     previous = torch.get_default_dtype()
@@ -45,7 +47,7 @@ def build(strategy: str, expert_parallel: tuple[int, int] | None = None) -> Fp8F
             fmt = FORMATS[strategy]
             silu = torch.nn.functional.silu
             experts = Fp8FusedExperts(
-                EXPERTS, HIDDEN, INTER, silu, fmt, "test.experts", expert_parallel is not None
+                EXPERTS, HIDDEN, intermediate, silu, fmt, "test.experts", expert_parallel is not None
             )
             experts.initialize_dummy(seed=0, std=0.05)
     finally:
@@ -107,3 +109,23 @@ def test_decoding_bytes_equals_tritons_conversion(experts, tokens, monkeypatch):
     converted = both()
     assert torch.equal(by_bytes[0], converted[0])
     assert torch.equal(by_bytes[1], converted[1])
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="TMA weights on Hopper and up")
+@pytest.mark.parametrize("intermediate", (INTER, 704))  # 704: tiles cross into the next rows
+@pytest.mark.parametrize("tokens", (8, 256))
+def test_tma_weights_give_the_pointer_loads_bits(intermediate, tokens, monkeypatch):
+    """The swapped W8A8 kernels read the same weights through a TMA descriptor as by pointers: the same
+    bits out, also where a tile's rows run past an expert's (masked at the store, as the pointer loads'
+    masks leave them) and past the last expert (zeros from the copy engine)."""
+    import fitserve.kernels.fused_moe_fp8 as fused_moe_fp8
+    from tests.gpu.test_fused_moe_int4_gpu import routing
+
+    experts = build("block", intermediate=intermediate)
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    ids, weights = routing(tokens, seed=tokens)
+    assert fused_moe_fp8.loads_weights_by_tma(experts.w13, swap=True)
+    by_tma = experts(x, ids, weights, reduce=False)
+    monkeypatch.setattr(fused_moe_fp8, "TMA_WEIGHTS", False)
+    by_pointers = experts(x, ids, weights, reduce=False)
+    assert torch.equal(by_tma, by_pointers)

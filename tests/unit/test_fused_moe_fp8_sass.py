@@ -2,12 +2,15 @@
 tiles of 16 or 32 token rows, the plain form's fp8 x fp8 products lower to float16 mma.sync (HMMA, every
 weight converted on the way), so on Hopper the kernels take the weight tile as the MMA's rows
 (`swaps_operands`). The swapped form must reach the fp8 warpgroup MMA (QGMMA on e4m3) and no HMMA; the
-plain form is read too, as the reason the swap exists."""
+plain form is read too, as the reason the swap exists. With the weights as a TMA descriptor the copy
+engine streams them (UTMALDG)."""
 
 from __future__ import annotations
 
 import collections
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -45,15 +48,16 @@ DOWN_INTS = ("num_pairs", "hidden", "intermediate", "stride_mm", "stride_msm")
 WEIGHT_INTS = ("stride_we", "stride_wn", "stride_se", "stride_sn")
 
 
-def _mma_opcodes(kernel: str, swap: bool, block_m: int) -> collections.Counter:
-    """Counts of the MMA opcodes (with their shapes and types) in the sm_90 SASS of `kernel` (gate_up or
-    down) as fused_moe_fp8 launches it for Qwen3-30B-A3B-FP8 (128-column weight blocks, W8A8)."""
+def _sass(kernel: str, swap: bool, block_m: int, weight_descriptor: bool = False) -> str:
+    """The sm_90 SASS of `kernel` (gate_up or down) as fused_moe_fp8 launches it for Qwen3-30B-A3B-FP8
+    (128-column weight blocks, W8A8); weight_descriptor: the weights as a TMA descriptor (W_DESC)."""
     constexprs = {
         "GROUP_K": 128,
         "PER_ROW": False,
         "A_FP8": True,
         "A_GROUP": fused_moe_fp8.A_GROUP,
         "SWAP_AB": swap,
+        "W_DESC": weight_descriptor,
         "BLOCK_M": block_m,
         "BLOCK_N": 128,
         "BLOCK_K": 128,
@@ -67,9 +71,17 @@ def _mma_opcodes(kernel: str, swap: bool, block_m: int) -> collections.Counter:
     else:
         function = fused_moe_fp8._moe_fp8_down_kernel
         pointers, ints = DOWN_POINTERS, (*DOWN_INTS, *WEIGHT_INTS, "stride_pm")
-    signature = dict(pointers) | {name: "i32" for name in ints}
     aligned = [*pointers, "hidden", "intermediate", "stride_we", "stride_wn", "stride_mm"]
-    sass = triton_sass_of(function, 90, signature, constexprs, aligned)
+    if weight_descriptor:
+        pointers = pointers | {"w_ptr": "tensordesc<fp8e4nv[128, 128]>"}
+        aligned.remove("w_ptr")
+    signature = dict(pointers) | {name: "i32" for name in ints}
+    return triton_sass_of(function, 90, signature, constexprs, aligned)
+
+
+def _mma_opcodes(kernel: str, swap: bool, block_m: int) -> collections.Counter:
+    """Counts of the MMA opcodes (with their shapes and types) in `_sass`."""
+    sass = _sass(kernel, swap, block_m)
     return collections.Counter(re.findall(r"\b((?:QGMMA|HGMMA|HMMA)\.[\w.]+)", sass))
 
 
@@ -113,3 +125,52 @@ def test_which_tiles_swap(w8a8: bool, block_m: int, capability: tuple[int, int],
 def test_tile_rows_by_pairs_an_expert(tokens: int, capability: tuple[int, int], block_m: int) -> None:
     with forced_target(capability):
         assert fused_moe_fp8.w8a8_block_m(tokens * 8, 128, torch.device("cpu")) == block_m
+
+
+@pytest.mark.parametrize("kernel", ["gate_up", "down"])
+def test_swapped_tiles_stream_the_weights_by_tma(kernel: str) -> None:
+    """With the weights as a descriptor (Hopper, `loads_weights_by_tma`) the copy engine brings each weight
+    tile (UTMALDG), the MMAs stay fp8 warpgroup ones, and cp.async carries only the activations: fewer
+    LDGSTS than the pointer form, whose weight tiles take most of them."""
+    by_tma = _sass(kernel, swap=True, block_m=32, weight_descriptor=True)
+    by_pointers = _sass(kernel, swap=True, block_m=32)
+    assert "UTMALDG" in by_tma and "UTMALDG" not in by_pointers
+    mmas = re.findall(r"\b((?:QGMMA|HGMMA|HMMA)\.[\w.]+)", by_tma)
+    assert mmas and all(op.startswith("QGMMA.64x") and op.endswith("E4M3.E4M3") for op in mmas)
+    assert by_tma.count("LDGSTS") < by_pointers.count("LDGSTS") / 2
+
+
+def test_which_weights_go_by_tma(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_moe_fp8, "INTERPRETING", False)  # the rule as a GPU process sees it
+    weights = torch.zeros(4, 256, 512, dtype=fused_moe_fp8.FP8)
+    assert fused_moe_fp8.loads_weights_by_tma(weights, swap=True)
+    assert not fused_moe_fp8.loads_weights_by_tma(weights, swap=False)  # below Hopper, or 64-row tiles
+    assert not fused_moe_fp8.loads_weights_by_tma(weights.view(torch.uint8), swap=True)  # W8A16's bytes
+    assert not fused_moe_fp8.loads_weights_by_tma(weights[:, :, :500], swap=True)  # not contiguous
+    odd_rows = torch.zeros(4, 256, 520, dtype=fused_moe_fp8.FP8)[:, :, :8].contiguous()
+    assert not fused_moe_fp8.loads_weights_by_tma(odd_rows, swap=True)  # 8-byte rows: TMA needs 16
+    monkeypatch.setattr(fused_moe_fp8, "TMA_WEIGHTS", False)
+    assert not fused_moe_fp8.loads_weights_by_tma(weights, swap=True)
+    monkeypatch.setattr(fused_moe_fp8, "TMA_WEIGHTS", True)
+    monkeypatch.setattr(fused_moe_fp8, "INTERPRETING", True)
+    assert not fused_moe_fp8.loads_weights_by_tma(weights, swap=True)
+
+
+def test_a_descriptor_views_the_experts_as_rows_and_is_kept() -> None:
+    weights = torch.zeros(4, 256, 512, dtype=fused_moe_fp8.FP8)
+    descriptor = fused_moe_fp8.weight_descriptor(weights, 128, 128)
+    assert list(descriptor.shape) == [4 * 256, 512] and list(descriptor.block_shape) == [128, 128]
+    assert descriptor.base.data_ptr() == weights.data_ptr()
+    assert fused_moe_fp8.weight_descriptor(weights, 128, 128) is descriptor
+    assert fused_moe_fp8.weight_descriptor(weights, 64, 128) is not descriptor
+
+
+def test_descriptors_go_with_their_weights() -> None:
+    """A kept descriptor holds a view of its weights: it must not outlive the tensor the layer drops (an
+    engine's experts would stay in GPU memory after the engine is gone)."""
+    weights = torch.zeros(4, 256, 512, dtype=fused_moe_fp8.FP8)
+    storage = weakref.ref(weights.untyped_storage())
+    fused_moe_fp8.weight_descriptor(weights, 128, 128)
+    del weights
+    gc.collect()
+    assert storage() is None
