@@ -1,7 +1,9 @@
 """Decode attention with one partition (each program streams a whole context) under launch configs:
 the default tile against WHOLE_CONTEXT_CONFIG and a few others, for batches whose programs number
-one or two per SM (the 8B shape at concurrency 17 to 32) and one with four per SM (Qwen3-0.6B's
-batch 64), with contexts all equal and evenly spread.
+one or two per SM (the 8B shape at concurrency 17 to 32), four per SM (Qwen3-0.6B's batch 64) and a
+busy server's 64 to 256 sequences over contexts of a few hundred tokens, with contexts all equal and
+evenly spread. --partitions also times each config with every context split into N partitions (the
+reduce kernel merging them), as choose_num_partitions does for small batches.
 
 One layer's attention per call, cycling through four KV caches (more than the L2 holds), timed as
 CUDA graph replays. Prints and saves microseconds per call and the KV read bandwidth, with each
