@@ -13,11 +13,10 @@ its host time, not the GPU's, sets the step's length.
 each tensor's dtype and 16-byte alignment; each int's range (32/64-bit, unsigned), whether it is 1 and
 whether it is a multiple of 16; a TMA descriptor's dtype, box, padding and 16-byte alignments; the type
 of every other argument (a bool's value too); every keyword argument (constexprs and launch options) by
-value; and the device. That key is at least as fine as
-Triton's own, so a hit never picks a kernel compiled for other arguments; a miss goes through
-`JITFunction.run`, which compiles (or finds) and launches the right one, and is remembered. While a
-Triton launch hook is installed (Triton's profiler, proton), every launch takes `JITFunction.run` so
-the hook sees it.
+value; and the device. That key is at least as fine as Triton's own, so a hit never picks a kernel
+compiled for other arguments; a miss goes through `JITFunction.run`, which compiles (or finds) and
+launches the right one, and is remembered. While a Triton launch hook is installed (Triton's profiler,
+proton), every launch takes `JITFunction.run` so the hook sees it.
 """
 
 from __future__ import annotations

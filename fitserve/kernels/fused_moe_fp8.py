@@ -353,23 +353,25 @@ def _hopper_mma(device: torch.device) -> bool:
 
 
 TMA_WEIGHTS = True  # benchmarks/gpu/fused_moe_fp8_bench.py --no-tma turns it off to compare
-# each weight tensor's descriptors, by box: dropped with the tensor (a descriptor holds a view of it)
+# each weight tensor's (address and shape, {box: descriptor}): dropped with the tensor (a descriptor holds
+# its storage), and replaced when the tensor's storage or shape has changed since
 _descriptors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def weight_descriptor(data: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """A TMA descriptor over fp8 weights [E, N, K] as [E * N, K] in [block_n, block_k] boxes, made once per
-    weight tensor and box (its address, shape and strides: valid while the weights are)."""
+    """A TMA descriptor over contiguous fp8 weights [E, N, K] as [E * N, K] in [block_n, block_k] boxes,
+    made once per weight tensor and box (its address, shape and strides: valid while the weights are)."""
     experts, rows, cols = data.shape
-    kept = _descriptors.setdefault(data, {})
-    key = (data.data_ptr(), experts, rows, cols, block_n, block_k)
-    descriptor = kept.get(key)
+    where = (data.data_ptr(), experts, rows, cols)
+    kept = _descriptors.get(data)
+    if kept is None or kept[0] != where:
+        kept = _descriptors[data] = (where, {})
+    descriptor = kept[1].get((block_n, block_k))
     if descriptor is None:
         # the rows over data's storage, not a view of data (a view keeps its base, the key, alive)
         as_rows = torch.empty(0, dtype=data.dtype, device=data.device)
         as_rows.set_(data.untyped_storage(), data.storage_offset(), (experts * rows, cols), (cols, 1))
-        descriptor = TensorDescriptor.from_tensor(as_rows, [block_n, block_k])
-        kept[key] = descriptor
+        descriptor = kept[1][(block_n, block_k)] = TensorDescriptor.from_tensor(as_rows, [block_n, block_k])
     return descriptor
 
 
@@ -386,6 +388,16 @@ def loads_weights_by_tma(data: torch.Tensor, swap: bool) -> bool:
         and data.data_ptr() % 16 == 0
         and data.shape[2] % 16 == 0
     )
+
+
+def kernel_weights(
+    data: torch.Tensor, swap: bool, block_n: int, block_k: int
+) -> tuple[torch.Tensor | TensorDescriptor, bool]:
+    """(the weights argument of a grouped kernel, its W_DESC): a descriptor where `loads_weights_by_tma`,
+    else the tensor."""
+    if loads_weights_by_tma(data, swap):
+        return weight_descriptor(data, block_n, block_k), True
+    return data, False
 
 
 def runs_w8a8(x: torch.Tensor) -> bool:
@@ -477,8 +489,7 @@ def fused_moe_fp8(
     if tuned and not per_row and block_m >= 64:  # each scaled step's two partial products need registers
         tile = dataclasses.replace(tile, num_warps=8)  # 4 warps spilled on sm_89 / sm_90 (variants.py)
     data, scale = e4m3_as_stored(gate_up.data, device, None if w8a8 else x.dtype), gate_up.scale
-    tma = loads_weights_by_tma(data, swap)
-    weights = weight_descriptor(data, tile.block_n, block_k) if tma else data
+    weights, tma = kernel_weights(data, swap, tile.block_n, block_k)
     args = (x_q, x_scale, weights, scale, mid, mid_scale, sorted_pairs, block_expert, num_blocks, num_pairs)
     args += (top_k, hidden, intermediate, x_q.stride(0), x_scale.stride(0), x_scale.stride(1))
     args += (data.stride(0), data.stride(1), scale.stride(0), scale.stride(1), mid.stride(0))
@@ -507,8 +518,7 @@ def fused_moe_fp8(
         tile = dataclasses.replace(tile, block_k=128, num_warps=warps, num_stages=stages)
     block_k, per_row = down.step_k(tile.block_k, A_GROUP if w8a8 else None)
     data, scale = e4m3_as_stored(down.data, device, None if w8a8 else x.dtype), down.scale
-    tma = loads_weights_by_tma(data, swap)
-    weights = weight_descriptor(data, tile.block_n, block_k) if tma else data
+    weights, tma = kernel_weights(data, swap, tile.block_n, block_k)
     args = (mid, mid_scale, weights, scale, topk_weights, per_pair, sorted_pairs, block_expert, num_blocks)
     args += (num_pairs, hidden, intermediate, mid.stride(0), mid_scale.stride(0), data.stride(0))
     args += (data.stride(1), scale.stride(0), scale.stride(1), per_pair.stride(0))

@@ -174,3 +174,17 @@ def test_descriptors_go_with_their_weights() -> None:
     del weights
     gc.collect()
     assert storage() is None
+
+
+def test_weights_given_new_storage_get_a_new_descriptor() -> None:
+    """A tensor whose storage is replaced (param.data = ...) gets a descriptor over the new storage, and the
+    old descriptors, which held the old storage, go."""
+    weights = torch.zeros(4, 256, 512, dtype=fused_moe_fp8.FP8)
+    old_storage = weakref.ref(weights.untyped_storage())
+    first = fused_moe_fp8.weight_descriptor(weights, 128, 128)
+    weights.data = torch.ones(4, 256, 512, dtype=fused_moe_fp8.FP8)
+    second = fused_moe_fp8.weight_descriptor(weights, 128, 128)
+    assert second is not first and second.base.data_ptr() == weights.data_ptr()
+    del first
+    gc.collect()
+    assert old_storage() is None
